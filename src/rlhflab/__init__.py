@@ -1,0 +1,1 @@
+"""rlhflab: declarative RLHF experiments (Hydra + Lightning + MLflow)."""

@@ -1,0 +1,1 @@
+"""RLHF algorithm building blocks: pure tensor functions (see ``functional``)."""

@@ -1,0 +1,1 @@
+"""Lightning modules: RL, SFT and reward-model stages, and the data they read."""

@@ -1,0 +1,1 @@
+"""Memory strategies: how policy, reference, reward and value share weights."""

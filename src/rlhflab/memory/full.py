@@ -1,0 +1,106 @@
+"""Memory strategy `full`: separate policy, reference, reward model and value model.
+
+Algorithms never see this class's layout: they ask for policy log-probs,
+reference log-probs, values and scores. Other strategies answer the same calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rlhflab.models.build import load_causal_lm, load_reward_model, load_value_model
+from rlhflab.rollout.batch import join, token_logprobs
+
+log = logging.getLogger(__name__)
+
+REWARD_NORM_FILE = "rlhflab_reward_norm.json"
+
+
+def read_reward_norm(path) -> tuple[float, float]:
+    """(mean, std) the reward stage measured; (0, 1) for a reward model it did not train."""
+    f = Path(path) / REWARD_NORM_FILE
+    if f.is_file():
+        d = json.loads(f.read_text())
+        return float(d["mean"]), float(d["std"])
+    return 0.0, 1.0
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    model.requires_grad_(False)
+    return model.eval()
+
+
+class FullMemory(nn.Module):
+    """Every role is its own model; the reference is a frozen copy of the starting policy."""
+
+    name = "full"
+
+    def __init__(self, gradient_checkpointing: bool = False) -> None:
+        super().__init__()
+        self.gradient_checkpointing = gradient_checkpointing
+
+    def build(self, policy_path, reward_path, need_values: bool, pad_token_id: int, dtype: str = "float32") -> "FullMemory":
+        """Load the models this run needs. reward_path None: no reward model (rule reward)."""
+        self.pad_token_id = pad_token_id
+        self.dtype = dtype
+        self.policy = load_causal_lm(policy_path, self.dtype)
+        if self.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+        self.reference = freeze(copy.deepcopy(self.policy))
+        self.reward_model = None
+        self.reward_norm = (0.0, 1.0)
+        if reward_path is not None:
+            self.reward_model = freeze(load_reward_model(reward_path, self.dtype, self.pad_token_id))
+            self.reward_norm = read_reward_norm(reward_path)
+        # Values start from the reward model when there is one (as in the PPO-RLHF recipes).
+        self.value_model = load_value_model(reward_path or policy_path, self.dtype, self.pad_token_id) if need_values else None
+        return self
+
+    @property
+    def generation_model(self) -> nn.Module:
+        return self.policy
+
+    def _logprobs(self, model, query, response, temperature):
+        input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        # The logit at position t predicts token t+1: keep those predicting the response.
+        logits = logits[:, query.shape[1] - 1 : -1]
+        return token_logprobs(logits, response, temperature)
+
+    def policy_logprobs(self, query, response, temperature: float) -> torch.Tensor:
+        """(n, P), (n, R) -> (n, R) log-probs of the response under the trained policy (with grad)."""
+        return self._logprobs(self.policy, query, response, temperature)
+
+    @torch.no_grad()
+    def reference_logprobs(self, query, response, temperature: float) -> torch.Tensor:
+        """(n, R) log-probs under the frozen reference policy."""
+        return self._logprobs(self.reference, query, response, temperature)
+
+    def values(self, query, response) -> torch.Tensor:
+        """(n, R) value estimates; V at token t is read where token t is the last input."""
+        input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
+        out = self.value_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        return out.squeeze(-1)[:, query.shape[1] - 1 : -1].float()
+
+    @torch.no_grad()
+    def scores(self, query, response) -> torch.Tensor:
+        """(n,) standardised reward-model scores of the whole completion."""
+        input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
+        raw = self.reward_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        mean, std = self.reward_norm
+        return (raw.squeeze(-1).float() - mean) / std
+
+    def trainable_modules(self) -> list[nn.Module]:
+        return [m for m in (self.policy, self.value_model) if m is not None]
+
+    def policy_parameters(self):
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    def value_parameters(self):
+        return [] if self.value_model is None else [p for p in self.value_model.parameters() if p.requires_grad]

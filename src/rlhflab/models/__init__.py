@@ -1,0 +1,1 @@
+"""Building and loading models through from_pretrained."""

@@ -1,0 +1,123 @@
+"""Build, save and load models and tokenizers through `from_pretrained`.
+
+A model preset is a `from_pretrained` name or path. The embedded `tiny` preset
+has none: it is built from `model.arch` (random init) with the task's own
+tokenizer, saved with `save_pretrained` under the cache and loaded back by the
+same `from_pretrained` code a real preset uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhflab.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def config_key(*parts: Any) -> str:
+    """A short stable hash of JSON-able parts, used to name cache entries."""
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def is_local_path(name_or_path: str) -> bool:
+    """Hub ids look like 'org/name'; anything starting with '/', '.' or '~' or existing locally is a path."""
+    return name_or_path.startswith(("/", ".", "~")) or Path(name_or_path).exists()
+
+
+def check_pretrained(key: str, name_or_path: str | None) -> None:
+    """Fail before loading anything when a local model path is missing."""
+    if name_or_path is None or not is_local_path(name_or_path):
+        return
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"{key}: '{name_or_path}' is not a saved model (no config.json there); "
+            f"give a directory written by save_pretrained, a hub id, or null to build/train it"
+        )
+
+
+def ensure_base_model(model_cfg: dict, task, cache_dir: Path) -> Path | str:
+    """Return a `from_pretrained` path for the base policy, building the tiny one if needed."""
+    if model_cfg.get("name_or_path"):
+        return model_cfg["name_or_path"]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = task.build_tokenizer()
+    arch = dict(model_cfg["arch"])
+    path = cache_dir / "models" / f"{model_cfg['name']}-{config_key(arch, tokenizer.get_vocab())}"
+    if (path / "config.json").is_file():
+        log.info("model: reusing the built %s model at %s", model_cfg["name"], path)
+        return path
+    model_type = arch.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        **arch,
+    )
+    torch.manual_seed(model_cfg.get("init_seed", 0))
+    model = AutoModelForCausalLM.from_config(config)
+    save_atomically(path, model, tokenizer)
+    n = sum(p.numel() for p in model.parameters())
+    log.info("model: built %s (%s, %.2fM params) and saved it to %s", model_cfg["name"], model_type, n / 1e6, path)
+    return path
+
+
+def load_tokenizer(name_or_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+    if tokenizer.pad_token is None:
+        # Pad must differ from EOS: the reward model scores the last non-pad token.
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return tokenizer
+
+
+def load_causal_lm(name_or_path, dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+
+
+def load_reward_model(name_or_path, dtype: str = "float32", pad_token_id: int | None = None):
+    """A sequence classifier with one output; a causal-LM checkpoint gets a fresh score head."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, dtype=DTYPES[dtype])
+    if pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    return model
+
+
+def load_value_model(name_or_path, dtype: str = "float32", pad_token_id: int | None = None):
+    """A per-token scalar head on a backbone: V at every position."""
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(name_or_path, num_labels=1, dtype=DTYPES[dtype])
+    if pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    return model
+
+
+def save_atomically(path: Path, *objects, files: dict[str, str] | None = None) -> None:
+    """save_pretrained every object (and write `files`) into `path`, visible only once complete."""
+    tmp = path.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
+    for obj in objects:
+        obj.save_pretrained(tmp)
+    for name, text in (files or {}).items():
+        (tmp / name).write_text(text)
+    tmp.rename(path)

@@ -1,0 +1,1 @@
+"""Rollouts: generators, the rollout carrier, buffers and weight sync."""

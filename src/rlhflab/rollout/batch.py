@@ -1,0 +1,75 @@
+"""The rollout carrier and the sequence helpers every part shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+@dataclass
+class Rollout:
+    """Completions of one batch of prompts, tagged with the policy version that made them.
+
+    n = prompts * samples_per_prompt; each prompt's samples are contiguous.
+    P = padded prompt length (left-padded), R = max_new_tokens (right-padded).
+    """
+
+    query: torch.Tensor  # (n, P) prompt token ids, left-padded
+    response: torch.Tensor  # (n, R) sampled token ids, pad after EOS
+    response_mask: torch.Tensor  # (n, R) 1.0 for response tokens up to and including EOS
+    logprobs: torch.Tensor  # (n, R) behaviour log-probs the generator sampled with
+    version: int  # policy version (number of updates) whose weights generated it
+    prompts: list[str]  # (n,) prompt texts, repeated per sample
+    texts: list[str]  # (n,) decoded responses
+    baseline_response: torch.Tensor | None = None  # (n // k, R) greedy completion per prompt (ReMax)
+    baseline_texts: list[str] | None = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return self.response.shape[0]
+
+    def has_eos(self, eos_token_id: int) -> torch.Tensor:
+        """(n,) bool: did the completion end with EOS."""
+        return (self.response == eos_token_id).any(dim=1)
+
+    def with_version(self, version: int) -> "Rollout":
+        return replace(self, version=version)
+
+
+def response_mask_from_eos(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(n, R) float mask that is 1 up to and including the first EOS, else to the end."""
+    is_eos = response == eos_token_id
+    length = response.shape[1]
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], length, dtype=torch.long))
+    positions = torch.arange(length, device=response.device).unsqueeze(0)
+    return (positions <= first.unsqueeze(1)).float()
+
+
+def join(query: torch.Tensor, response: torch.Tensor, pad_token_id: int):
+    """Concatenate left-padded queries and right-padded responses.
+
+    Returns input_ids (n, P+R), attention_mask (n, P+R) and position_ids
+    (n, P+R) counted from the first real token, as generate() counts them.
+    """
+    input_ids = torch.cat([query, response], dim=1)
+    attention_mask = (input_ids != pad_token_id).long()
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log pi(token) under logits / temperature: (n, R, V), (n, R) -> (n, R).
+
+    The same temperature as sampling, so training log-probs are those of the
+    distribution the tokens were drawn from.
+    """
+    logits = logits.float() / temperature
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def repeat_prompts(query: torch.Tensor, prompts: list[str], k: int):
+    """Repeat each prompt k times, keeping each prompt's samples contiguous."""
+    return query.repeat_interleave(k, dim=0), [p for p in prompts for _ in range(k)]

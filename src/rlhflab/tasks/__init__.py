@@ -1,0 +1,1 @@
+"""Tasks: prompts, demonstrations, preference pairs and a gold reward."""

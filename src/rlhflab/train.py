@@ -1,0 +1,135 @@
+"""`train(cfg)`: validate, then run the stages that are missing, then RL; all tracked in MLflow."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from rlhflab.config import Plan, validate
+from rlhflab.errors import ConfigError
+from rlhflab.quiet import quiet_libraries
+
+log = logging.getLogger("rlhflab")
+
+
+@dataclass
+class Result:
+    metrics: dict[str, float]
+    module: object  # the RLHFModule, for callers (tests) that inspect the trained models
+    run_id: str
+
+
+def _make_trainer(cfg: DictConfig, logger, **overrides):
+    def make(**stage_overrides):
+        return instantiate(cfg.trainer, logger=logger, **(overrides | stage_overrides))
+
+    return make
+
+
+def train(cfg: DictConfig) -> Result:
+    """Run one experiment end to end. Raises ConfigError (one line) before loading any model."""
+    plan: Plan = validate(cfg)  # every check that needs no model
+    quiet_libraries()
+    if cfg.torch_threads:
+        torch.set_num_threads(int(cfg.torch_threads))
+    torch.manual_seed(cfg.seed)
+    tracker = plan.tracker
+    tracker.start(cfg, plan.tags)
+    status = "FAILED"
+    try:
+        result = _run(cfg, plan, tracker)
+        status = "FINISHED"
+        return result
+    finally:
+        tracker.finish(status)
+
+
+def _run(cfg: DictConfig, plan: Plan, tracker) -> Result:
+    from rlhflab.lit.data import encode_prompts, prompt_loader
+    from rlhflab.lit.rl_module import RLHFModule
+    from rlhflab.models.build import ensure_base_model, load_tokenizer
+    from rlhflab.stages import run_rm, run_sft
+
+    started = time.perf_counter()
+    cache_dir = Path(cfg.cache_dir)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    stages = OmegaConf.to_container(cfg.stages, resolve=True)
+    logger = tracker.lightning_logger()
+    make_stage_trainer = _make_trainer(cfg, logger, max_steps=-1)
+    task = plan.task
+
+    # Stage 0: the base model (built from config for the tiny preset, cached).
+    base = ensure_base_model(model_cfg, task, cache_dir)
+    tokenizer = load_tokenizer(model_cfg.get("tokenizer") or model_cfg.get("sft_path") or base)
+    # Stage sft: supervised fine-tuning unless a ready SFT policy is given.
+    if model_cfg.get("sft_path"):
+        sft_path = model_cfg["sft_path"]
+        log.info("stage sft: skipped, using model.sft_path=%s", sft_path)
+    else:
+        sft_path = run_sft(base, tokenizer, task, stages["sft"], model_cfg["dtype"], cache_dir, make_stage_trainer)
+    # Stage rm: a reward model unless the reward is a rule or one is given.
+    reward_path = None
+    if plan.reward.needs_reward_model:
+        if model_cfg.get("reward_model_path"):
+            reward_path = model_cfg["reward_model_path"]
+            log.info("stage rm: skipped, using model.reward_model_path=%s", reward_path)
+        else:
+            reward_path = run_rm(sft_path, tokenizer, task, stages["rm"], model_cfg["dtype"], cache_dir, make_stage_trainer)
+    else:
+        log.info("stage rm: skipped, reward=%s needs no reward model", plan.tags["reward"])
+    t_stages = time.perf_counter() - started
+
+    # Stage rl.
+    log.info("stage rl: %s, %s memory, %s mode, %d steps", plan.algo.name, plan.memory.name, plan.source.name, cfg.trainer.max_steps)
+    memory = plan.memory.build(sft_path, reward_path, plan.algo.needs_values, tokenizer.pad_token_id, model_cfg["dtype"])
+    plan.generator.setup(tokenizer, task.max_new_tokens)
+    train_prompts, eval_prompts = task.prompts("train"), task.prompts("eval")
+    module = RLHFModule(
+        memory, plan.algo, plan.reward, plan.source, task, tokenizer,
+        train_prompts, encode_prompts(tokenizer, eval_prompts), eval_prompts, cfg.rl,
+    )
+    loader = prompt_loader(encode_prompts(tokenizer, train_prompts), cfg.rl.prompts_per_step, cfg.seed)
+    trainer = _make_trainer(cfg, logger)()
+    try:
+        trainer.fit(module, loader)
+    finally:
+        plan.source.close()
+    t_rl = time.perf_counter() - started - t_stages
+
+    before, after = module.eval_history[0][1], module.eval_history[-1][1]
+    metrics = {
+        "eval/gold_reward_before": before,
+        "eval/gold_reward": after,
+        "perf/stages_s": t_stages,
+        "perf/rl_s": t_rl,
+        "perf/total_s": time.perf_counter() - started,
+    }
+    tracker.log_metrics({k: v for k, v in metrics.items() if k != "eval/gold_reward"}, step=trainer.global_step)
+    tracker.log_generations(module.generation_rows)
+    log.info(
+        "done: gold reward %.3f -> %.3f after %d RL steps; stages %.0fs, RL %.0fs; MLflow run %s",
+        before, after, module.policy_version, t_stages, t_rl, tracker.run_id,
+    )
+    return Result(metrics, module, tracker.run_id)
+
+
+def main(cfg: DictConfig) -> float | None:
+    """What `src/train.py` runs: one-line errors for bad input, the swept metric for sweepers."""
+    try:
+        result = train(cfg)
+    except ConfigError as err:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # a sweep records the failed job and goes on
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    return result.metrics.get(cfg.get("optimized_metric") or "eval/gold_reward")
