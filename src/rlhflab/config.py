@@ -99,6 +99,13 @@ def validate(cfg: DictConfig) -> Plan:
         )
     for key in ("name_or_path", "sft_path", "reward_model_path", "tokenizer"):
         check_pretrained(f"model.{key}", cfg.model.get(key))
+    if task.demonstrations is None and not cfg.model.get("sft_path"):
+        raise ConfigError(f"model.sft_path: null, but task {task.name} has no demonstrations to train SFT on; give a ready SFT policy")
+    if reward.needs_reward_model and task.preference_pairs is None and not cfg.model.get("reward_model_path"):
+        raise ConfigError(
+            f"model.reward_model_path: null, but task {task.name} has no preference pairs to train one; "
+            "give a ready reward model or use reward=rule"
+        )
     if not cfg.model.get("name_or_path") and not cfg.model.get("arch"):
         raise ConfigError("model.name_or_path: null and no model.arch to build from; give a from_pretrained name/path")
 

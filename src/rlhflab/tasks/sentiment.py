@@ -157,11 +157,14 @@ class SentimentTask:
         return out
 
     def gold_reward(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        """(#positive - #negative) / response_words for each response text: (n,)."""
+        """(#positive - #negative) / response_words for each response text: (n,).
+
+        Only the first `response_words` words count, so running past the budget never pays.
+        """
         del prompts  # the rule ignores the prompt
         scores = []
         for text in responses:
-            words = text.split()
+            words = text.split()[: self.response_words]
             pos = sum(w in self._positive for w in words)
             neg = sum(w in self._negative for w in words)
             scores.append((pos - neg) / self.response_words)

@@ -1,0 +1,56 @@
+"""End to end: the real config, shrunk, through train(cfg): stages, RL, MLflow."""
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from rlhflab.train import train
+
+REQUIRED_METRICS = [
+    "train/reward", "train/kl", "train/loss", "eval/gold_reward",
+    "perf/samples_per_s", "perf/gen_s", "perf/train_s", "rollout/staleness",
+]
+
+
+def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg):
+    cfg = make_cfg("trainer.max_steps=80")
+    result = train(cfg)
+    before, after = result.metrics["eval/gold_reward_before"], result.metrics["eval/gold_reward"]
+    assert after > before + 0.2, (before, after)
+
+    client = MlflowClient(cfg.logger.tracking_uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    for key, value in {"algo": "rloo", "mode": "sync", "staleness": "0", "memory": "full", "model": "tiny"}.items():
+        assert run.data.tags[key] == value
+    assert run.data.params["algo.kl_coef"] == "0.05"
+    for name in REQUIRED_METRICS:
+        assert name in run.data.metrics, name
+    # every RL step is logged, not just the last
+    assert len(client.get_metric_history(result.run_id, "train/reward")) == 80
+    gold = client.get_metric_history(result.run_id, "eval/gold_reward")
+    assert gold[0].value == pytest.approx(before) and gold[-1].value == pytest.approx(after)
+    # the SFT and RM stages logged into the same run
+    assert "sft/loss" in run.data.metrics and "rm/held_out_accuracy" in run.data.metrics
+    artifacts = {a.path for a in client.list_artifacts(result.run_id)}
+    assert {"config.yaml", "generations.json"} <= artifacts
+    table = client.load_table(run.info.experiment_id, "generations.json", run_ids=[result.run_id])
+    assert {"prompt", "response", "reward", "gold_reward", "rl_step"} <= set(table.columns)
+    assert set(table["rl_step"]) == {0, 80}
+
+
+def test_second_run_reuses_cached_stages(make_cfg, caplog):
+    train(make_cfg("trainer.max_steps=1"))
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        train(make_cfg("trainer.max_steps=1"))
+    text = caplog.text
+    assert "reusing the built tiny model" in text
+    assert "stage sft: cached" in text and "stage rm: cached" in text
+    assert "training on" not in text
+
+
+def test_rule_reward_skips_the_reward_model_stage(make_cfg, caplog):
+    with caplog.at_level("INFO"):
+        result = train(make_cfg("reward=rule", "trainer.max_steps=2"))
+    assert "stage rm: skipped" in caplog.text
+    assert result.module.memory.reward_model is None
