@@ -92,6 +92,9 @@ class MlflowTracker:
         table = {key: [row[key] for row in rows] for key in rows[0]}
         self.client.log_table(self.run_id, data=table, artifact_file="generations.json")
 
+    def set_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, value)
+
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
 

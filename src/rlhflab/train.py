@@ -55,7 +55,6 @@ def _run(cfg: DictConfig, plan: Plan, tracker) -> Result:
     from rlhflab.lit.data import encode_prompts, prompt_loader
     from rlhflab.lit.rl_module import RLHFModule
     from rlhflab.models.build import ensure_base_model, load_tokenizer
-    from rlhflab.stages import run_rm, run_sft
 
     started = time.perf_counter()
     cache_dir = Path(cfg.cache_dir)
@@ -68,22 +67,10 @@ def _run(cfg: DictConfig, plan: Plan, tracker) -> Result:
     # Stage 0: the base model (built from config for the tiny preset, cached).
     base = ensure_base_model(model_cfg, task, cache_dir)
     tokenizer = load_tokenizer(model_cfg.get("tokenizer") or model_cfg.get("sft_path") or base)
-    # Stage sft: supervised fine-tuning unless a ready SFT policy is given.
-    if model_cfg.get("sft_path"):
-        sft_path = model_cfg["sft_path"]
-        log.info("stage sft: skipped, using model.sft_path=%s", sft_path)
-    else:
-        sft_path = run_sft(base, tokenizer, task, stages["sft"], model_cfg["dtype"], cache_dir, make_stage_trainer)
-    # Stage rm: a reward model unless the reward is a rule or one is given.
-    reward_path = None
-    if plan.reward.needs_reward_model:
-        if model_cfg.get("reward_model_path"):
-            reward_path = model_cfg["reward_model_path"]
-            log.info("stage rm: skipped, using model.reward_model_path=%s", reward_path)
-        else:
-            reward_path = run_rm(sft_path, tokenizer, task, stages["rm"], model_cfg["dtype"], cache_dir, make_stage_trainer)
-    else:
-        log.info("stage rm: skipped, reward=%s needs no reward model", plan.tags["reward"])
+    # Stages sft and rm (the memory strategy may train its own kind, e.g. a shared trunk).
+    sft_path, reward_path = plan.memory.run_stages(
+        model_cfg, base, tokenizer, task, stages, cache_dir, make_stage_trainer, plan.reward.needs_reward_model
+    )
     t_stages = time.perf_counter() - started
 
     # Stage rl.
@@ -113,6 +100,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker) -> Result:
     }
     tracker.log_metrics({k: v for k, v in metrics.items() if k != "eval/gold_reward"}, step=trainer.global_step)
     tracker.log_generations(module.generation_rows)
+    tracker.set_tag("perf/mem_method", module.mem_method)
     log.info(
         "done: gold reward %.3f -> %.3f after %d RL steps; stages %.0fs, RL %.0fs; MLflow run %s",
         before, after, module.policy_version, t_stages, t_rl, tracker.run_id,

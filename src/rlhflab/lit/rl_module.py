@@ -10,6 +10,7 @@ import torch
 
 from rlhflab.algos import functional as F
 from rlhflab.algos.registry import Algorithm, Scored
+from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
 from rlhflab.rollout.batch import Rollout
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class RLHFModule(L.LightningModule):
         self.automatic_optimization = False
         self.eval_history: list[tuple[int, float]] = []
         self.generation_rows: list[dict] = []
+
+    def on_fit_start(self) -> None:
+        self.activations = ActivationMeter(p for m in self.memory.trainable_modules() for p in m.parameters())
 
     def configure_optimizers(self):
         groups = [{"params": self.memory.policy_parameters(), "lr": self.cfg.lr}]
@@ -85,6 +89,7 @@ class RLHFModule(L.LightningModule):
             "perf/train_s": t_step - t_gen,
             "perf/samples_per_s": rollout.num_samples / t_step,
         }
+        metrics |= self.memory_metrics()
         self._log_step(metrics)
         if self.cfg.eval_every and self.policy_version % self.cfg.eval_every == 0:
             self.evaluate()
@@ -101,11 +106,13 @@ class RLHFModule(L.LightningModule):
             for start in range(0, n, per_mb):
                 idx = order[start : start + per_mb]
                 mb = {key: v[idx] for key, v in targets.items()}
-                logprobs = self.memory.policy_logprobs(mb["query"], mb["response"], self.temperature) * mb["response_mask"]
-                values = self.memory.values(mb["query"], mb["response"]) if self.algo.needs_values else None
-                loss, m = self.algo.loss(logprobs, values, mb)
+                with self.activations.track():
+                    logprobs = self.memory.policy_logprobs(mb["query"], mb["response"], self.temperature) * mb["response_mask"]
+                    values = self.memory.values(mb["query"], mb["response"]) if self.algo.needs_values else None
+                    loss, m = self.algo.loss(logprobs, values, mb)
                 opt.zero_grad(set_to_none=True)
                 self.manual_backward(loss)
+                self.activations.reset()
                 self.clip_gradients(opt, gradient_clip_val=self.cfg.max_grad_norm, gradient_clip_algorithm="norm")
                 opt.step()
                 m["train/loss"] = loss.detach()
@@ -113,6 +120,12 @@ class RLHFModule(L.LightningModule):
                     sums[key] = sums.get(key, 0.0) + float(value)
                 count += 1
         return {key: v / count for key, v in sums.items()}
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Model-state bytes by kind and the peak memory (see rlhflab.perf for the method)."""
+        state = model_state_bytes(self.memory.model_modules(), self.optimizers().optimizer)
+        peak, self.mem_method = peak_memory_mb(state, self.activations.peak, self.device)
+        return state | {"perf/peak_mem_mb": peak, "perf/activation_peak_mb": self.activations.peak / 2**20}
 
     def _log_step(self, metrics: dict) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}

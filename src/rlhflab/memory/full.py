@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlhflab.memory.base import MemoryStrategy
 from rlhflab.models.build import load_causal_lm, load_reward_model, load_value_model
-from rlhflab.rollout.batch import join, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def freeze(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
-class FullMemory(nn.Module):
+class FullMemory(MemoryStrategy):
     """Every role is its own model; the reference is a frozen copy of the starting policy."""
 
     name = "full"
@@ -66,13 +66,6 @@ class FullMemory(nn.Module):
     def generation_model(self) -> nn.Module:
         return self.policy
 
-    def _logprobs(self, model, query, response, temperature):
-        input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        # The logit at position t predicts token t+1: keep those predicting the response.
-        logits = logits[:, query.shape[1] - 1 : -1]
-        return token_logprobs(logits, response, temperature)
-
     def policy_logprobs(self, query, response, temperature: float) -> torch.Tensor:
         """(n, P), (n, R) -> (n, R) log-probs of the response under the trained policy (with grad)."""
         return self._logprobs(self.policy, query, response, temperature)
@@ -83,18 +76,17 @@ class FullMemory(nn.Module):
         return self._logprobs(self.reference, query, response, temperature)
 
     def values(self, query, response) -> torch.Tensor:
-        """(n, R) value estimates; V at token t is read where token t is the last input."""
-        input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
-        out = self.value_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        return out.squeeze(-1)[:, query.shape[1] - 1 : -1].float()
+        """(n, R) value estimates (with grad)."""
+        return self._values(self.value_model, query, response)
 
     @torch.no_grad()
     def scores(self, query, response) -> torch.Tensor:
         """(n,) standardised reward-model scores of the whole completion."""
-        input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
-        raw = self.reward_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        mean, std = self.reward_norm
-        return (raw.squeeze(-1).float() - mean) / std
+        return self._scores(self.reward_model, query, response)
+
+    def model_modules(self) -> list[nn.Module]:
+        """Every model this strategy holds (for memory accounting)."""
+        return [m for m in (self.policy, self.reference, self.reward_model, self.value_model) if m is not None]
 
     def trainable_modules(self) -> list[nn.Module]:
         return [m for m in (self.policy, self.value_model) if m is not None]
