@@ -78,7 +78,7 @@ def validate(cfg: DictConfig) -> Plan:
     tracker = _instantiate("logger", cfg.logger)
     check_keys("trainer", cfg.trainer)
 
-    if cfg.staleness != source.staleness:
+    if cfg.staleness != source.staleness:  # sync pins 0; async reads the top-level key
         raise ConfigError(
             f"staleness={cfg.staleness}: mode={source.name} runs with staleness {source.staleness}; "
             f"use mode=async for staleness > 0 (or staleness={source.staleness})"

@@ -52,7 +52,6 @@ def train(cfg: DictConfig) -> Result:
 
 
 def _run(cfg: DictConfig, plan: Plan, tracker) -> Result:
-    from rlhflab.lit.data import encode_prompts, prompt_loader
     from rlhflab.lit.rl_module import RLHFModule
     from rlhflab.models.build import ensure_base_model, load_tokenizer
 
@@ -78,14 +77,10 @@ def _run(cfg: DictConfig, plan: Plan, tracker) -> Result:
     memory = plan.memory.build(sft_path, reward_path, plan.algo.needs_values, tokenizer.pad_token_id, model_cfg["dtype"])
     plan.generator.setup(tokenizer, task.max_new_tokens)
     train_prompts, eval_prompts = task.prompts("train"), task.prompts("eval")
-    module = RLHFModule(
-        memory, plan.algo, plan.reward, plan.source, task, tokenizer,
-        train_prompts, encode_prompts(tokenizer, eval_prompts), eval_prompts, cfg.rl,
-    )
-    loader = prompt_loader(encode_prompts(tokenizer, train_prompts), cfg.rl.prompts_per_step, cfg.seed)
+    module = RLHFModule(memory, plan.algo, plan.reward, plan.source, task, tokenizer, train_prompts, eval_prompts, cfg.rl, cfg.seed)
     trainer = _make_trainer(cfg, logger)()
     try:
-        trainer.fit(module, loader)
+        trainer.fit(module)
     finally:
         plan.source.close()
     t_rl = time.perf_counter() - started - t_stages

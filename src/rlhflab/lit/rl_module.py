@@ -11,6 +11,7 @@ import torch
 from rlhflab.algos import functional as F
 from rlhflab.algos.registry import Algorithm, Scored
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
+from rlhflab.lit.data import encode_prompts, prompt_loader
 from rlhflab.rollout.batch import Rollout
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ class RLHFModule(L.LightningModule):
     the current weights in sync mode, ahead of time in async mode).
     """
 
-    def __init__(self, memory, algo: Algorithm, reward, source, task, tokenizer, train_prompts, eval_query, eval_prompts, rl_cfg) -> None:
+    def __init__(self, memory, algo: Algorithm, reward, source, task, tokenizer, train_prompts, eval_prompts, rl_cfg, seed: int) -> None:
         super().__init__()
         self.memory = memory
         self.algo = algo
@@ -33,17 +34,24 @@ class RLHFModule(L.LightningModule):
         self.task = task
         self.tokenizer = tokenizer
         self.train_prompts = train_prompts
-        self.eval_query = eval_query
+        self.train_query = encode_prompts(tokenizer, train_prompts)
+        self.eval_query = encode_prompts(tokenizer, eval_prompts)
         self.eval_prompts = eval_prompts
         self.cfg = rl_cfg
+        self.seed = seed
         self.temperature = source.generator.temperature
         self.policy_version = 0  # rollout batches trained on so far
         self.automatic_optimization = False
         self.eval_history: list[tuple[int, float]] = []
         self.generation_rows: list[dict] = []
 
+    def train_dataloader(self):
+        return prompt_loader(self.train_query, self.cfg.prompts_per_step, self.seed)
+
     def on_fit_start(self) -> None:
         self.activations = ActivationMeter(p for m in self.memory.trainable_modules() for p in m.parameters())
+        # The async generator iterates its own copy of the same loader: same prompts, same order.
+        self.source.start(self.memory.generation_model, self.train_dataloader(), self.train_prompts, self.algo, self.seed)
 
     def configure_optimizers(self):
         groups = [{"params": self.memory.policy_parameters(), "lr": self.cfg.lr}]
@@ -65,34 +73,55 @@ class RLHFModule(L.LightningModule):
             scores = self.reward.score(self.memory, self.task, rollout)
             scores = F.eos_penalty(scores, rollout.has_eos(self.tokenizer.eos_token_id), self.cfg.eos_penalty)
             baseline = self.reward.score_baseline(self.memory, self.task, rollout) if self.algo.needs_greedy_baseline else None
-            # 3. log-probs before the update, reference log-probs, values
+            # 3. log-probs before the update (or the generator's, for stale batches), reference log-probs, values
             old_logprobs = self.memory.policy_logprobs(rollout.query, rollout.response, self.temperature)
+            if self.source.off_policy == "behaviour":
+                old_logprobs = rollout.logprobs
             ref_logprobs = self.memory.reference_logprobs(rollout.query, rollout.response, self.temperature)
             values = self.memory.values(rollout.query, rollout.response) if self.algo.needs_values else None
         mask = rollout.response_mask
         # 4. + 5. rewards and advantages
         scored = Scored(scores, old_logprobs * mask, ref_logprobs * mask, mask, values, baseline)
         targets, metrics = self.algo.prepare(scored)
+        if self.source.off_policy == "tis" and "advantages" in targets:
+            targets["advantages"] = targets["advantages"] * self._tis_weights(scored.old_logprobs, rollout, targets["advantages"])
         targets |= {"query": rollout.query, "response": rollout.response, "response_mask": mask,
                     "old_logprobs": scored.old_logprobs, "ref_logprobs": scored.ref_logprobs}
         # 6. updates: epochs x mini-batches of whole prompt groups
         metrics |= self._update(targets, rollout.num_samples)
         self.policy_version += 1
+        t_sync = time.perf_counter()
         self.source.after_update(self.memory.generation_model, self.policy_version)
         t_step = time.perf_counter() - t0
+        t_sync = time.perf_counter() - t_sync
         # 7. log
+        gen_busy = rollout.extras.get("gen_busy_s", t_gen)  # async: the generator's own busy time
+        train_busy = t_step - t_gen
         metrics |= {
             "train/response_len": mask.sum(1).mean(),
             "train/eos_rate": rollout.has_eos(self.tokenizer.eos_token_id).float().mean(),
             "rollout/staleness": float(self.policy_version - 1 - rollout.version),
-            "perf/gen_s": t_gen,
-            "perf/train_s": t_step - t_gen,
+            "perf/gen_s": gen_busy,
+            "perf/train_s": train_busy,
+            "perf/wait_s": t_gen,
+            "perf/sync_s": t_sync,
+            "perf/step_s": t_step,
             "perf/samples_per_s": rollout.num_samples / t_step,
+            # 1.0 = the step took only as long as the slower side (perfect overlap)
+            "perf/overlap_eff": max(gen_busy, train_busy) / t_step,
         }
         metrics |= self.memory_metrics()
         self._log_step(metrics)
         if self.cfg.eval_every and self.policy_version % self.cfg.eval_every == 0:
             self.evaluate()
+
+    def _tis_weights(self, learner_old, rollout: Rollout, advantages):
+        """Truncated importance weights pi_learner_old / pi_behaviour, per sequence or per token like the advantages."""
+        mask = rollout.response_mask
+        if advantages.dim() == 1:
+            log_ratio = F.masked_sum(learner_old - rollout.logprobs, mask, dim=1)
+            return torch.exp(log_ratio.clamp(max=float(torch.log(torch.tensor(self.source.tis_cap)))))
+        return F.truncated_importance_weights(learner_old, rollout.logprobs, mask, self.source.tis_cap)
 
     def _update(self, targets: dict, n: int) -> dict:
         opt = self.optimizers()

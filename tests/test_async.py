@@ -1,0 +1,110 @@
+"""mode=async: exact staleness, sync equivalence at N=0, fast failure, no orphans."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import ROOT
+from rlhflab.rollout.async_source import GeneratorCrashed, required_version
+from rlhflab.rollout.hf import HFGenerator
+from rlhflab.train import train
+
+
+def history(cfg, run_id, key):
+    return [m.value for m in sorted(MlflowClient(cfg.logger.tracking_uri).get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+def test_required_version_by_hand():
+    # N=2, weights every update: batches 0,1,2 from version 0, then batch i from i-2.
+    assert [required_version(i, 2, 1) for i in range(6)] == [0, 0, 0, 1, 2, 3]
+    # N=1, weights every 2 updates: the newest pushed version (even) at or before i-1.
+    assert [required_version(i, 1, 2) for i in range(6)] == [0, 0, 0, 2, 2, 4]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_staleness_is_exactly_n_after_warmup(make_cfg, n):
+    cfg = make_cfg("mode=async", f"staleness={n}", "trainer.max_steps=8")
+    result = train(cfg)
+    seen = history(cfg, result.run_id, "rollout/staleness")
+    assert seen == [float(min(i, n)) for i in range(8)]
+    assert MlflowClient(cfg.logger.tracking_uri).get_run(result.run_id).data.tags["staleness"] == str(n)
+
+
+def test_async_with_zero_staleness_equals_sync(make_cfg):
+    sync = make_cfg("trainer.max_steps=6")
+    asyn = make_cfg("mode=async", "staleness=0", "mode.off_policy=none", "trainer.max_steps=6")
+    a, b = train(sync), train(asyn)
+    for key in ("train/reward", "train/kl", "train/loss"):
+        assert history(sync, a.run_id, key) == pytest.approx(history(asyn, b.run_id, key), rel=1e-5, abs=1e-6), key
+
+
+class CrashingGenerator(HFGenerator):
+    """A real generator that fails on its third batch, inside the generator process."""
+
+    calls = 0
+
+    def generate(self, *args, **kwargs):
+        type(self).calls += 1
+        if type(self).calls == 3:
+            raise RuntimeError("generator exploded on purpose")
+        return super().generate(*args, **kwargs)
+
+
+def test_generator_exception_fails_the_run_fast_with_its_traceback(make_cfg):
+    cfg = make_cfg("mode=async", "trainer.max_steps=50", "generator._target_=test_async.CrashingGenerator")
+    start = time.perf_counter()
+    with pytest.raises(GeneratorCrashed, match="generator exploded on purpose") as err:
+        train(cfg)
+    assert "Traceback" in str(err.value)
+    assert time.perf_counter() - start < 60
+    assert not psutil.Process().children(recursive=True)  # the generator was reaped
+
+
+def start_cli(tmp_path, *args):
+    env = os.environ | {"RLHFLAB_CACHE": str(tmp_path / "cache"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"}
+    cmd = [sys.executable, str(ROOT / "src" / "train.py"), "mode=async", "trainer.max_steps=100000", "rl.eval_every=0",
+           "trainer.enable_progress_bar=false", "task.num_demonstrations=64", "task.num_preference_pairs=64",
+           "stages.sft.epochs=1", "stages.rm.epochs=1", *args]
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_generator(proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        kids = [c for c in psutil.Process(proc.pid).children() if "python" in c.name().lower() or c.cmdline()]
+        if kids:
+            time.sleep(3)  # let it produce a few batches
+            return kids[0]
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError("no generator process appeared")
+
+
+@pytest.mark.slow
+def test_killed_generator_fails_fast_and_leaves_nothing(tmp_path):
+    proc = start_cli(tmp_path)
+    child = wait_for_generator(proc)
+    child.kill()
+    killed = time.time()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert time.time() - killed < 15
+    assert "generator process died (exit code -9)" in out
+    assert not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_both_sides(tmp_path):
+    proc = start_cli(tmp_path)
+    child = wait_for_generator(proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    child_gone = not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE
+    assert child_gone, out
+    assert "Traceback" not in out.split("KeyboardInterrupt")[0] or "generator" not in out
