@@ -1,11 +1,14 @@
-# Sourced by .ci/run and scripts/setup.sh: create or reuse a cached venv keyed on
-# the hash of pyproject.toml, install the project (editable) with dev extras, activate it.
+# Sourced by .ci/run: create or reuse a venv outside the clone (~/.cache/rlhflab or
+# $RLHFLAB_VENV_CACHE), keyed on the dependency spec, with the dev extras; activate it.
+# Bump when the way the venv is built changes (not needed for dependency edits).
+RLHFLAB_VENV_RECIPE=1
+
 rlhflab_venv() {
   local key cache venv
   # Key on the dependency spec only, so editing other parts of pyproject.toml
   # (markers, metadata) does not rebuild the venv.
-  key=$( { python3.11 -c 'import tomllib,json;p=tomllib.load(open("pyproject.toml","rb"))["project"];print(json.dumps([p["dependencies"],p["optional-dependencies"]],sort_keys=True))'; cat .ci/venv.sh; } | sha256sum | cut -c1-16)
-  cache="${RLHFLAB_CACHE:-$HOME/.cache/rlhflab}"
+  key=$( { python3.11 -c 'import tomllib,json;p=tomllib.load(open("pyproject.toml","rb"))["project"];print(json.dumps([p["dependencies"],p["optional-dependencies"]],sort_keys=True))'; echo "$RLHFLAB_VENV_RECIPE"; } | sha256sum | cut -c1-16)
+  cache="${RLHFLAB_VENV_CACHE:-$HOME/.cache/rlhflab}"
   venv="$cache/venv-$key"
   if [ ! -f "$venv/.complete" ]; then
     echo "[ci] building venv $venv"
@@ -20,8 +23,6 @@ rlhflab_venv() {
     touch "$venv/.complete"
   else
     echo "[ci] reusing venv $venv"
-    # The clone moves between runs; re-point the editable install at this one.
-    "$venv/bin/pip" install -q --no-deps -e .
   fi
   # shellcheck disable=SC1091
   source "$venv/bin/activate"

@@ -46,9 +46,8 @@ def make_cfg(stage_cache, tmp_path):
     """Compose + shrink + isolate (own MLflow db per test, shared stage cache)."""
 
     def make(*overrides: str, shrink: bool = True) -> DictConfig:
-        cfg = compose_cfg(list(overrides), shrink=shrink)
+        cfg = compose_cfg([f"cache_dir={stage_cache}", *overrides], shrink=shrink)
         with open_dict(cfg):
-            cfg.cache_dir = str(stage_cache)
             cfg.logger.tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
         return cfg
 

@@ -11,8 +11,9 @@ REQUIRED_METRICS = [
 ]
 
 
-def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg):
-    cfg = make_cfg("trainer.max_steps=80")
+def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_path):
+    # Its own cache: every stage runs here, whatever other tests trained before.
+    cfg = make_cfg("trainer.max_steps=80", f"cache_dir={tmp_path}/cache")
     result = train(cfg)
     before, after = result.metrics["eval/gold_reward_before"], result.metrics["eval/gold_reward"]
     assert after > before + 0.2, (before, after)
