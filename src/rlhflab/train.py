@@ -85,15 +85,17 @@ def _run(cfg: DictConfig, plan: Plan, tracker) -> Result:
         plan.source.close()
     t_rl = time.perf_counter() - started - t_stages
 
-    before, after = module.eval_history[0][1], module.eval_history[-1][1]
+    before, (_, after, final_kl) = module.eval_history[0][1], module.eval_history[-1]
     metrics = {
         "eval/gold_reward_before": before,
         "eval/gold_reward": after,
+        "eval/kl": final_kl,
         "perf/stages_s": t_stages,
         "perf/rl_s": t_rl,
         "perf/total_s": time.perf_counter() - started,
     }
-    tracker.log_metrics({k: v for k, v in metrics.items() if k != "eval/gold_reward"}, step=trainer.global_step)
+    already_logged = ("eval/gold_reward", "eval/kl")  # by the module's last evaluation
+    tracker.log_metrics({k: v for k, v in metrics.items() if k not in already_logged}, step=trainer.global_step)
     tracker.log_generations(module.generation_rows)
     tracker.set_tag("perf/mem_method", module.mem_method)
     log.info(
@@ -115,4 +117,14 @@ def main(cfg: DictConfig) -> float | None:
             raise  # a sweep records the failed job and goes on
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    return result.metrics.get(cfg.get("optimized_metric") or "eval/gold_reward")
+    return objective(result.metrics, cfg)
+
+
+def objective(metrics: dict[str, float], cfg: DictConfig) -> float | None:
+    """What a sweeper optimises: `optimized_metric`, less `kl_penalty` per nat of final eval/kl
+    above `kl_budget` when a budget is set (Optuna has no constraints, so the budget is a penalty)."""
+    value = metrics.get(cfg.get("optimized_metric") or "eval/gold_reward")
+    budget = cfg.get("kl_budget")
+    if value is None or budget is None:
+        return value
+    return value - cfg.get("kl_penalty", 1.0) * max(0.0, metrics["eval/kl"] - budget)

@@ -42,7 +42,7 @@ class RLHFModule(L.LightningModule):
         self.temperature = source.generator.temperature
         self.policy_version = 0  # rollout batches trained on so far
         self.automatic_optimization = False
-        self.eval_history: list[tuple[int, float]] = []
+        self.eval_history: list[tuple[int, float, float]] = []  # (rl step, gold reward, KL)
         self.generation_rows: list[dict] = []
 
     def train_dataloader(self):
@@ -184,7 +184,7 @@ class RLHFModule(L.LightningModule):
         ref = self.memory.reference_logprobs(rollout.query, rollout.response, self.temperature)
         kl = F.masked_sum(rollout.logprobs - ref * rollout.response_mask, rollout.response_mask, dim=1)
         value = float(gold.mean())
-        self.eval_history.append((self.policy_version, value))
+        self.eval_history.append((self.policy_version, value, float(kl.mean())))
         metrics = {"eval/gold_reward": value, "eval/kl": float(kl.mean()), "eval/eos_rate": float(rollout.has_eos(self.tokenizer.eos_token_id).float().mean())}
         if self.logger is not None:
             self.logger.log_metrics(metrics, step=self.global_step)

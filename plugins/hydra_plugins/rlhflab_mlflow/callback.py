@@ -1,0 +1,224 @@
+"""One MLflow parent run per Hydra sweep; every job's run becomes its nested child.
+
+How it fits together:
+- on_multirun_start creates the parent run (tag `rlhflab.sweep=1`) in the
+  experiment and at the tracking URI of the composed config's `logger`.
+- on_job_start puts the parent's id in RLHFLAB_MLFLOW_PARENT_RUN_ID; the job's
+  MlflowTracker reads it and tags its own run `mlflow.parentRunId`.
+- on_job_end finds the run the job made and tags it with the job number and
+  overrides. A job that raised is recorded as a FAILED child (one is created
+  when the job failed before its tracker made a run, e.g. a ConfigError) and
+  its JobReturn is turned into a completed job with no value, because Hydra's sweepers re-raise
+  a failed job's exception and would end the sweep (and skip
+  on_multirun_end) at the first bad configuration.
+- on_multirun_end writes the best child into the parent and marks it FINISHED.
+  If the sweep dies first (an exception, Ctrl-C), an atexit hook marks the parent FAILED.
+
+The job-to-run match is by start time after on_job_start, which is exact for
+launchers that run jobs one at a time in this process (Hydra's basic launcher).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("rlhflab.sweep")
+
+# Same value as rlhflab.tracking.PARENT_RUN_ENV; not imported so that Hydra's plugin scan stays light.
+PARENT_RUN_ENV = "RLHFLAB_MLFLOW_PARENT_RUN_ID"
+SWEEP_TAG = "rlhflab.sweep"
+# Tags the tracker sets on every run; a callback-made FAILED run gets them from the job's choices.
+RUN_TAG_GROUPS = ("algo", "memory", "mode", "model", "reward", "task")
+MAX_TAG = 5000  # MLflow caps tag values (8000 chars); keep error messages below it
+
+
+class MlflowSweepCallback(Callback):
+    """Groups a Hydra multirun under one MLflow parent run.
+
+    metric: child metric that picks the best job; null = the config's `optimized_metric`.
+    direction: maximize or minimize `metric`; null = the sweeper's `direction` if it has one, else maximize.
+    """
+
+    def __init__(self, metric: str | None = None, direction: str | None = None) -> None:
+        self.metric = metric
+        self.direction = direction
+        self.parent_run_id: str | None = None
+        self.failed: list[str] = []
+        self._uri: str | None = None
+        self._job_started_ms = 0
+        self._claimed: set[str] = set()
+
+    # ---- Hydra hooks --------------------------------------------------------------------
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._uri = OmegaConf.select(config, "logger.tracking_uri")
+        if not self._uri:
+            log.warning("mlflow sweep: no logger.tracking_uri in the config; the sweep gets no parent run")
+            return
+        self.metric = self.metric or OmegaConf.select(config, "optimized_metric") or "eval/gold_reward"
+        self.direction = self.direction or str(OmegaConf.select(config, "hydra.sweeper.direction") or "maximize")
+        client = self._client()
+        experiment_id = _experiment_id(client, OmegaConf.select(config, "logger.experiment_name") or "rlhflab")
+        run = client.create_run(experiment_id, run_name=sweep_name(config), tags=_sweep_tags(config))
+        self.parent_run_id = run.info.run_id
+        client.log_text(self.parent_run_id, OmegaConf.to_yaml(config), "sweep_config.yaml")
+        atexit.register(self._abandon)
+        log.info("mlflow sweep: parent run %s (%s) at %s", self.parent_run_id, run.info.run_name, self._uri)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.parent_run_id is None:
+            return  # a single run (RUN mode) or a sweep without tracking
+        os.environ[PARENT_RUN_ENV] = self.parent_run_id
+        self._job_started_ms = int(time.time() * 1000)
+        job_uri = OmegaConf.select(config, "logger.tracking_uri")
+        if job_uri != self._uri:
+            log.warning("mlflow sweep: job logs to %s, the parent is at %s; it will not be nested", job_uri, self._uri)
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if self.parent_run_id is None:
+            return
+        os.environ.pop(PARENT_RUN_ENV, None)
+        client = self._client()
+        child = self._find_child(client, config)
+        overrides = " ".join(OmegaConf.to_container(config.hydra.overrides.task))
+        if child is not None:
+            client.set_tag(child.info.run_id, "rlhflab.sweep.job", str(config.hydra.job.num))
+            client.set_tag(child.info.run_id, "rlhflab.sweep.overrides", overrides[:MAX_TAG])
+        if job_return.status == JobStatus.FAILED:
+            self._record_failure(client, config, job_return, child, overrides)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.parent_run_id is None:
+            return
+        client = self._client()
+        self._summarise(client)
+        client.set_terminated(self.parent_run_id, "FINISHED")
+        atexit.unregister(self._abandon)
+        if self.failed:
+            log.warning("mlflow sweep: %d job(s) failed:\n  %s", len(self.failed), "\n  ".join(self.failed))
+        log.info("mlflow sweep: done; report with: python src/report.py sweep=%s", self.parent_run_id)
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _client(self):
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(self._uri)
+
+    def _find_child(self, client, config: DictConfig):
+        """The run this job's tracker created: the first unclaimed child started after on_job_start."""
+        experiment = client.get_experiment_by_name(OmegaConf.select(config, "logger.experiment_name") or "rlhflab")
+        if experiment is None:
+            return None
+        runs = client.search_runs(
+            [experiment.experiment_id],
+            f"tags.mlflow.parentRunId = '{self.parent_run_id}' and attributes.start_time >= {self._job_started_ms}",
+            order_by=["attributes.start_time ASC"],
+        )
+        for run in runs:
+            if run.info.run_id not in self._claimed:
+                self._claimed.add(run.info.run_id)
+                return run
+        return None
+
+    def _record_failure(self, client, config: DictConfig, job_return: JobReturn, child, overrides: str) -> None:
+        error = job_return._return_value  # the public getter re-raises it
+        message = f"{type(error).__name__}: {error}"
+        exc_info = None if _is_config_error(error) else (type(error), error, error.__traceback__)
+        log.error("mlflow sweep: job #%s (%s) failed: %s", config.hydra.job.num, overrides, message, exc_info=exc_info)
+        if child is None:  # failed before its tracker made a run: make one so the failure shows
+            child = self._create_failed_child(client, config, overrides)
+        elif child.info.status == "RUNNING":
+            client.set_terminated(child.info.run_id, "FAILED")
+        client.set_tag(child.info.run_id, "rlhflab.error", message[:MAX_TAG])
+        self.failed.append(f"#{config.hydra.job.num} {overrides}: {message.splitlines()[0] if message else ''}")
+        # Let the sweep go on: sweepers re-raise a FAILED job's exception when they read its result.
+        # Optuna's sweeper tells a None result as a FAILED trial (NaN would crash its tell());
+        # the basic sweeper ignores the value.
+        job_return.status = JobStatus.COMPLETED
+        job_return.return_value = None
+
+    def _create_failed_child(self, client, config: DictConfig, overrides: str):
+        experiment_id = _experiment_id(client, OmegaConf.select(config, "logger.experiment_name") or "rlhflab")
+        choices = config.hydra.runtime.choices
+        tags = {group: str(choices.get(group)) for group in RUN_TAG_GROUPS if choices.get(group) is not None}
+        tags |= {
+            "staleness": str(OmegaConf.select(config, "staleness")),
+            "mlflow.parentRunId": self.parent_run_id,
+            "rlhflab.sweep.job": str(config.hydra.job.num),
+            "rlhflab.sweep.overrides": overrides[:MAX_TAG],
+        }
+        name = "-".join(tags[k] for k in ("algo", "memory", "mode") if k in tags) or f"job{config.hydra.job.num}"
+        run = client.create_run(experiment_id, run_name=name, tags=tags)
+        client.set_terminated(run.info.run_id, "FAILED")
+        return client.get_run(run.info.run_id)
+
+    def _summarise(self, client) -> None:
+        """Best child by `metric` into the parent's tags, metrics and description."""
+        from mlflow.entities import Metric
+
+        children = client.search_runs(
+            [client.get_run(self.parent_run_id).info.experiment_id],
+            f"tags.mlflow.parentRunId = '{self.parent_run_id}'",
+        )
+        scored = [r for r in children if r.info.status == "FINISHED" and self.metric in r.data.metrics]
+        sign = -1.0 if self.direction.lower().startswith("min") else 1.0
+        best = max(scored, key=lambda r: sign * r.data.metrics[self.metric], default=None)
+        now = int(time.time() * 1000)
+        metrics = [Metric("sweep/jobs", len(children), now, 0), Metric("sweep/failed_jobs", len(self.failed), now, 0)]
+        tags = {"rlhflab.sweep.metric": self.metric, "rlhflab.sweep.direction": self.direction}
+        note = f"{len(children)} jobs, {len(self.failed)} failed."
+        if best is not None:
+            value = best.data.metrics[self.metric]
+            metrics.append(Metric(f"best/{self.metric}", value, now, 0))
+            tags |= {"rlhflab.sweep.best_run_id": best.info.run_id, "rlhflab.sweep.best_run_name": best.info.run_name}
+            note = f"Best {self.metric}: {value:.4f} ({best.info.run_name}, {best.info.run_id}). " + note
+        tags["mlflow.note.content"] = note + f" Report: `python src/report.py sweep={self.parent_run_id}`"
+        client.log_batch(self.parent_run_id, metrics=metrics)
+        for key, value in tags.items():
+            client.set_tag(self.parent_run_id, key, value)
+
+    def _abandon(self) -> None:
+        """atexit: the sweep ended without on_multirun_end (an exception or Ctrl-C)."""
+        if self.parent_run_id is not None and self._client().get_run(self.parent_run_id).info.status == "RUNNING":
+            self._client().set_terminated(self.parent_run_id, "FAILED")
+
+
+def sweep_name(config: DictConfig) -> str:
+    """`<experiment or 'sweep'>-<date>_<time>` from the sweep dir, e.g. sweep_algos-2025-01-31_12-00-00."""
+    prefix = OmegaConf.select(config, "hydra.runtime.choices.experiment") or "sweep"
+    parts = Path(str(config.hydra.sweep.dir)).parts
+    return f"{Path(prefix).name}-{'_'.join(parts[-2:])}"
+
+
+def _sweep_tags(config: DictConfig) -> dict[str, str]:
+    params = OmegaConf.select(config, "hydra.sweeper.params")
+    params = OmegaConf.to_container(params) if params is not None else {}
+    return {
+        SWEEP_TAG: "1",
+        "rlhflab.sweep.dir": os.path.abspath(str(config.hydra.sweep.dir)),
+        "rlhflab.sweep.overrides": " ".join(OmegaConf.to_container(config.hydra.overrides.task))[:MAX_TAG],
+        "rlhflab.sweep.params": json.dumps(params)[:MAX_TAG],
+        "rlhflab.sweep.sweeper": str(OmegaConf.select(config, "hydra.sweeper._target_")),
+        "rlhflab.sweep.experiment": str(OmegaConf.select(config, "hydra.runtime.choices.experiment")),
+    }
+
+
+def _experiment_id(client, name: str) -> str:
+    experiment = client.get_experiment_by_name(name)
+    return experiment.experiment_id if experiment else client.create_experiment(name)
+
+
+def _is_config_error(error: BaseException) -> bool:
+    # rlhflab's ConfigError messages are complete in one line; a traceback would only hide them.
+    return type(error).__name__ == "ConfigError"

@@ -1,0 +1,222 @@
+"""Sweeps end to end: the sweep configs compose, a -m sweep nests its jobs under one MLflow
+parent run (failed jobs included, the sweep going on), the report reads it back, and the same
+works against a real `mlflow server` over HTTP."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
+from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
+
+from conftest import ROOT, compose_cfg
+from rlhflab.config import validate
+
+SWEEPS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("sweep_*.yaml"))
+# A sweep job in a few seconds: 2 RL steps on tiny data, one epoch per stage.
+TINY = [
+    "trainer.max_steps=2", "rl.prompts_per_step=4", "rl.eval_every=0", "stages.sft.epochs=1",
+    "stages.rm.epochs=1", "task.num_demonstrations=64", "task.num_preference_pairs=64",
+    "task.num_eval_prompts=4", "trainer.enable_progress_bar=false",
+]
+
+
+@dataclass
+class Sweep:
+    uri: str
+    cwd: Path
+    output: str
+
+
+def run_sweep(cwd: Path, uri: str, cache: Path, *overrides: str) -> Sweep:
+    env = {k: v for k, v in os.environ.items() if k != "RLHFLAB_MLFLOW_PARENT_RUN_ID"}
+    env |= {"MLFLOW_TRACKING_URI": uri, "RLHFLAB_CACHE": str(cache), "OMP_WAIT_POLICY": "PASSIVE"}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "src" / "train.py"), "-m", *overrides, *TINY],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return Sweep(uri, cwd, out.stdout + out.stderr)
+
+
+def sweep_runs(client: MlflowClient):
+    """(the one parent, its children sorted by job number)."""
+    experiment = client.get_experiment_by_name("rlhflab")
+    parents = client.search_runs([experiment.experiment_id], "tags.`rlhflab.sweep` = '1'")
+    assert len(parents) == 1
+    children = client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
+    return parents[0], sorted(children, key=lambda r: int(r.data.tags["rlhflab.sweep.job"]))
+
+
+# ---- the configs --------------------------------------------------------------------------
+
+
+def compose_sweep(name: str):
+    """The config of `experiment=<name>` with its hydra node (mode, sweeper, callbacks)."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=[f"experiment={name}"], return_hydra_config=True)
+
+
+def sweep_jobs(name: str) -> list[list[str]]:
+    """The basic sweeper's job list: the cartesian product of hydra.sweeper.params."""
+    params = compose_sweep(name).hydra.sweeper.params or {}
+    axes = [[f"{key}={value}" for value in str(values).split(",")] for key, values in params.items()]
+    return [list(job) for job in itertools.product(*axes)]
+
+
+@pytest.mark.parametrize("name", [s for s in SWEEPS if s != "sweep_optuna"])
+def test_grid_sweeps_are_multirun_and_every_job_validates(name):
+    cfg = compose_sweep(name)
+    assert cfg.hydra.mode.name == "MULTIRUN" and cfg.hydra.callbacks.mlflow_sweep
+    missing = []
+    for job in sweep_jobs(name):
+        try:
+            validate(compose_cfg([f"experiment={name}", *job], shrink=False))
+        except MissingConfigException as err:  # an option that does not exist yet (mode=async, memory=lora)
+            missing.append(str(err).splitlines()[0])
+    if missing:
+        pytest.skip(f"{name}: {len(missing)} job(s) need options not implemented yet, e.g. {missing[0]}")
+
+
+def test_optuna_preset_searches_existing_keys_in_memory():
+    cfg = compose_sweep("sweep_optuna")
+    sweeper = cfg.hydra.sweeper
+    assert sweeper._target_.endswith("OptunaSweeper") and sweeper.storage is None
+    assert sweeper.direction == "maximize" and cfg.hydra.mode.name == "MULTIRUN"
+    for key in sweeper.params:  # a typo here would only fail once a trial runs
+        assert OmegaConf.select(cfg, key) is not None, key
+    validate(compose_cfg(["experiment=sweep_optuna"], shrink=False))
+
+
+# ---- a sweep on SQLite --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sqlite_sweep(tmp_path_factory, stage_cache) -> Sweep:
+    """rloo and grpo with 1 sample per prompt (a ConfigError: both need 2) and 2: two failures, two runs."""
+    cwd = tmp_path_factory.mktemp("sweep")
+    return run_sweep(cwd, f"sqlite:///{cwd}/mlflow.db", stage_cache, "algo=rloo,grpo", "algo.samples_per_prompt=1,2")
+
+
+@pytest.mark.slow
+def test_sweep_jobs_are_children_of_one_parent(sqlite_sweep):
+    client = MlflowClient(sqlite_sweep.uri)
+    parent, children = sweep_runs(client)
+    assert [r.data.tags["rlhflab.sweep.job"] for r in children] == ["0", "1", "2", "3"]
+    failed, finished = children[0::2], children[1::2]  # samples_per_prompt=1 is each algo's first job
+    # Job 0 failed and job 1 still ran: the sweep went on after a failure.
+    assert [r.info.status for r in children] == ["FAILED", "FINISHED", "FAILED", "FINISHED"]
+    assert [r.data.tags["algo"] for r in children] == ["rloo", "rloo", "grpo", "grpo"]
+    for run in finished:
+        for key in ("eval/gold_reward", "eval/kl", "train/kl", "perf/samples_per_s", "perf/total_s"):
+            assert key in run.data.metrics, key
+    for run in failed:  # failed in validation, before the job's tracker made a run: the callback made this one
+        assert run.data.tags["rlhflab.error"].startswith("ConfigError: algo.samples_per_prompt=1")
+        assert not run.data.metrics
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["rlhflab.sweep.best_run_id"] in {r.info.run_id for r in finished}
+    assert parent.data.metrics["sweep/jobs"] == 4 and parent.data.metrics["sweep/failed_jobs"] == 2
+    best = max(r.data.metrics["eval/gold_reward"] for r in finished)
+    assert parent.data.metrics["best/eval/gold_reward"] == pytest.approx(best)
+
+
+@pytest.mark.slow
+def test_report_writes_plots_and_table_and_logs_them_to_the_parent(sqlite_sweep, tmp_path):
+    from rlhflab.report import main as report
+
+    client = MlflowClient(sqlite_sweep.uri)
+    parent, children = sweep_runs(client)
+    result = report([f"sweep={parent.info.run_name}", f"tracking_uri={sqlite_sweep.uri}", f"out_dir={tmp_path}/report"])
+    names = {p.name for p in result.files}
+    assert {"summary.md", "gold_vs_time.png", "gold_vs_kl.png", "samples_per_s.png"} <= names
+    assert ("peak_mem.png" in names) != any(s.startswith("peak_mem.png: skipped") for s in result.skipped)
+    for path in result.files:
+        assert path.stat().st_size > 0
+    table = [line for line in (tmp_path / "report" / "summary.md").read_text().splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(children)  # header + one row per child
+    assert sum("FAILED" in row for row in table) == 2
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert {f"report/{n}" for n in names} == logged
+
+
+# ---- a sweep against a real tracking server -----------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 40.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"mlflow server not healthy after {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def mlflow_server(tmp_path, monkeypatch):
+    """`mlflow server` on a free local port, SQLite backend in tmp_path; always terminated."""
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")  # a proxy in the environment must not see these calls
+    port, log = free_port(), tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+           "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+           "--workers", "1"]
+    with open(log, "w") as out:
+        # Its own session, so that SIGTERM reaches the server and the workers it forks.
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log)
+        yield url
+    finally:
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (it forks workers and job consumers), then kill what is left."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # all gone
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_sweep_against_a_tracking_server(mlflow_server, tmp_path, stage_cache):
+    """A good job and one that fails inside train() (its cache_dir is a file): the tracker marks that run FAILED."""
+    not_a_dir = tmp_path / "not_a_dir"
+    not_a_dir.write_text("")
+    sweep = run_sweep(tmp_path, mlflow_server, stage_cache, "algo=rloo", f"cache_dir={stage_cache},{not_a_dir}")
+    parent, children = sweep_runs(MlflowClient(mlflow_server))
+    assert parent.info.status == "FINISHED" and len(children) == 2
+    good, bad = children
+    assert good.info.status == "FINISHED" and "eval/gold_reward" in good.data.metrics
+    assert bad.info.status == "FAILED" and "not_a_dir" in bad.data.tags["rlhflab.error"]
+    assert bad.data.params["cache_dir"] == str(not_a_dir)  # the job's own run (it logged its config), not the callback's
+    assert "Traceback" in sweep.output  # an unexpected error is shown in full, unlike a ConfigError
