@@ -19,8 +19,9 @@ from pathlib import Path
 
 SWEEP_TAG = "rlhflab.sweep"  # set on parent runs by plugins/hydra_plugins/rlhflab_mlflow
 GOLD, EVAL_KL, TRAIN_KL = "eval/gold_reward", "eval/kl", "train/kl"
-THROUGHPUT, PEAK_MEM, TOTAL_S = "perf/samples_per_s", "perf/peak_mem_mb", "perf/total_s"
-DEFAULTS = {"sweep": None, "tracking_uri": None, "out_dir": None, "log_artifacts": "true"}
+THROUGHPUT, PEAK_MEM, TOTAL_S = "perf/mean_samples_per_s", "perf/peak_mem_mb", "perf/total_s"
+RL_S, OVERLAP = "perf/rl_s", "perf/mean_overlap_eff"
+DEFAULTS = {"sweep": None, "tracking_uri": None, "out_dir": None, "log_artifacts": "true", "baseline": None}
 
 
 @dataclass
@@ -78,9 +79,13 @@ def summary_rows(runs) -> list[dict]:
             **{k: tags.get(k, "") for k in ("algo", "memory", "mode", "staleness")},
             "gold": metrics.get(GOLD),
             "kl": metrics.get(EVAL_KL, metrics.get(TRAIN_KL)),
-            "samples_per_s": metrics.get(THROUGHPUT),
+            "samples_per_s": metrics.get(THROUGHPUT, metrics.get("perf/samples_per_s")),
+            "overlap": metrics.get(OVERLAP),
+            "rl_s": metrics.get(RL_S),
             "peak_mem_mb": metrics.get(PEAK_MEM),
             "total_s": metrics.get(TOTAL_S),
+            "speedup": None,
+            "t_target": None,
             "varied": varied[run.info.run_id],
             "error": tags.get("rlhflab.error", ""),
         })
@@ -90,8 +95,10 @@ def summary_rows(runs) -> list[dict]:
 COLUMNS = [  # (row key, header, number format)
     ("run", "run", None), ("status", "status", None), ("algo", "algo", None), ("memory", "memory", None),
     ("mode", "mode", None), ("staleness", "staleness", None), ("gold", "gold reward", ".3f"),
-    ("kl", "KL", ".3f"), ("samples_per_s", "samples/s", ".1f"), ("peak_mem_mb", "peak mem MB", ".0f"),
-    ("total_s", "wall-clock s", ".1f"), ("varied", "overrides", None), ("error", "error", None),
+    ("kl", "KL", ".3f"), ("samples_per_s", "samples/s", ".1f"), ("overlap", "overlap eff", ".2f"),
+    ("peak_mem_mb", "peak mem MB", ".1f"), ("rl_s", "RL s", ".1f"), ("total_s", "wall-clock s", ".1f"),
+    ("speedup", "RL speedup vs baseline", ".2f"), ("t_target", "RL s to baseline's final gold", ".1f"),
+    ("varied", "overrides", None), ("error", "error", None),
 ]
 
 
@@ -108,6 +115,27 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_cell(r[k], f) for k, _, f in cols) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def rl_seconds_to_gold(client, run, target: float) -> float | None:
+    """Seconds from the first evaluation (the start of RL) until eval/gold_reward first reaches `target`."""
+    history = sorted(client.get_metric_history(run.info.run_id, GOLD), key=lambda m: (m.timestamp, m.step))
+    for m in history:
+        if m.value >= target:
+            return (m.timestamp - history[0].timestamp) / 1000
+    return None
+
+
+def compare_to_baseline(client, runs, rows, baseline_runs) -> None:
+    """Side by side with a baseline sweep (e.g. sync) of the same algorithms: RL speedup and
+    time to reach the baseline's final gold reward, matched by the `algo` tag."""
+    base = {r.data.tags.get("algo"): r for r in baseline_runs if r.info.status == "FINISHED"}
+    for run, row in zip(runs, rows):
+        b = base.get(row["algo"])
+        if b is None or run.info.status != "FINISHED":
+            continue
+        row["speedup"] = b.data.metrics.get(RL_S, math.nan) / run.data.metrics.get(RL_S, math.nan)
+        row["t_target"] = rl_seconds_to_gold(client, run, b.data.metrics[GOLD])
 
 
 # ---- the plots ----------------------------------------------------------------------------
@@ -206,11 +234,18 @@ def plot_bars(rows: list[dict], key: str, ylabel: str, path: Path) -> bool:
 # ---- putting it together ------------------------------------------------------------------
 
 
-def write_report(client, parent, out_dir: Path) -> Report:
+def write_report(client, parent, out_dir: Path, baseline=None) -> Report:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = Report(out_dir)
     runs = child_runs(client, parent)
     rows = summary_rows(runs)
+    if baseline is not None:
+        base_runs = child_runs(client, baseline)
+        compare_to_baseline(client, runs, rows, base_runs)
+        rows += summary_rows(base_runs)
+        for row in rows[len(runs):]:
+            row["run"] += " (baseline)"
+        runs = runs + base_runs
     plots = [
         ("gold_vs_time.png", GOLD, lambda p: plot_gold_vs_time(client, runs, p)),
         ("gold_vs_kl.png", f"{GOLD} and {EVAL_KL}", lambda p: plot_frontier(runs, p)),
@@ -254,7 +289,7 @@ def parse_args(argv: list[str]) -> dict[str, str | None]:
         description="Plots and a Markdown table for a sweep's child runs; logged to the parent run.",
         epilog="keys: sweep (required: parent run id, run name, or 'latest'), tracking_uri "
                "(default MLFLOW_TRACKING_URI or sqlite:///mlflow.db), out_dir (default reports/<sweep name>), "
-               "log_artifacts (true/false)",
+               "log_artifacts (true/false), baseline (a sweep of the same algos to compare with, e.g. the sync runs)",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = dict(DEFAULTS)
@@ -275,7 +310,8 @@ def main(argv: list[str]) -> Report:
     client = MlflowClient(args["tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
     parent = find_sweep(client, args["sweep"])
     out_dir = Path(args["out_dir"] or Path("reports") / parent.info.run_name)
-    report = write_report(client, parent, out_dir)
+    baseline = find_sweep(client, args["baseline"]) if args["baseline"] else None
+    report = write_report(client, parent, out_dir, baseline)
     if args["log_artifacts"].lower() in ("1", "true", "yes"):
         client.log_artifacts(parent.info.run_id, str(out_dir), "report")
     for path in report.files:

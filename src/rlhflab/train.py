@@ -90,6 +90,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker) -> Result:
         "eval/gold_reward_before": before,
         "eval/gold_reward": after,
         "eval/kl": final_kl,
+        **module.timing_summary(),
         "perf/stages_s": t_stages,
         "perf/rl_s": t_rl,
         "perf/total_s": time.perf_counter() - started,

@@ -44,6 +44,7 @@ class RLHFModule(L.LightningModule):
         self.automatic_optimization = False
         self.eval_history: list[tuple[int, float, float]] = []  # (rl step, gold reward, KL)
         self.generation_rows: list[dict] = []
+        self.step_times: list[tuple[int, float, float, float]] = []  # (samples, gen busy, train busy, step) seconds
 
     def train_dataloader(self):
         return prompt_loader(self.train_query, self.cfg.prompts_per_step, self.seed)
@@ -97,6 +98,7 @@ class RLHFModule(L.LightningModule):
         # 7. log
         gen_busy = rollout.extras.get("gen_busy_s", t_gen)  # async: the generator's own busy time
         train_busy = t_step - t_gen
+        self.step_times.append((rollout.num_samples, gen_busy, train_busy, t_step))
         metrics |= {
             "train/response_len": mask.sum(1).mean(),
             "train/eos_rate": rollout.has_eos(self.tokenizer.eos_token_id).float().mean(),
@@ -149,6 +151,22 @@ class RLHFModule(L.LightningModule):
                     sums[key] = sums.get(key, 0.0) + float(value)
                 count += 1
         return {key: v / count for key, v in sums.items()}
+
+    def timing_summary(self) -> dict[str, float]:
+        """Run-level throughput over RL steps after the first (warm-up), evaluation excluded.
+
+        overlap_eff: achieved samples/s over the perfect-overlap bound 1 / max(t_gen, t_train).
+        """
+        steps = self.step_times[1:] or self.step_times
+        n, gen, train, step = (sum(col) for col in zip(*steps))
+        k = len(steps)
+        return {
+            "perf/mean_samples_per_s": n / step,
+            "perf/mean_gen_s": gen / k,
+            "perf/mean_train_s": train / k,
+            "perf/mean_step_s": step / k,
+            "perf/mean_overlap_eff": max(gen, train) / step,
+        }
 
     def memory_metrics(self) -> dict[str, float]:
         """Model-state bytes by kind and the peak memory (see rlhflab.perf for the method)."""
