@@ -36,6 +36,12 @@ def test_staleness_is_exactly_n_after_warmup(make_cfg, n):
     assert MlflowClient(cfg.logger.tracking_uri).get_run(result.run_id).data.tags["staleness"] == str(n)
 
 
+def test_prompt_streams_stay_aligned_across_epochs(make_cfg):
+    # 32 prompts, 16 per step: an epoch every 2 steps; the learner checks every batch's prompts.
+    cfg = make_cfg("mode=async", "staleness=1", "task.num_train_prompts=32", "trainer.max_steps=7")
+    assert train(cfg).module.policy_version == 7
+
+
 def test_async_with_zero_staleness_equals_sync(make_cfg):
     sync = make_cfg("trainer.max_steps=6")
     asyn = make_cfg("mode=async", "staleness=0", "mode.off_policy=none", "trainer.max_steps=6")

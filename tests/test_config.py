@@ -51,6 +51,7 @@ def test_real_preset_loads_through_from_pretrained_names():
     "override, key",
     [
         ("task=tldr", "model.sft_path"),
+        ("memory=hydra model.reward_model_path=/tmp", "model.reward_model_path"),
         ("algo.samples_per_prompt=1", "algo.samples_per_prompt"),
         ("algo=online_dpo algo.samples_per_prompt=1", "algo.samples_per_prompt"),
         ("algo=grpo algo.samples_per_prompt=1", "algo.samples_per_prompt"),

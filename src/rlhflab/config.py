@@ -106,6 +106,7 @@ def validate(cfg: DictConfig) -> Plan:
             f"model.reward_model_path: null, but task {task.name} has no preference pairs to train one; "
             "give a ready reward model or use reward=rule"
         )
+    memory.check(cfg.model, task, reward.needs_reward_model)
     if not cfg.model.get("name_or_path") and not cfg.model.get("arch"):
         raise ConfigError("model.name_or_path: null and no model.arch to build from; give a from_pretrained name/path")
 

@@ -27,3 +27,5 @@ def quiet_libraries() -> None:
     # The reference and reward models are frozen in eval mode on purpose.
     warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    # peft still calls a transformers property deprecated in 5.x.
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*deprecated.*", category=FutureWarning)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 
 def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -42,10 +42,32 @@ def encode_completions(tokenizer, prompts: list[str], responses: list[str]):
     return input_ids, attention_mask, label_ids
 
 
+class EpochShuffle(Sampler):
+    """A shuffle that is a pure function of (seed, epoch).
+
+    The async generator iterates its own copy of the learner's loader; a
+    sampler that drew from a running generator would drift from the learner's
+    whenever either side started one more iterator. Lightning calls set_epoch.
+    """
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
 def prompt_loader(query: torch.Tensor, batch_size: int, seed: int) -> DataLoader:
     """Batches of (query (b, P), index (b,)); the index finds the prompt text."""
     dataset = TensorDataset(query, torch.arange(len(query)))
-    return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(seed))
+    return DataLoader(dataset, batch_size=batch_size, sampler=EpochShuffle(len(query), seed), drop_last=True)
 
 
 def tensor_loader(*tensors: torch.Tensor, batch_size: int, seed: int, shuffle: bool = True) -> DataLoader:

@@ -18,8 +18,16 @@ from rlhflab.rollout.batch import join, token_logprobs
 log = logging.getLogger(__name__)
 
 
+def enable_checkpointing(model, **checkpoint_kwargs) -> None:
+    """Recompute each layer's activations in backward; non-reentrant, so frozen inputs need no grad."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs})
+
+
 class MemoryStrategy(nn.Module):
     name = "base"
+
+    def check(self, model_cfg, task, need_reward: bool) -> None:
+        """Raise ConfigError for settings this strategy cannot run with (called before any model loads)."""
 
     def run_stages(self, model_cfg: dict, base, tokenizer, task, stages: dict, cache_dir, make_trainer, need_reward: bool):
         """-> (sft_path, reward_path or None): stage sft then stage rm, each skipped when given or cached."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rlhflab.memory.base import MemoryStrategy
+from rlhflab.memory.base import MemoryStrategy, enable_checkpointing
 from rlhflab.models.build import load_causal_lm, load_reward_model, load_value_model
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class FullMemory(MemoryStrategy):
         self.dtype = dtype
         self.policy = load_causal_lm(policy_path, self.dtype)
         if self.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
+            enable_checkpointing(self.policy)
         self.reference = freeze(copy.deepcopy(self.policy))
         self.reward_model = None
         self.reward_norm = (0.0, 1.0)

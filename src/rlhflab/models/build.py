@@ -102,14 +102,26 @@ def load_reward_model(name_or_path, dtype: str = "float32", pad_token_id: int | 
     return model
 
 
+def without_dropout(model):
+    """Zero the model's own dropout (e.g. the 0.1 a token classifier gets by default): the rollout pass
+    and the update pass must compute the same log-probs and values. Call before adding adapters,
+    so that lora_dropout stays what the config says."""
+    from torch import nn
+
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
 def load_value_model(name_or_path, dtype: str = "float32", pad_token_id: int | None = None):
-    """A per-token scalar head on a backbone: V at every position."""
+    """A per-token scalar head on a backbone: V at every position (dropout off, see without_dropout)."""
     from transformers import AutoModelForTokenClassification
 
     model = AutoModelForTokenClassification.from_pretrained(name_or_path, num_labels=1, dtype=DTYPES[dtype])
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
-    return model
+    return without_dropout(model)
 
 
 def save_atomically(path: Path, *objects, files: dict[str, str] | None = None) -> None:

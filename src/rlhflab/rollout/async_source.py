@@ -50,6 +50,11 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def _epoch(loader, epoch: int):
+    loader.sampler.set_epoch(epoch)  # as Lightning does for the learner's copy
+    return loader
+
+
 def _generator_main(generator, model, loader, train_prompts, algo_needs, seed, staleness, sync_every, threads, weights_q, out_q, parent):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle; it then stops us
     torch.set_num_threads(threads)
@@ -57,7 +62,7 @@ def _generator_main(generator, model, loader, train_prompts, algo_needs, seed, s
     params = dict(model.named_parameters())
     version = 0
     try:
-        batches = (b for _ in count() for b in loader)  # the learner's own order, epoch after epoch
+        batches = (b for epoch in count() for b in _epoch(loader, epoch))  # the learner's order, epoch after epoch
         for j in count():
             need = required_version(j, staleness, sync_every)
             while version < need:

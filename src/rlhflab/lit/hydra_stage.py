@@ -1,0 +1,121 @@
+"""Stage `hydra` (Hydra-SFT): one backbone learns demonstrations (LM head) and preferences (reward head) together.
+
+It replaces stages sft and rm under memory=hydra. Each optimizer step takes
+one batch of demonstrations (next-token cross-entropy) and one batch of
+preference pairs (Bradley-Terry loss on the reward head), both through the
+same trunk. The output is cached like the other stages: a causal-LM
+`save_pretrained` directory named by a hash of everything that determines it,
+with the reward head and its score normalisation saved next to the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import CombinedLoader
+
+from rlhflab.lit.data import encode_completions, tensor_loader
+from rlhflab.memory.full import REWARD_NORM_FILE
+from rlhflab.memory.hydra import ScalarHead, sequence_scores, trunk
+from rlhflab.models.build import config_key, load_causal_lm, save_atomically
+from rlhflab.stages import log_reward_report, pair_tensors, reward_report
+
+log = logging.getLogger(__name__)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(n, T, V) logits, (n, T) labels (-100 = ignore) -> mean next-token cross-entropy."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+class HydraSFTModule(L.LightningModule):
+    """loss = LM cross-entropy on demonstrations + reward_loss_weight x -log sigmoid(r(chosen) - r(rejected))."""
+
+    def __init__(
+        self, causal_lm, reward_head: ScalarHead, pad_token_id: int, lm_lr: float, reward_lr: float, reward_loss_weight: float
+    ) -> None:
+        super().__init__()
+        self.causal_lm = causal_lm
+        self.reward_head = reward_head
+        self.pad_token_id = pad_token_id
+        self.lm_lr = lm_lr
+        self.reward_lr = reward_lr
+        self.reward_loss_weight = reward_loss_weight
+
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(n, T) right-padded sequences -> (n,) raw reward-head scores."""
+        hidden = trunk(self.causal_lm, input_ids, (input_ids != self.pad_token_id).long())
+        return sequence_scores(self.reward_head, hidden, input_ids, self.pad_token_id)
+
+    def training_step(self, batch, batch_idx):
+        input_ids, attention_mask, labels = batch["sft"]
+        chosen, rejected = batch["rm"]
+        logits = self.causal_lm.get_output_embeddings()(trunk(self.causal_lm, input_ids, attention_mask))
+        sft_loss = lm_loss(logits, labels)
+        # Chosen and rejected share one forward.
+        scores = self.score(torch.cat([chosen, rejected])).view(2, -1)
+        margin = scores[0] - scores[1]
+        rm_loss = -F.logsigmoid(margin).mean()
+        loss = sft_loss + self.reward_loss_weight * rm_loss
+        # The same keys as stages sft and rm, so their curves compare across memory strategies.
+        self.log_dict(
+            {"sft/loss": sft_loss, "rm/loss": rm_loss, "rm/accuracy": (margin > 0).float().mean(), "hydra/loss": loss},
+            prog_bar=True, on_step=True, on_epoch=False,
+        )
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(
+            [{"params": self.causal_lm.parameters(), "lr": self.lm_lr}, {"params": self.reward_head.parameters(), "lr": self.reward_lr}]
+        )
+
+
+def _stage_data(tokenizer, prompts, responses, pairs, stages: dict):
+    """-> (loader of {"sft": demonstration batch, "rm": pair batch}, held-out (chosen, rejected), demonstration ids)."""
+    sft, rm = stages["sft"], stages["rm"]
+    demos = encode_completions(tokenizer, prompts, responses)
+    held_out = max(1, int(len(pairs) * rm["held_out_fraction"]))
+    chosen, rejected = pair_tensors(tokenizer, pairs)
+    loaders = {
+        "sft": tensor_loader(*demos, batch_size=sft["batch_size"], seed=sft["seed"]),
+        "rm": tensor_loader(chosen[:-held_out], rejected[:-held_out], batch_size=rm["batch_size"], seed=rm["seed"]),
+    }
+    # An epoch runs through the longer of the two; the shorter one cycles.
+    return CombinedLoader(loaders, mode="max_size_cycle"), (chosen[-held_out:], rejected[-held_out:]), demos[0]
+
+
+def run_hydra_sft(
+    start_path, tokenizer, task, stages: dict, reward_loss_weight: float, dtype: str, cache_dir: Path, make_trainer
+) -> Path:
+    """Train (or load from the cache) the two-headed model; returns its save_pretrained directory.
+
+    Epochs: the larger of stages.sft.epochs and stages.rm.epochs; learning
+    rates: stages.sft.lr for the backbone and LM head, stages.rm.lr for the
+    reward head; batch sizes and seeds from each stage's settings.
+    """
+    prompts, responses = (list(x) for x in zip(*task.demonstrations()))
+    pairs = task.preference_pairs()
+    # The data itself is hashed: any task setting that changes it (sizes, word lists) makes a new entry.
+    key = config_key(str(start_path), task.name, stages["sft"], stages["rm"], reward_loss_weight, prompts, responses, pairs)
+    out = Path(cache_dir) / "stages" / f"hydra-{key}"
+    if (out / "config.json").is_file():
+        log.info("stage hydra: cached, loading %s", out)
+        return out
+    loader, held_out, demo_ids = _stage_data(tokenizer, prompts, responses, pairs, stages)
+    log.info("stage hydra: training on %d demonstrations and %d preference pairs (%d held out) -> %s",
+             len(prompts), len(pairs) - len(held_out[0]), len(held_out[0]), out)
+    causal_lm = load_causal_lm(start_path, dtype)
+    head = ScalarHead(causal_lm.config.hidden_size, dtype=causal_lm.dtype)
+    module = HydraSFTModule(causal_lm, head, tokenizer.pad_token_id, stages["sft"]["lr"], stages["rm"]["lr"], reward_loss_weight)
+    trainer = make_trainer(max_epochs=max(stages["sft"]["epochs"], stages["rm"]["epochs"]))
+    trainer.fit(module, loader)
+
+    norm = reward_report(module, held_out, demo_ids, task, prompts, responses)
+    log_reward_report("hydra", norm, trainer)
+    save_atomically(out, causal_lm, tokenizer, head, files={REWARD_NORM_FILE: json.dumps(norm, indent=2)})
+    return out

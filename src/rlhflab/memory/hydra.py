@@ -1,0 +1,284 @@
+"""Memory strategy `hydra` (Hydra-RLHF, Santacroce et al., 2023): one backbone, several heads.
+
+Layout of the one model:
+
+    input ids -> decoder (frozen; LoRA adapters "policy" and, for PPO, "value")
+              -> final hidden states h (n, T, H)
+                   -> LM head      -> logits: policy (adapter "policy"), reference (adapters off)
+                   -> reward head  -> scores: reward model (adapters off; frozen)
+                   -> value head   -> values: critic (adapter "value"; trainable, starts as the reward head)
+
+Stage `hydra` (rlhflab.lit.hydra_stage) trains the decoder, LM head and reward
+head together on demonstrations and preference pairs. RL then trains only the
+adapters (and the value head): with the adapters off the model is, bit for
+bit, the reference policy and the reward model, so no second copy exists.
+Reference log-probs and scores read the same adapter-off trunk, so one forward
+serves both for a batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rlhflab.errors import ConfigError
+from rlhflab.memory.base import MemoryStrategy, enable_checkpointing
+from rlhflab.memory.full import freeze, read_reward_norm
+from rlhflab.memory.lora import DEFAULT_TARGETS, lora_config, trainable
+from rlhflab.models.build import DTYPES, load_causal_lm, without_dropout
+from rlhflab.rollout.batch import join, token_logprobs
+
+log = logging.getLogger(__name__)
+
+HEAD_FILE = "rlhflab_reward_head.safetensors"
+POLICY, VALUE = "policy", "value"  # adapter names
+
+
+class ScalarHead(nn.Linear):
+    """(..., H) hidden states -> (..., 1) scores; saved next to the causal LM whose trunk it reads."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__(hidden_size, 1, bias=False, dtype=dtype)
+        nn.init.zeros_(self.weight)  # every sequence starts at score 0; training sets the scale
+
+    def save_pretrained(self, path) -> None:
+        from safetensors.torch import save_file
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        save_file({"weight": self.weight.detach().contiguous()}, str(Path(path) / HEAD_FILE))
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: str = "float32") -> "ScalarHead":
+        from safetensors.torch import load_file
+
+        weight = load_file(str(Path(path) / HEAD_FILE))["weight"]
+        head = cls(weight.shape[1], dtype=DTYPES[dtype])
+        with torch.no_grad():
+            head.weight.copy_(weight)
+        return head
+
+
+def has_reward_head(path) -> bool:
+    return (Path(path) / HEAD_FILE).is_file()
+
+
+def module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def trunk(causal_lm, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+    """(n, T) -> (n, T, H) final hidden states: what the LM head, reward head and value head all read."""
+    out = causal_lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.last_hidden_state
+
+
+def last_token_index(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """(n, T) -> (n,) position of the rightmost non-pad token (HF sequence classifiers score the same one)."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return (positions * (input_ids != pad_token_id)).argmax(-1)
+
+
+def sequence_scores(head: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """(n, T, H) hidden, (n, T) ids -> (n,) raw scores read at each sequence's last token."""
+    last = last_token_index(input_ids, pad_token_id)
+    return head(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1)
+
+
+class HydraMemory(MemoryStrategy):
+    """One backbone for policy, reference, reward and value; LoRA adapters carry what RL learns.
+
+    r, lora_alpha, lora_dropout, target_modules, gradient_checkpointing: as
+    in `lora`. reward_loss_weight: weight of the preference loss against the
+    LM loss in stage hydra.
+    """
+
+    name = "hydra"
+
+    def __init__(
+        self,
+        r: int = 8,
+        lora_alpha: float = 16.0,
+        lora_dropout: float = 0.0,
+        target_modules: str | Sequence[str] = DEFAULT_TARGETS,
+        gradient_checkpointing: bool = False,
+        reward_loss_weight: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.lora = {"r": r, "lora_alpha": lora_alpha, "lora_dropout": lora_dropout, "target_modules": target_modules}
+        self.gradient_checkpointing = gradient_checkpointing
+        self.reward_loss_weight = reward_loss_weight
+
+    # ---- stages ----------------------------------------------------------------------------
+
+    def check(self, model_cfg, task, need_reward: bool) -> None:
+        """Settings this strategy cannot run with, caught before any model loads."""
+        if not need_reward:
+            return
+        if model_cfg.get("reward_model_path"):
+            raise ConfigError(
+                "model.reward_model_path: memory=hydra scores with a reward head on the policy's own backbone, not a separate "
+                "reward model; set it to null (stage hydra trains the head) or use memory=full or memory=lora"
+            )
+        if not model_cfg.get("sft_path") and (task.demonstrations is None or task.preference_pairs is None):
+            raise ConfigError(f"memory=hydra: task {task.name} lacks demonstrations or preference pairs for stage hydra; use memory=lora")
+
+    def run_stages(self, model_cfg: dict, base, tokenizer, task, stages: dict, cache_dir, make_trainer, need_reward: bool):
+        """-> (hydra checkpoint, the same path): stage hydra replaces stages sft and rm."""
+        if not need_reward:
+            log.info("stage hydra: the reward needs no reward head, so plain stage sft")
+            return super().run_stages(model_cfg, base, tokenizer, task, stages, cache_dir, make_trainer, need_reward)
+        sft_path = model_cfg.get("sft_path")
+        if sft_path and has_reward_head(sft_path):
+            log.info("stage hydra: skipped, model.sft_path=%s already carries a reward head", sft_path)
+            return sft_path, sft_path
+        self.check(model_cfg, task, need_reward)
+        from rlhflab.lit.hydra_stage import run_hydra_sft
+
+        path = run_hydra_sft(
+            sft_path or base, tokenizer, task, stages, self.reward_loss_weight, model_cfg["dtype"], cache_dir, make_trainer
+        )
+        return path, path
+
+    # ---- building ------------------------------------------------------------------------
+
+    def build(self, policy_path, reward_path, need_values: bool, pad_token_id: int, dtype: str = "float32") -> "HydraMemory":
+        """Wrap the hydra checkpoint in adapters and load its heads. reward_path None: no reward head (rule reward)."""
+        from peft import TaskType, get_peft_model
+
+        self.pad_token_id = pad_token_id
+        self.dtype = dtype
+        causal_lm = without_dropout(load_causal_lm(policy_path, dtype))
+        if self.gradient_checkpointing:
+            enable_checkpointing(causal_lm, context_fn=self._recompute_context)
+        lm_head = module_name(causal_lm, causal_lm.get_output_embeddings())
+        self.lm = get_peft_model(causal_lm, lora_config(**self.lora, task_type=TaskType.CAUSAL_LM), adapter_name=POLICY)
+        self.reward_head = None
+        self.reward_norm = (0.0, 1.0)
+        if reward_path is not None:
+            self.reward_head = freeze(ScalarHead.from_pretrained(reward_path, dtype))
+            self.reward_norm = read_reward_norm(reward_path)
+        self.value_head = None
+        if need_values:
+            # The value adapter sits where the policy's does, except on the LM head, which values never read.
+            targets = [n for n in self.lm.targeted_module_names if n != lm_head]
+            self.lm.add_adapter(VALUE, lora_config(**{**self.lora, "target_modules": targets}, task_type=TaskType.CAUSAL_LM))
+            # The critic starts as the reward model (as in the PPO-RLHF recipes), or at 0 without one.
+            fresh = self.reward_head is None
+            head = ScalarHead(causal_lm.config.hidden_size, DTYPES[dtype]) if fresh else copy.deepcopy(self.reward_head)
+            self.value_head = head.requires_grad_(True).train()
+        self._policy_params = self._adapter_parameters(POLICY)
+        self._value_params = self._adapter_parameters(VALUE) + trainable(self.value_head)
+        self._memo = None
+        self._activate(POLICY)
+        return self
+
+    def _adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
+        return [p for n, p in self.lm.named_parameters() if f".{adapter}." in n]
+
+    # ---- which adapter the trunk runs with -------------------------------------------------
+
+    def _activate(self, adapter: str | None) -> None:
+        """Route trunk forwards through `adapter`; None: no adapter (the SFT backbone = reference and reward model)."""
+        if adapter is None:
+            self.lm.base_model.disable_adapter_layers()
+        else:
+            self.lm.base_model.enable_adapter_layers()
+            self.lm.set_adapter(adapter)
+        self._active = adapter
+        # peft freezes the adapters it switches off, but here both adapters train whichever one is active.
+        for p in self._policy_params + self._value_params:
+            p.requires_grad_(True)
+
+    @contextmanager
+    def _using(self, adapter: str | None):
+        previous = self._active
+        if adapter != previous:
+            self._activate(adapter)
+        try:
+            yield
+        finally:
+            if adapter != previous:
+                self._activate(previous)
+
+    def _recompute_context(self):
+        """Checkpoint recomputation runs in backward, after the adapter may have switched: use the forward's."""
+        return nullcontext(), self._using(self._active)
+
+    # ---- forwards ------------------------------------------------------------------------
+
+    @property
+    def causal_lm(self):
+        """The adapted causal LM itself (decoder + LM head), without peft's wrapper."""
+        return self.lm.get_base_model()
+
+    def _hidden(self, query, response) -> torch.Tensor:
+        input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
+        return trunk(self.causal_lm, input_ids, attention_mask, position_ids)
+
+    def _response_logprobs(self, hidden, query, response, temperature: float) -> torch.Tensor:
+        # The whole sequence through the LM head, as the model's own forward does, so the reference is bit-exact.
+        logits = self.causal_lm.get_output_embeddings()(hidden)
+        return token_logprobs(logits[:, query.shape[1] - 1 : -1], response, temperature)
+
+    def _frozen_hidden(self, query, response) -> torch.Tensor:
+        """Trunk output with the adapters off, which scores and reference log-probs of a batch share.
+
+        The last batch's result is kept (until the next batch), keyed by its input tensors: their
+        ids stay unique while the memo holds them, and _version changes on any in-place write.
+        """
+        key = (id(query), id(response), query._version, response._version)
+        if self._memo is None or self._memo[0] != key:
+            with torch.no_grad(), self._using(None):
+                self._memo = (key, (query, response), self._hidden(query, response))
+        return self._memo[2]
+
+    @property
+    def generation_model(self) -> nn.Module:
+        return self.lm  # the policy adapter is active outside the forwards below
+
+    def policy_logprobs(self, query, response, temperature: float) -> torch.Tensor:
+        """(n, P), (n, R) -> (n, R) log-probs of the response under the policy adapter (with grad)."""
+        with self._using(POLICY):
+            return self._response_logprobs(self._hidden(query, response), query, response, temperature)
+
+    @torch.no_grad()
+    def reference_logprobs(self, query, response, temperature: float) -> torch.Tensor:
+        """(n, R) log-probs under the backbone with the adapters off: the SFT policy of stage hydra."""
+        hidden = self._frozen_hidden(query, response)
+        with self._using(None):  # the LM head carries an adapter too
+            return self._response_logprobs(hidden, query, response, temperature)
+
+    def values(self, query, response) -> torch.Tensor:
+        """(n, R) value estimates from the value adapter and value head (with grad)."""
+        with self._using(VALUE):
+            out = self.value_head(self._hidden(query, response)).squeeze(-1)
+        return out[:, query.shape[1] - 1 : -1].float()
+
+    @torch.no_grad()
+    def scores(self, query, response) -> torch.Tensor:
+        """(n,) standardised reward-head scores of the whole completion, adapters off."""
+        input_ids = torch.cat([query, response], dim=1)
+        raw = sequence_scores(self.reward_head, self._frozen_hidden(query, response), input_ids, self.pad_token_id)
+        mean, std = self.reward_norm
+        return (raw.float() - mean) / std
+
+    # ---- what the RL module and the accounting see -------------------------------------------
+
+    def model_modules(self) -> list[nn.Module]:
+        """The one backbone (with its adapters) and the heads: nothing else exists."""
+        return [m for m in (self.lm, self.reward_head, self.value_head) if m is not None]
+
+    def trainable_modules(self) -> list[nn.Module]:
+        return [m for m in (self.lm, self.value_head) if m is not None]
+
+    def policy_parameters(self):
+        return list(self._policy_params)
+
+    def value_parameters(self):
+        return list(self._value_params)

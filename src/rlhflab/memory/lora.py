@@ -1,0 +1,128 @@
+"""Memory strategy `lora`: LoRA adapters on a frozen policy; the reference is that policy with the adapter off.
+
+One copy of the policy weights serves two roles (TRL's `disable_adapter()`
+reference): the adapter on is the trained policy, the adapter off is the
+starting SFT policy, bit for bit. The reward model is separate and frozen, as
+in `full`; PPO's value model (initialised from the reward model) trains its
+own adapter and value head on a frozen backbone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from rlhflab.memory.base import MemoryStrategy, enable_checkpointing
+from rlhflab.memory.full import freeze, read_reward_norm
+from rlhflab.models.build import load_causal_lm, load_reward_model, load_value_model, without_dropout
+
+# Every linear layer of Llama and GPT-NeoX blocks, and the LM head (lm_head / embed_out); names a
+# model lacks are skipped. The head matters: the final norm bounds the trunk's output, so adapters
+# below it alone cannot sharpen a flat distribution (on the tiny model P(positive word) stalled at 0.32).
+DEFAULT_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
+    "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "embed_out",
+)
+# The scalar head of a token-classification model, per architecture (Llama: score; GPT-NeoX: classifier).
+VALUE_HEAD_NAMES = ["score", "classifier"]
+
+
+def lora_config(r: int, lora_alpha: float, lora_dropout: float, target_modules, task_type, **extra):
+    """A peft LoraConfig; `target_modules` is "all-linear" or a list of module names (a Hydra ListConfig is fine)."""
+    from peft import LoraConfig
+
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets, task_type=task_type, **extra)
+
+
+def trainable(module: nn.Module | None) -> list[nn.Parameter]:
+    return [] if module is None else [p for p in module.parameters() if p.requires_grad]
+
+
+class LoraMemory(MemoryStrategy):
+    """Policy = frozen SFT weights + LoRA adapter; reference = the same weights, adapter off.
+
+    r: LoRA rank; lora_alpha: the adapter's output is scaled by lora_alpha / r;
+    lora_dropout: dropout on the adapter input; target_modules: module names
+    or "all-linear" (which leaves the LM head out); gradient_checkpointing:
+    recompute activations in backward.
+    """
+
+    name = "lora"
+
+    def __init__(
+        self,
+        r: int = 8,
+        lora_alpha: float = 16.0,
+        lora_dropout: float = 0.0,
+        target_modules: str | Sequence[str] = DEFAULT_TARGETS,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        self.lora = {"r": r, "lora_alpha": lora_alpha, "lora_dropout": lora_dropout, "target_modules": target_modules}
+        self.gradient_checkpointing = gradient_checkpointing
+
+    def build(self, policy_path, reward_path, need_values: bool, pad_token_id: int, dtype: str = "float32") -> "LoraMemory":
+        """Load the models this run needs. reward_path None: no reward model (rule reward)."""
+        from peft import TaskType, get_peft_model
+
+        self.pad_token_id = pad_token_id
+        self.dtype = dtype
+        policy = self._prepared(load_causal_lm(policy_path, dtype))
+        self.policy = get_peft_model(policy, lora_config(**self.lora, task_type=TaskType.CAUSAL_LM))
+        self.reward_model = None
+        self.reward_norm = (0.0, 1.0)
+        if reward_path is not None:
+            self.reward_model = freeze(load_reward_model(reward_path, dtype, pad_token_id))
+            self.reward_norm = read_reward_norm(reward_path)
+        self.value_model = None
+        if need_values:
+            # Values start from the reward model when there is one (as in the PPO-RLHF recipes);
+            # listing the head in modules_to_save trains it in full and keeps the adapter off it.
+            backbone = self._prepared(load_value_model(reward_path or policy_path, dtype, pad_token_id))
+            config = lora_config(**self.lora, task_type=TaskType.TOKEN_CLS, modules_to_save=VALUE_HEAD_NAMES)
+            self.value_model = get_peft_model(backbone, config)
+        return self
+
+    def _prepared(self, model):
+        if self.gradient_checkpointing:
+            enable_checkpointing(model)
+        return without_dropout(model)
+
+    @property
+    def generation_model(self) -> nn.Module:
+        return self.policy
+
+    def policy_logprobs(self, query, response, temperature: float) -> torch.Tensor:
+        """(n, P), (n, R) -> (n, R) log-probs of the response under the adapted policy (with grad)."""
+        return self._logprobs(self.policy, query, response, temperature)
+
+    @torch.no_grad()
+    def reference_logprobs(self, query, response, temperature: float) -> torch.Tensor:
+        """(n, R) log-probs under the starting policy: the same weights with the adapter switched off."""
+        with self.policy.disable_adapter():
+            return self._logprobs(self.policy, query, response, temperature)
+
+    def values(self, query, response) -> torch.Tensor:
+        """(n, R) value estimates (with grad)."""
+        return self._values(self.value_model, query, response)
+
+    @torch.no_grad()
+    def scores(self, query, response) -> torch.Tensor:
+        """(n,) standardised reward-model scores of the whole completion."""
+        return self._scores(self.reward_model, query, response)
+
+    def model_modules(self) -> list[nn.Module]:
+        """Every model this strategy holds (for memory accounting); there is no reference model to list."""
+        return [m for m in (self.policy, self.reward_model, self.value_model) if m is not None]
+
+    def trainable_modules(self) -> list[nn.Module]:
+        return [m for m in (self.policy, self.value_model) if m is not None]
+
+    def policy_parameters(self):
+        return trainable(self.policy)
+
+    def value_parameters(self):
+        return trainable(self.value_model)

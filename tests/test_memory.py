@@ -1,0 +1,147 @@
+"""Memory strategies: every algorithm runs under each; lora and hydra keep one backbone and an exact reference."""
+
+import logging
+
+import pytest
+import torch
+
+from rlhflab.algos.registry import ALGORITHMS
+from rlhflab.lit.hydra_stage import lm_loss
+from rlhflab.memory.hydra import HydraMemory, ScalarHead, sequence_scores, trunk
+from rlhflab.memory.lora import LoraMemory
+from rlhflab.models.build import load_causal_lm
+from rlhflab.perf import model_state_bytes
+from rlhflab.train import train
+
+STRATEGIES = ["full", "lora", "hydra"]
+
+
+def sft_weights_path(memory) -> str:
+    """The directory the policy was loaded from (through peft's wrapper where there is one)."""
+    return memory.generation_model.name_or_path
+
+
+def eval_rollout(module, samples_per_prompt: int = 2):
+    """Completions of the held-out prompts by the trained policy: real left/right padding and EOS."""
+    torch.manual_seed(0)
+    return module.source.generator.generate(
+        module.memory.generation_model, module.eval_query, module.eval_prompts, samples_per_prompt, module.policy_version
+    )
+
+
+def param_bytes(modules) -> int:
+    state = model_state_bytes(modules, None)
+    return state["perf/param_bytes_trainable"] + state["perf/param_bytes_frozen"]
+
+
+def adapter_bytes(memory) -> int:
+    return sum(p.numel() * p.element_size() for m in memory.model_modules() for n, p in m.named_parameters() if "lora_" in n)
+
+
+def backbone_copies(memory) -> int:
+    """Distinct storages holding an input-embedding matrix: one per backbone the strategy keeps."""
+    return len({
+        p.untyped_storage().data_ptr()
+        for m in memory.model_modules() for n, p in m.named_parameters() if n.endswith("embed_tokens.weight")
+    })
+
+
+@pytest.mark.parametrize("algo", sorted(ALGORITHMS))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategy_trains_the_policy_and_keeps_the_reference_exact(make_cfg, strategy, algo):
+    """Two RL steps: the policy moves, every trained parameter got a gradient, and the reference
+    log-probs are still bit-identical to a plain from_pretrained load of the starting weights."""
+    result = train(make_cfg(f"memory={strategy}", f"algo={algo}", "trainer.max_steps=2"))
+    memory = result.module.memory
+    rollout = eval_rollout(result.module)
+    q, r, t = rollout.query, rollout.response, result.module.temperature
+    plain = load_causal_lm(sft_weights_path(memory)).eval()
+    with torch.no_grad():
+        ref = memory.reference_logprobs(q, r, t)
+        assert torch.equal(ref, memory._logprobs(plain, q, r, t))
+        assert not torch.allclose(memory.policy_logprobs(q, r, t), ref)
+    trained = memory.policy_parameters() + memory.value_parameters()
+    assert trained and all(p.requires_grad and p.grad is not None for p in trained)
+    assert bool(memory.value_parameters()) == ALGORITHMS[algo].needs_values
+
+
+def test_lora_and_hydra_hold_one_policy_backbone(make_cfg):
+    """PPO holds policy, reference, reward and value: full keeps 4 backbones, lora 3 (the reference
+    is the policy with its adapter off), hydra 1 (every role reads the same trunk)."""
+    memories = {s: train(make_cfg(f"memory={s}", "algo=ppo", "trainer.max_steps=1")).module.memory for s in STRATEGIES}
+    assert {s: backbone_copies(m) for s, m in memories.items()} == {"full": 4, "lora": 3, "hydra": 1}
+    backbone = param_bytes([memories["full"].reference])
+    size = {s: param_bytes(m.model_modules()) for s, m in memories.items()}
+    # lora drops the reference copy and adds adapters (and the value head's trainable copy: a few bytes).
+    assert size["full"] - size["lora"] == pytest.approx(backbone - adapter_bytes(memories["lora"]), rel=0.01)
+    # hydra: one backbone, two adapters and two scalar heads.
+    assert size["hydra"] == pytest.approx(backbone + adapter_bytes(memories["hydra"]), rel=0.01)
+    trainable = {s: model_state_bytes(m.model_modules(), None)["perf/param_bytes_trainable"] for s, m in memories.items()}
+    assert trainable["lora"] < trainable["full"] / 2 and trainable["hydra"] < trainable["full"] / 2
+
+
+def test_hydra_scores_are_the_stage_reward_head_on_the_shared_trunk(make_cfg, caplog):
+    """Scores = the saved reward head on the plain SFT backbone; scores and reference log-probs
+    of one batch take one trunk forward; a second run loads stage hydra from the cache."""
+    train(make_cfg("memory=hydra", "trainer.max_steps=1"))
+    with caplog.at_level(logging.INFO):
+        result = train(make_cfg("memory=hydra", "trainer.max_steps=1"))
+    assert "stage hydra: cached" in caplog.text and "training on" not in caplog.text
+    memory, module = result.module.memory, result.module
+    rollout = eval_rollout(module)
+    q, r = rollout.query, rollout.response
+    path = sft_weights_path(memory)
+    plain = load_causal_lm(path).eval()
+    ids = torch.cat([q, r], dim=1)
+    with torch.no_grad():
+        hidden = memory._forward(plain.get_decoder(), q, r, use_cache=False).last_hidden_state
+        raw = sequence_scores(ScalarHead.from_pretrained(path), hidden, ids, memory.pad_token_id)
+        mean, std = memory.reward_norm
+        assert torch.equal(memory.scores(q.clone(), r.clone()), (raw - mean) / std)
+
+        calls = []
+        hook = memory.causal_lm.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+        memory.scores(q, r)
+        memory.reference_logprobs(q, r, module.temperature)
+        hook.remove()
+    assert len(calls) == 1
+
+
+def test_hydra_trunk_and_lm_loss_match_the_models_own_forward():
+    """Stage hydra's shared-trunk LM loss is the loss the causal LM itself would compute."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    model = LlamaForCausalLM(config).eval()
+    input_ids = torch.randint(1, 40, (3, 7))
+    labels = input_ids.masked_fill(torch.arange(7) < 3, -100)  # a prompt of 3 tokens is not learned
+    logits = model.get_output_embeddings()(trunk(model, input_ids, torch.ones_like(input_ids)))
+    torch.testing.assert_close(lm_loss(logits, labels), model(input_ids=input_ids, labels=labels).loss)
+
+
+def _random_adapters(memory, seed: int = 0) -> None:
+    """Non-zero adapters (LoRA B starts at 0) so the policy and value adapters really differ."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in memory.policy_parameters() + memory.value_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+@pytest.mark.parametrize("strategy", [LoraMemory, HydraMemory])
+def test_gradient_checkpointing_gives_the_same_gradients(make_cfg, strategy):
+    """Policy then value forward, one backward: under hydra the recomputation must use the adapter
+    each forward ran with, although the active adapter switched in between."""
+    memory = train(make_cfg(f"memory={strategy.name}", "algo=ppo", "trainer.max_steps=1")).module.memory
+    path = sft_weights_path(memory)
+    reward_path = memory.reward_model.name_or_path if strategy is LoraMemory else path  # hydra: the head sits with the LM
+    q, r = torch.randint(4, 40, (4, 6)), torch.randint(4, 40, (4, 5))
+    grads = []
+    for checkpointing in (False, True):
+        m = strategy(gradient_checkpointing=checkpointing).build(path, reward_path, True, memory.pad_token_id).train()
+        _random_adapters(m)
+        loss = m.policy_logprobs(q, r, 1.0).sum() + m.values(q, r).square().sum()
+        loss.backward()
+        grads.append([p.grad.clone() for p in m.policy_parameters() + m.value_parameters()])
+    for plain, checkpointed in zip(*grads):
+        torch.testing.assert_close(checkpointed, plain)
