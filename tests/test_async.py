@@ -16,6 +16,11 @@ from rlhflab.rollout.hf import HFGenerator
 from rlhflab.train import train
 
 
+def live_children():
+    """Child processes, less multiprocessing's resource tracker (spawn starts one for the process's life)."""
+    return [c for c in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(c.cmdline())]
+
+
 def history(cfg, run_id, key):
     return [m.value for m in sorted(MlflowClient(cfg.logger.tracking_uri).get_metric_history(run_id, key), key=lambda m: m.step)]
 
@@ -69,7 +74,7 @@ def test_generator_exception_fails_the_run_fast_with_its_traceback(make_cfg):
         train(cfg)
     assert "Traceback" in str(err.value)
     assert time.perf_counter() - start < 60
-    assert not psutil.Process().children(recursive=True)  # the generator was reaped
+    assert not live_children()  # the generator was reaped
 
 
 def start_cli(tmp_path, *args):
@@ -114,3 +119,38 @@ def test_ctrl_c_stops_both_sides(tmp_path):
     child_gone = not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE
     assert child_gone, out
     assert "Traceback" not in out.split("KeyboardInterrupt")[0] or "generator" not in out
+
+
+def test_only_the_adapter_travels_under_lora(make_cfg):
+    from rlhflab.rollout.async_source import trainable_state
+
+    lora = train(make_cfg("memory=lora", "mode=async", "trainer.max_steps=2")).module.memory.generation_model
+    sent = trainable_state(lora)
+    assert sent and all("lora_" in name for name in sent)
+    total = sum(p.numel() for p in lora.parameters())
+    assert sum(t.numel() for t in sent.values()) < 0.5 * total
+
+
+def test_truncated_importance_weights_mode_runs_and_learns(make_cfg):
+    cfg = make_cfg("mode=async", "staleness=2", "mode.off_policy=tis", "mode.tis_cap=1.5", "trainer.max_steps=30")
+    result = train(cfg)
+    assert result.metrics["eval/gold_reward"] > result.metrics["eval/gold_reward_before"]
+
+
+def test_spawned_generator_matches_the_forked_one(make_cfg):
+    """spawn is what a CUDA generator needs; on CPU it must reproduce fork exactly."""
+    forked = make_cfg("mode=async", "staleness=1", "trainer.max_steps=4")
+    spawned = make_cfg("mode=async", "staleness=1", "trainer.max_steps=4", "mode.start_method=spawn")
+    a, b = train(forked), train(spawned)
+    assert history(forked, a.run_id, "train/reward") == pytest.approx(history(spawned, b.run_id, "train/reward"), abs=1e-6)
+    assert not live_children()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device (none on the CPU build machine)")
+def test_generator_on_its_own_gpu(make_cfg):
+    import torch
+
+    device = f"cuda:{torch.cuda.device_count() - 1}"
+    cfg = make_cfg("trainer=gpu", "mode=async", "staleness=1", "trainer.max_steps=4", "mode.start_method=spawn", f"mode.device={device}")
+    assert train(cfg).module.policy_version == 4

@@ -42,12 +42,15 @@ class MlflowTracker:
     tracking_uri: where runs go (default: sqlite:///mlflow.db in the working directory).
     experiment_name: the MLflow experiment that groups runs.
     run_name: null = "<algo>-<memory>-<mode>".
+    synchronous: write each step's metrics before going on (false: through MLflow's background queue).
     """
 
-    def __init__(self, tracking_uri: str, experiment_name: str = "rlhflab", run_name: str | None = None) -> None:
+    def __init__(self, tracking_uri: str, experiment_name: str = "rlhflab", run_name: str | None = None,
+                 synchronous: bool = False) -> None:
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         self.run_name = run_name
+        self.synchronous = synchronous
         self.run_id: str | None = None
 
     @property
@@ -76,7 +79,8 @@ class MlflowTracker:
         return self.run_id
 
     def lightning_logger(self) -> RunLogger:
-        return RunLogger(tracking_uri=self.tracking_uri, run_id=self.run_id)
+        # Per-step metrics go through MLflow's background queue, so a slow store never blocks a step.
+        return RunLogger(tracking_uri=self.tracking_uri, run_id=self.run_id, synchronous=self.synchronous)
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
         from mlflow.entities import Metric
@@ -100,4 +104,7 @@ class MlflowTracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         if self.run_id is not None:
+            import mlflow
+
+            mlflow.flush_async_logging()  # every queued step metric lands before the run ends
             self.client.set_terminated(self.run_id, status)

@@ -67,7 +67,7 @@ class RLHFModule(L.LightningModule):
         # 1. generate (sync: now, with the current weights; async: a batch made earlier)
         query, index = batch
         prompts = [self.train_prompts[i] for i in index.tolist()]
-        rollout = self.source.get(self.memory.generation_model, query, prompts, self.policy_version, self.algo)
+        rollout = self.source.get(self.memory.generation_model, query, prompts, self.policy_version, self.algo).to(self.device)
         t_gen = time.perf_counter() - t0
         # 2. score (a completion that never ends gets the EOS penalty instead)
         with torch.no_grad():

@@ -5,8 +5,9 @@ after update max(0, i - N), N = `staleness` (with weights pushed every M
 updates, the newest pushed version at or before that). Every rollout carries
 its version; the learner refuses a rollout staler than N + M - 1.
 
-The generator is a forked process with its own copy of the policy (copy on
-write at fork), its own torch threads, and the learner's prompt order. After
+The generator is a separate process (forked on CPU, spawned for CUDA) with its
+own copy of the policy on its own device, its own torch threads, and the
+learner's prompt order. After
 each pushed update it receives only the trainable tensors (with LoRA: just the
 adapter). A crash in it reaches the learner within a poll interval with its
 traceback; closing (or the learner dying) ends it.
@@ -14,6 +15,7 @@ traceback; closing (or the learner dying) ends it.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import pickle
@@ -46,8 +48,12 @@ def required_version(batch: int, staleness: int, sync_every: int) -> int:
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
-    """The tensors an update changes: what has to travel to the generator."""
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    """The tensors an update changes: what has to travel to the generator.
+
+    Copied to host memory: a CUDA tensor in a queue is an IPC handle that the
+    learner would have to keep alive until the generator has read it.
+    """
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _epoch(loader, epoch: int):
@@ -55,9 +61,12 @@ def _epoch(loader, epoch: int):
     return loader
 
 
-def _generator_main(generator, model, loader, train_prompts, algo_needs, seed, staleness, sync_every, threads, weights_q, out_q, parent):
+def _generator_main(generator, model, loader, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
+                    weights_q, out_q, parent):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle; it then stops us
     torch.set_num_threads(threads)
+    if device is not None:
+        model.to(device)
     samples_per_prompt, greedy = algo_needs
     params = dict(model.named_parameters())
     version = 0
@@ -82,7 +91,8 @@ def _generator_main(generator, model, loader, train_prompts, algo_needs, seed, s
             prompts = [train_prompts[i] for i in index.tolist()]
             t0 = time.perf_counter()
             with seeded(seed, j):
-                rollout = generator.generate(model, query, prompts, samples_per_prompt, version, greedy_baseline=greedy)
+                rollout = generator.generate(model, query.to(device or "cpu"), prompts, samples_per_prompt, version,
+                                             greedy_baseline=greedy).to("cpu")
             rollout.extras["gen_busy_s"] = time.perf_counter() - t0
             rollout.extras["batch"] = j
             # Plain pickle copies the tensors: a shared-memory handle would die with this process
@@ -97,6 +107,8 @@ class AsyncSource(SyncSource):
 
     sync_every: push weights to the generator every M updates (staleness bound N + M - 1).
     generator_threads / learner_threads: torch threads of each side (their sum should not exceed the cores).
+    device: where the generator's copy of the policy runs (null: CPU); e.g. cuda:1 beside a learner on cuda:0.
+    start_method: fork (CPU; 0.1 s) or spawn (required once CUDA is initialised; 4-6 s of imports).
     off_policy: how the learner treats stale samples: `behaviour` uses the generator's log-probs as the
       old policy of importance ratios (PPO, GRPO, clipped RLOO); `tis` additionally weights advantages by
       min(pi_learner_old / pi_behaviour, tis_cap); `none` recomputes old log-probs with current weights.
@@ -105,7 +117,8 @@ class AsyncSource(SyncSource):
     name = "async"
 
     def __init__(self, generator, staleness: int = 1, sync_every: int = 1, generator_threads: int = 1,
-                 learner_threads: int = 1, off_policy: str = "behaviour", tis_cap: float = 2.0) -> None:
+                 learner_threads: int = 1, off_policy: str = "behaviour", tis_cap: float = 2.0, device: str | None = None,
+                 start_method: str = "fork") -> None:
         super().__init__(generator)
         if staleness < 0:
             raise ConfigError(f"staleness={staleness}: must be >= 0")
@@ -118,7 +131,13 @@ class AsyncSource(SyncSource):
         self.generator_threads = generator_threads
         self.learner_threads = learner_threads
         self.off_policy = off_policy
+        if start_method not in ("fork", "spawn"):
+            raise ConfigError(f"mode.start_method={start_method!r}: use fork or spawn")
+        if device is not None and device.startswith("cuda") and start_method == "fork":
+            raise ConfigError(f"mode.device={device}: CUDA cannot run in a forked process; set mode.start_method=spawn")
         self.tis_cap = tis_cap
+        self.device = device
+        self.start_method = start_method
         self.proc = None
         self.next_batch = 0
 
@@ -127,11 +146,15 @@ class AsyncSource(SyncSource):
         return self.staleness + self.sync_every - 1
 
     def start(self, model, loader, train_prompts, algo, seed: int) -> None:
-        ctx = mp.get_context("fork")  # 0.1 s to start; spawn re-imports everything (4-6 s)
+        ctx = mp.get_context(self.start_method)
         self.weights_q, self.out_q = ctx.Queue(), ctx.Queue()
         torch.set_num_threads(self.learner_threads)
-        args = (self.generator, model, loader, train_prompts, (algo.samples_per_prompt, algo.needs_greedy_baseline),
-                seed, self.staleness, self.sync_every, self.generator_threads, self.weights_q, self.out_q, os.getpid())
+        # fork: the child's copy is the parent's memory at fork time (copy on write). spawn pickles
+        # the arguments, so hand it a host copy rather than shared handles to the learner's weights.
+        gen_model = model if self.start_method == "fork" else copy.deepcopy(model).to("cpu")
+        args = (self.generator, gen_model, loader, train_prompts, (algo.samples_per_prompt, algo.needs_greedy_baseline),
+                seed, self.staleness, self.sync_every, self.generator_threads, self.device, self.weights_q, self.out_q,
+                os.getpid())
         self.proc = ctx.Process(target=_generator_main, args=args, daemon=True, name="rlhflab-generator")
         self.proc.start()
         log.info("mode async: generator process %d started (staleness %d, weights every %d updates, threads %d+%d)",

@@ -37,6 +37,11 @@ class Rollout:
     def with_version(self, version: int) -> "Rollout":
         return replace(self, version=version)
 
+    def to(self, device) -> "Rollout":
+        """The same rollout with every tensor on `device` (a no-op when they are there already)."""
+        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return replace(self, **moved)
+
 
 def response_mask_from_eos(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """(n, R) float mask that is 1 up to and including the first EOS, else to the end."""
