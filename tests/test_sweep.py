@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -220,3 +221,15 @@ def test_sweep_against_a_tracking_server(mlflow_server, tmp_path, stage_cache):
     assert bad.info.status == "FAILED" and "not_a_dir" in bad.data.tags["rlhflab.error"]
     assert bad.data.params["cache_dir"] == str(not_a_dir)  # the job's own run (it logged its config), not the callback's
     assert "Traceback" in sweep.output  # an unexpected error is shown in full, unlike a ConfigError
+
+
+@pytest.mark.slow
+def test_optuna_preset_runs_trials_as_children_and_optimises_the_kl_penalised_gold(tmp_path, stage_cache):
+    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", stage_cache,
+                      "experiment=sweep_optuna", "hydra.sweeper.n_trials=2", "kl_budget=0.0", "kl_penalty=0.01")
+    parent, children = sweep_runs(MlflowClient(sweep.uri))
+    assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
+    # The sweeper saw gold - 0.01 * KL (budget 0): its best value is the best trial's penalised gold.
+    best = max(r.data.metrics["eval/gold_reward"] - 0.01 * r.data.metrics["eval/kl"] for r in children)
+    reported = float(re.search(r"Best value: (\S+)", sweep.output).group(1))
+    assert reported == pytest.approx(best, abs=1e-6)
