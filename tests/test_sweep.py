@@ -230,6 +230,6 @@ def test_optuna_preset_runs_trials_as_children_and_optimises_the_kl_penalised_go
     parent, children = sweep_runs(MlflowClient(sweep.uri))
     assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
     # The sweeper saw gold - 0.01 * KL (budget 0): its best value is the best trial's penalised gold.
-    best = max(r.data.metrics["eval/gold_reward"] - 0.01 * r.data.metrics["eval/kl"] for r in children)
+    best = max(r.data.metrics["eval/gold_reward"] - 0.01 * max(0.0, r.data.metrics["eval/kl"]) for r in children)
     reported = float(re.search(r"Best value: (\S+)", sweep.output).group(1))
     assert reported == pytest.approx(best, abs=1e-6)
