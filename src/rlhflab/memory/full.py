@@ -53,14 +53,18 @@ class FullMemory(MemoryStrategy):
         if self.gradient_checkpointing:
             enable_checkpointing(self.policy)
         self.reference = freeze(copy.deepcopy(self.policy))
+        self.load_reward_model(reward_path)
+        # Values start from the reward model when there is one (as in the PPO-RLHF recipes).
+        self.value_model = load_value_model(reward_path or policy_path, self.dtype, self.pad_token_id) if need_values else None
+        return self
+
+    def load_reward_model(self, reward_path) -> None:
+        """A frozen reward model and the score statistics its stage measured; None: no reward model (rule reward)."""
         self.reward_model = None
         self.reward_norm = (0.0, 1.0)
         if reward_path is not None:
             self.reward_model = freeze(load_reward_model(reward_path, self.dtype, self.pad_token_id))
             self.reward_norm = read_reward_norm(reward_path)
-        # Values start from the reward model when there is one (as in the PPO-RLHF recipes).
-        self.value_model = load_value_model(reward_path or policy_path, self.dtype, self.pad_token_id) if need_values else None
-        return self
 
     @property
     def generation_model(self) -> nn.Module:

@@ -2,8 +2,8 @@
 
 One copy of the policy weights serves two roles (TRL's `disable_adapter()`
 reference): the adapter on is the trained policy, the adapter off is the
-starting SFT policy, bit for bit. The reward model is separate and frozen, as
-in `full`; PPO's value model (initialised from the reward model) trains its
+starting SFT policy, bit for bit. Everything else is as in `full` (whose
+methods it inherits): the reward model is separate and frozen; PPO's value model (initialised from the reward model) trains its
 own adapter and value head on a frozen backbone.
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from rlhflab.memory.base import MemoryStrategy, enable_checkpointing
-from rlhflab.memory.full import freeze, read_reward_norm
-from rlhflab.models.build import load_causal_lm, load_reward_model, load_value_model, without_dropout
+from rlhflab.memory.base import enable_checkpointing
+from rlhflab.memory.full import FullMemory
+from rlhflab.models.build import load_causal_lm, load_value_model, without_dropout
 
 # Every linear layer of Llama and GPT-NeoX blocks, and the LM head (lm_head / embed_out); names a
 # model lacks are skipped. The head matters: the final norm bounds the trunk's output, so adapters
@@ -41,7 +41,7 @@ def trainable(module: nn.Module | None) -> list[nn.Parameter]:
     return [] if module is None else [p for p in module.parameters() if p.requires_grad]
 
 
-class LoraMemory(MemoryStrategy):
+class LoraMemory(FullMemory):
     """Policy = frozen SFT weights + LoRA adapter; reference = the same weights, adapter off.
 
     r: LoRA rank; lora_alpha: the adapter's output is scaled by lora_alpha / r;
@@ -60,9 +60,8 @@ class LoraMemory(MemoryStrategy):
         target_modules: str | Sequence[str] = DEFAULT_TARGETS,
         gradient_checkpointing: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(gradient_checkpointing)
         self.lora = {"r": r, "lora_alpha": lora_alpha, "lora_dropout": lora_dropout, "target_modules": target_modules}
-        self.gradient_checkpointing = gradient_checkpointing
 
     def build(self, policy_path, reward_path, need_values: bool, pad_token_id: int, dtype: str = "float32") -> "LoraMemory":
         """Load the models this run needs. reward_path None: no reward model (rule reward)."""
@@ -72,11 +71,7 @@ class LoraMemory(MemoryStrategy):
         self.dtype = dtype
         policy = self._prepared(load_causal_lm(policy_path, dtype))
         self.policy = get_peft_model(policy, lora_config(**self.lora, task_type=TaskType.CAUSAL_LM))
-        self.reward_model = None
-        self.reward_norm = (0.0, 1.0)
-        if reward_path is not None:
-            self.reward_model = freeze(load_reward_model(reward_path, dtype, pad_token_id))
-            self.reward_norm = read_reward_norm(reward_path)
+        self.load_reward_model(reward_path)
         self.value_model = None
         if need_values:
             # Values start from the reward model when there is one (as in the PPO-RLHF recipes);
@@ -91,38 +86,13 @@ class LoraMemory(MemoryStrategy):
             enable_checkpointing(model)
         return without_dropout(model)
 
-    @property
-    def generation_model(self) -> nn.Module:
-        return self.policy
-
-    def policy_logprobs(self, query, response, temperature: float) -> torch.Tensor:
-        """(n, P), (n, R) -> (n, R) log-probs of the response under the adapted policy (with grad)."""
-        return self._logprobs(self.policy, query, response, temperature)
-
     @torch.no_grad()
     def reference_logprobs(self, query, response, temperature: float) -> torch.Tensor:
         """(n, R) log-probs under the starting policy: the same weights with the adapter switched off."""
         with self.policy.disable_adapter():
             return self._logprobs(self.policy, query, response, temperature)
 
-    def values(self, query, response) -> torch.Tensor:
-        """(n, R) value estimates (with grad)."""
-        return self._values(self.value_model, query, response)
-
-    @torch.no_grad()
-    def scores(self, query, response) -> torch.Tensor:
-        """(n,) standardised reward-model scores of the whole completion."""
-        return self._scores(self.reward_model, query, response)
-
     def model_modules(self) -> list[nn.Module]:
         """Every model this strategy holds (for memory accounting); there is no reference model to list."""
         return [m for m in (self.policy, self.reward_model, self.value_model) if m is not None]
 
-    def trainable_modules(self) -> list[nn.Module]:
-        return [m for m in (self.policy, self.value_model) if m is not None]
-
-    def policy_parameters(self):
-        return trainable(self.policy)
-
-    def value_parameters(self):
-        return trainable(self.value_model)
