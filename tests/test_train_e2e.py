@@ -55,3 +55,12 @@ def test_rule_reward_skips_the_reward_model_stage(make_cfg, caplog):
         result = train(make_cfg("reward=rule", "trainer.max_steps=2"))
     assert "stage rm: skipped" in caplog.text
     assert result.module.memory.reward_model is None
+
+
+@pytest.mark.parametrize("memory", ["full", "lora", "hydra"])
+def test_bf16_mixed_precision_and_checkpointing_switches_run(make_cfg, memory):
+    cfg = make_cfg(f"memory={memory}", "memory.gradient_checkpointing=true", "trainer.precision=bf16-mixed",
+                   "algo=ppo", "trainer.max_steps=4")
+    result = train(cfg)
+    assert result.module.trainer.precision == "bf16-mixed"
+    assert result.metrics["perf/mean_samples_per_s"] > 0
