@@ -170,11 +170,16 @@ def plot_gold_vs_time(client, runs, path: Path) -> bool:
     for label, t, v in curves:
         ax.plot(t, v, marker="o", label=label)
     ax.set(xlabel="wall-clock since run start (s)", ylabel="gold reward (eval)", title="Gold reward vs wall-clock")
+    return _finish(fig, ax, path)
+
+
+def _finish(fig, ax, path: Path) -> bool:
+    """Legend, grid, save, close: the same for every line and scatter plot."""
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return True
 
 
@@ -203,12 +208,7 @@ def plot_frontier(runs, path: Path) -> bool:
             ax.annotate(note, (kl, gold), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set(xlabel="KL to reference (eval, nats)", ylabel="gold reward (eval)", title="Gold reward vs KL")
     ax.margins(x=0.2, y=0.08)  # room for the labels of the outermost points
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _finish(fig, ax, path)
 
 
 def plot_bars(rows: list[dict], key: str, ylabel: str, path: Path) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import lightning as L
@@ -75,9 +76,10 @@ class RLHFModule(L.LightningModule):
             scores = F.eos_penalty(scores, rollout.has_eos(self.tokenizer.eos_token_id), self.cfg.eos_penalty)
             baseline = self.reward.score_baseline(self.memory, self.task, rollout) if self.algo.needs_greedy_baseline else None
             # 3. log-probs before the update (or the generator's, for stale batches), reference log-probs, values
-            old_logprobs = self.memory.policy_logprobs(rollout.query, rollout.response, self.temperature)
             if self.source.off_policy == "behaviour":
-                old_logprobs = rollout.logprobs
+                old_logprobs = rollout.logprobs  # no forward: the generator's are the old policy
+            else:
+                old_logprobs = self.memory.policy_logprobs(rollout.query, rollout.response, self.temperature)
             ref_logprobs = self.memory.reference_logprobs(rollout.query, rollout.response, self.temperature)
             values = self.memory.values(rollout.query, rollout.response) if self.algo.needs_values else None
         mask = rollout.response_mask
@@ -122,7 +124,7 @@ class RLHFModule(L.LightningModule):
         mask = rollout.response_mask
         if advantages.dim() == 1:
             log_ratio = F.masked_sum(learner_old - rollout.logprobs, mask, dim=1)
-            return torch.exp(log_ratio.clamp(max=float(torch.log(torch.tensor(self.source.tis_cap)))))
+            return torch.exp(log_ratio.clamp(max=math.log(self.source.tis_cap)))
         return F.truncated_importance_weights(learner_old, rollout.logprobs, mask, self.source.tis_cap)
 
     def _update(self, targets: dict, n: int) -> dict:
