@@ -114,6 +114,8 @@ class RLHFModule(L.LightningModule):
             # 1.0 = the step took only as long as the slower side (perfect overlap)
             "perf/overlap_eff": max(gen_busy, train_busy) / t_step,
         }
+        if "engine_sync_s" in rollout.extras:  # generator=vllm: loading new weights into the engine
+            metrics["perf/engine_sync_s"] = rollout.extras["engine_sync_s"]
         metrics |= self.memory_metrics()
         self._log_step(metrics)
         if self.cfg.eval_every and self.policy_version % self.cfg.eval_every == 0:
@@ -196,7 +198,7 @@ class RLHFModule(L.LightningModule):
         """Gold reward of sampled completions on held-out prompts (same seed every time)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.eval_seed)
-            rollout: Rollout = self.source.generator.generate(
+            rollout: Rollout = self.source.eval_generator.generate(
                 self.memory.generation_model, self.eval_query.to(self.device), self.eval_prompts,
                 self.cfg.eval_samples_per_prompt, self.policy_version,
             )

@@ -61,11 +61,30 @@ def _epoch(loader, epoch: int):
     return loader
 
 
+def pin_cuda_device(device: str) -> str:
+    """In a fresh (spawned) process, make `cuda:N` the only visible GPU and return its new name, cuda:0.
+
+    Engines such as vLLM place themselves on the first visible device; this puts them
+    (and the policy copy) on the one `mode.device` names. N counts the GPUs the learner
+    sees, so it composes with a CUDA_VISIBLE_DEVICES set for the whole run.
+    """
+    if not device.startswith("cuda:"):
+        return device
+    index = int(device.split(":", 1)[1])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(index + 1)]
+    if index >= len(ids):
+        raise RuntimeError(f"mode.device={device}: only {len(ids)} GPU(s) visible (CUDA_VISIBLE_DEVICES={visible})")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ids[index]
+    return "cuda:0"
+
+
 def _generator_main(generator, model, loader, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
                     weights_q, out_q, parent):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle; it then stops us
     torch.set_num_threads(threads)
     if device is not None:
+        device = pin_cuda_device(device)
         model.to(device)
     samples_per_prompt, greedy = algo_needs
     params = dict(model.named_parameters())
@@ -135,11 +154,18 @@ class AsyncSource(SyncSource):
             raise ConfigError(f"mode.start_method={start_method!r}: use fork or spawn")
         if device is not None and device.startswith("cuda") and start_method == "fork":
             raise ConfigError(f"mode.device={device}: CUDA cannot run in a forked process; set mode.start_method=spawn")
+        if generator.needs_cuda and start_method == "fork":
+            raise ConfigError(f"mode.start_method=fork: the {type(generator).__name__} runs CUDA in the generator process; set mode.start_method=spawn")
         self.tis_cap = tis_cap
         self.device = device
         self.start_method = start_method
         self.proc = None
         self.next_batch = 0
+
+    @property
+    def eval_generator(self):
+        """The learner's own sampler for evaluation: the engine, if any, belongs to the generator process."""
+        return self.generator.for_learner()
 
     @property
     def max_staleness(self) -> int:

@@ -75,6 +75,23 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def pad_completions(tokens: list[list[int]], logprobs: list[list[float]], width: int, pad_token_id: int):
+    """Variable-length completions (as an inference engine returns them) -> right-padded (n, width) tensors.
+
+    Returns response (n, width) token ids with `pad_token_id` after each completion and
+    logprobs (n, width) float32 with 0 there. A completion longer than `width` is an error.
+    """
+    n = len(tokens)
+    response = torch.full((n, width), pad_token_id, dtype=torch.long)
+    lp = torch.zeros((n, width), dtype=torch.float32)
+    for i, (t, l) in enumerate(zip(tokens, logprobs, strict=True)):
+        if len(t) != len(l) or len(t) > width:
+            raise ValueError(f"completion {i}: {len(t)} tokens, {len(l)} log-probs, budget {width}")
+        response[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        lp[i, : len(l)] = torch.tensor(l, dtype=torch.float32)
+    return response, lp
+
+
 def repeat_prompts(query: torch.Tensor, prompts: list[str], k: int):
     """Repeat each prompt k times, keeping each prompt's samples contiguous."""
     return query.repeat_interleave(k, dim=0), [p for p in prompts for _ in range(k)]

@@ -21,9 +21,15 @@ class HFGenerator:
         self.top_k = top_k
         self.max_new_tokens = max_new_tokens
 
+    needs_cuda = False
+
     def setup(self, tokenizer, max_new_tokens: int) -> None:
         self.tokenizer = tokenizer
         self.max_new_tokens = self.max_new_tokens or max_new_tokens
+
+    def for_learner(self) -> "HFGenerator":
+        """What the learner samples evaluation completions with while a generator process runs: this one."""
+        return self
 
     @torch.no_grad()
     def _generate(self, model, query: torch.Tensor, greedy: bool):

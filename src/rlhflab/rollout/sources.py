@@ -30,6 +30,11 @@ class SyncSource:
         self.next_batch = 0
         self.seed = 0
 
+    @property
+    def eval_generator(self):
+        """What the learner samples evaluation completions with."""
+        return self.generator
+
     def start(self, model, loader, train_prompts, algo, seed: int) -> None:
         self.seed = seed
 

@@ -1,0 +1,169 @@
+"""Generation with a vLLM engine (GPU only): `generator=vllm`.
+
+The engine lives in the process that generates: the learner's in `mode=sync`
+(sharing its GPU, bounded by `gpu_memory_utilization`), the generator process
+in `mode=async` (spawned; on its own GPU with `mode.device=cuda:N`). It starts
+from the generation model's merged weights (rollout/weights.py) and, whenever
+it is asked for a newer policy version, reloads them in place (`load_weights`;
+the prefix cache is reset so no KV block of the old weights is reused). With
+LoRA the adapter alone crosses between processes and is merged on the
+generator's side.
+
+Log-probs are the engine's *processed* ones (after temperature and top-k), i.e.
+those of the distribution each token was drawn from, which is what the learner
+uses as the behaviour policy. Sampling is seeded per completion from torch's
+RNG, so a run is reproducible and sync and async draw the same seeds.
+
+Not run on the build machine (no GPU; PyPI's vllm is a CUDA build). The parts
+that need no engine (merged weights, padding of engine outputs) are tested on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import tempfile
+import time
+
+import torch
+
+from rlhflab.errors import ConfigError
+from rlhflab.rollout.batch import pad_completions
+from rlhflab.rollout.hf import HFGenerator
+from rlhflab.rollout.weights import policy_weights, save_policy_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def check_vllm_available() -> None:
+    """ConfigError (one line, before any model loads) when vLLM cannot run here."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("generator=vllm: the vllm package is not installed; pip install -e '.[vllm]' on a CUDA machine, or use generator=hf")
+    if not torch.cuda.is_available():
+        raise ConfigError("generator=vllm: no CUDA device here (vLLM's PyPI build runs on GPUs only); use generator=hf on CPU")
+
+
+def engine_model(llm):
+    """The engine's torch model, reachable while the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    engine = llm.llm_engine
+    for path in ("model_executor.driver_worker.worker.model_runner.model", "model_executor.driver_worker.model_runner.model"):
+        obj = engine
+        try:
+            for attr in path.split("."):
+                obj = getattr(obj, attr)
+            return obj
+        except AttributeError:
+            continue
+    import vllm
+
+    raise RuntimeError(f"vllm {vllm.__version__}: cannot reach the engine's model to load new weights; pin a vllm this code knows (see pyproject.toml)")
+
+
+class VLLMGenerator(HFGenerator):
+    """Samples k completions per prompt with a vLLM engine, recording the engine's behaviour log-probs.
+
+    temperature, top_k, max_new_tokens: as for `generator=hf`.
+    gpu_memory_utilization: the share of the GPU the engine may take (weights + KV cache);
+      leave room for the learner when they share a device.
+    dtype: engine weights dtype (auto = the checkpoint's).
+    enforce_eager: skip CUDA graph capture (faster start, slower decoding).
+    max_model_len: longest prompt + completion (null = the model's maximum).
+    """
+
+    needs_cuda = True
+
+    def __init__(self, temperature: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None,
+                 gpu_memory_utilization: float = 0.3, dtype: str = "auto", enforce_eager: bool = True,
+                 max_model_len: int | None = None) -> None:
+        check_vllm_available()
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ConfigError(f"generator.gpu_memory_utilization={gpu_memory_utilization}: must be in (0, 1]")
+        super().__init__(temperature, top_k, max_new_tokens)
+        self.engine_args = {"gpu_memory_utilization": gpu_memory_utilization, "dtype": dtype,
+                            "enforce_eager": enforce_eager, "max_model_len": max_model_len}
+        self.llm = None
+        self.loaded_version = None
+        self.requested_version = 0
+
+    def __getstate__(self):
+        # The engine stays in the process that made it; a spawned generator process starts its own.
+        return {**self.__dict__, "llm": None, "loaded_version": None}
+
+    def for_learner(self) -> HFGenerator:
+        """What the learner samples evaluation completions with while a generator process owns the engine."""
+        local = HFGenerator(self.temperature, self.top_k, self.max_new_tokens)
+        local.setup(self.tokenizer, self.max_new_tokens)
+        return local
+
+    def generate(self, model, query, prompts, samples_per_prompt, version, greedy_baseline=False):
+        self.requested_version = version
+        t0 = time.perf_counter()
+        self._ensure_engine(model)
+        sync_s = time.perf_counter() - t0
+        rollout = super().generate(model, query, prompts, samples_per_prompt, version, greedy_baseline)
+        rollout.extras["engine_sync_s"] = sync_s
+        return rollout
+
+    def _ensure_engine(self, model) -> None:
+        """Start the engine from the model's weights, or reload them when the version moved on."""
+        if self.llm is None:
+            self._start_engine(model)
+        elif self.loaded_version != self.requested_version:
+            engine_model(self.llm).load_weights(weights=policy_weights(model).items())
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.loaded_version = self.requested_version
+
+    def _start_engine(self, model) -> None:
+        # In-process engine core: its model object is reachable for in-place weight loads.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        path = save_policy_checkpoint(model, tempfile.mkdtemp(prefix="rlhflab-vllm-"))
+        args = {k: v for k, v in self.engine_args.items() if v is not None}
+        log.info("generator vllm: starting an engine on %s (%s)", path, args)
+        self.llm = LLM(
+            model=str(path),
+            skip_tokenizer_init=True,  # token ids in and out; our tokenizer decodes
+            generation_config="vllm",  # no sampling defaults from the checkpoint: ours are explicit
+            logprobs_mode="processed_logprobs",  # log-probs after temperature / top-k, as the learner computes them
+            enable_prefix_caching=True,  # the k samples of a prompt share its KV blocks
+            seed=0,
+            **args,
+        )
+
+    @torch.no_grad()
+    def _generate(self, model, query: torch.Tensor, greedy: bool):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        rows = [row[row != pad].tolist() for row in query.cpu()]
+        # One seed per completion from torch's RNG: the caller's seeding makes runs reproducible.
+        seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist()
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=0.0 if greedy else self.temperature,
+                top_k=self.top_k if self.top_k > 0 and not greedy else -1,
+                top_p=1.0,
+                max_tokens=self.max_new_tokens,
+                min_tokens=0,
+                logprobs=0,  # the sampled token's log-prob only
+                stop_token_ids=[eos],
+                detokenize=False,
+                seed=seed,
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], params, use_tqdm=False)
+        tokens, logprobs = [], []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            if c.finish_reason == "stop" and (not ids or ids[-1] != eos):
+                raise RuntimeError(f"vllm stopped a completion without returning its EOS token ({ids[-3:]}); the response mask needs it")
+            tokens.append(ids)
+            logprobs.append([step[t].logprob for step, t in zip(c.logprobs, ids)])
+        response, lp = pad_completions(tokens, logprobs, self.max_new_tokens, pad)
+        return response.to(query.device), lp.to(query.device)

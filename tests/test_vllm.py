@@ -1,0 +1,129 @@
+"""generator=vllm: what it needs from the rest (merged weights, padded engine outputs) is tested on CPU;
+the engine itself only where vllm and a GPU are present."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from rlhflab.config import validate
+from rlhflab.errors import ConfigError
+from rlhflab.memory.lora import lora_config
+from rlhflab.models.build import load_causal_lm
+from rlhflab.rollout.async_source import pin_cuda_device
+from rlhflab.rollout.batch import pad_completions
+from rlhflab.rollout.weights import policy_weights, save_policy_checkpoint
+from rlhflab.train import train
+
+HAS_VLLM_GPU = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+needs_vllm = pytest.mark.skipif(not HAS_VLLM_GPU, reason="needs the vllm package and a CUDA device (neither on the CPU build machine)")
+
+
+def eval_rollout(module, samples_per_prompt: int = 2):
+    torch.manual_seed(0)
+    return module.source.eval_generator.generate(
+        module.memory.generation_model, module.eval_query, module.eval_prompts, samples_per_prompt, module.policy_version
+    )
+
+
+@pytest.mark.parametrize("strategy", ["full", "lora", "hydra"])
+def test_merged_checkpoint_is_the_trained_policy(make_cfg, strategy, tmp_path):
+    """What an engine loads (adapters merged, other roles dropped) gives the learner's policy log-probs,
+    not the starting policy's. PPO, so hydra also carries a value adapter that must stay out."""
+    result = train(make_cfg(f"memory={strategy}", "algo=ppo", "trainer.max_steps=4"))
+    memory, t = result.module.memory, result.module.temperature
+    rollout = eval_rollout(result.module)
+    q, r, mask = rollout.query, rollout.response, rollout.response_mask
+    engine_view = load_causal_lm(save_policy_checkpoint(memory.generation_model, tmp_path / "ckpt")).eval()
+    with torch.no_grad():
+        learner = memory.policy_logprobs(q, r, t) * mask
+        reference = memory.reference_logprobs(q, r, t) * mask
+        merged = memory._logprobs(engine_view, q, r, t) * mask
+    assert (learner - reference).abs().max() > 1e-3  # the policy has moved: the check below can tell
+    torch.testing.assert_close(merged, learner, atol=2e-5, rtol=0)
+    names = set(policy_weights(memory.generation_model))
+    assert names == set(engine_view.state_dict()) and not any("lora_" in n for n in names)
+
+
+def test_adapter_on_a_tied_head_unties_it_in_the_checkpoint(tmp_path):
+    from peft import TaskType, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         max_position_embeddings=32, tie_word_embeddings=True)
+    model = get_peft_model(LlamaForCausalLM(config), lora_config(4, 8.0, 0.0, ["q_proj", "lm_head"], TaskType.CAUSAL_LM))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.5)  # adapters start at zero: give them something to merge
+    ids = torch.randint(0, 50, (3, 9))
+    path = save_policy_checkpoint(model, tmp_path / "ckpt")
+    loaded = LlamaForCausalLM.from_pretrained(path).eval()
+    assert loaded.config.tie_word_embeddings is False
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_engine_outputs_pad_back_to_the_hf_rollout(make_cfg):
+    """Variable-length completions (how vLLM returns them) pad to exactly what HF generate gives."""
+    result = train(make_cfg("trainer.max_steps=1"))
+    rollout = eval_rollout(result.module)
+    lengths = rollout.response_mask.sum(1).long().tolist()
+    tokens = [row[:n].tolist() for row, n in zip(rollout.response, lengths)]
+    logprobs = [row[:n].tolist() for row, n in zip(rollout.logprobs, lengths)]
+    pad = result.module.tokenizer.pad_token_id
+    response, lp = pad_completions(tokens, logprobs, rollout.response.shape[1], pad)
+    assert torch.equal(response, rollout.response)
+    torch.testing.assert_close(lp, rollout.logprobs)
+    with pytest.raises(ValueError, match="completion 0"):
+        pad_completions([[1, 2, 3]], [[0.0, 0.0, 0.0]], 2, pad)
+
+
+def test_generator_device_pins_the_visible_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert pin_cuda_device("cuda:1") == "cuda:0"
+    assert __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "5"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert pin_cuda_device("cuda:2") == "cuda:0" and __import__("os").environ["CUDA_VISIBLE_DEVICES"] == "2"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(RuntimeError, match="mode.device=cuda:3"):
+        pin_cuda_device("cuda:3")
+    assert pin_cuda_device("cpu") == "cpu"
+
+
+@pytest.mark.skipif(HAS_VLLM_GPU, reason="vllm and a GPU are present: the engine tests below run instead")
+@pytest.mark.parametrize("extra", [[], ["mode=async", "staleness=1", "mode.start_method=spawn"]])
+def test_vllm_without_gpu_is_a_one_line_config_error(make_cfg, extra):
+    with pytest.raises(ConfigError) as err:
+        validate(make_cfg("generator=vllm", *extra))
+    message = str(err.value)
+    assert message.startswith("generator=vllm: ") and "generator=hf" in message and "\n" not in message
+
+
+@pytest.mark.vllm
+@pytest.mark.gpu
+@needs_vllm
+def test_vllm_sync_samples_from_the_learner_policy(make_cfg):
+    """After updates, the engine's behaviour log-probs match the learner's recomputation (weights reloaded)."""
+    result = train(make_cfg("trainer=gpu", "trainer.precision=32", "generator=vllm", "trainer.max_steps=4"))
+    module = result.module
+    rollout = module.source.generator.generate(module.memory.generation_model, module.eval_query.to(module.device),
+                                               module.eval_prompts, 2, module.policy_version)
+    with torch.no_grad():
+        learner = module.memory.policy_logprobs(rollout.query, rollout.response, module.temperature) * rollout.response_mask
+    assert (learner - rollout.logprobs).abs().max() < 1e-2
+    assert result.metrics["eval/gold_reward"] > result.metrics["eval/gold_reward_before"] - 0.2
+
+
+@pytest.mark.vllm
+@pytest.mark.gpu
+@needs_vllm
+@pytest.mark.parametrize("memory", ["full", "lora"])
+def test_vllm_async_generator_keeps_exact_staleness(make_cfg, memory):
+    from test_async import history
+
+    device = f"cuda:{torch.cuda.device_count() - 1}"
+    cfg = make_cfg("trainer=gpu", "generator=vllm", "mode=async", "staleness=2", "mode.start_method=spawn",
+                   f"mode.device={device}", f"memory={memory}", "trainer.max_steps=6")
+    result = train(cfg)
+    assert history(cfg, result.run_id, "rollout/staleness") == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
