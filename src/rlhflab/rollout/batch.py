@@ -57,9 +57,12 @@ def join(query: torch.Tensor, response: torch.Tensor, pad_token_id: int):
 
     Returns input_ids (n, P+R), attention_mask (n, P+R) and position_ids
     (n, P+R) counted from the first real token, as generate() counts them.
+    Only the prompt's left padding is masked: every response position is
+    attended, as in generation, so a pad id the policy sampled mid-response
+    keeps its place (pads after EOS only feed positions that are masked out).
     """
     input_ids = torch.cat([query, response], dim=1)
-    attention_mask = (input_ids != pad_token_id).long()
+    attention_mask = torch.cat([(query != pad_token_id).long(), torch.ones_like(response)], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     return input_ids, attention_mask, position_ids
 
