@@ -82,6 +82,21 @@ def keep_caller_rng():
             np.random.set_state(npy)
 
 
+# vLLM warnings this use of it causes on purpose, every run or every reload.
+EXPECTED_WARNINGS = (
+    "RotaryEmbedding: Failed to load weights",  # each reload: the rotary cache is derived, and vLLM restores it
+    "Chat template warmup failed",  # no tokenizer in the engine (skip_tokenizer_init): we pass token ids
+    "Using None for EOS token id",  # the same; stop_token_ids carries our EOS
+)
+
+
+NOISY_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.renderers.base")
+
+
+def _drop_expected_warnings(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(EXPECTED_WARNINGS)
+
+
 class VLLMGenerator(HFGenerator):
     """Samples k completions per prompt with a vLLM engine, recording the engine's behaviour log-probs.
 
@@ -159,7 +174,12 @@ class VLLMGenerator(HFGenerator):
     def _start_engine(self, model) -> None:
         # Engine core in this process: new weights reach it without a copy through another process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per weight reload
         from vllm import LLM
+
+        for name in NOISY_LOGGERS:  # filters on the loggers the records start from survive vLLM's dictConfig
+            if _drop_expected_warnings not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(_drop_expected_warnings)
 
         path = save_policy_checkpoint(model, tempfile.mkdtemp(prefix="rlhflab-vllm-"))
         args = {k: v for k, v in self.engine_args.items() if v is not None}
