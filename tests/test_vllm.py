@@ -15,6 +15,7 @@ from rlhflab.rollout.vllm import vllm_build
 from rlhflab.rollout.weights import policy_weights, save_policy_checkpoint
 from rlhflab.train import train
 from test_async import history, live_children
+from test_memory import eval_rollout
 
 BUILD = vllm_build()
 ON_GPU = BUILD == "cuda" and torch.cuda.is_available()
@@ -24,13 +25,6 @@ needs_engine = pytest.mark.skipif(
 # The CPU build's attention wants a head size >= 32 (the tiny model's is 16) and a small KV cache.
 ENGINE = (["trainer=gpu", "trainer.precision=32"] if ON_GPU else
           ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=2", f"generator.kv_cache_memory_bytes={64 * 2**20}"])
-
-
-def eval_rollout(module, samples_per_prompt: int = 2):
-    torch.manual_seed(0)
-    return module.source.eval_generator.generate(
-        module.memory.generation_model, module.eval_query, module.eval_prompts, samples_per_prompt, module.policy_version
-    )
 
 
 @pytest.mark.parametrize("strategy", ["full", "lora", "hydra"])

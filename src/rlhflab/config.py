@@ -107,8 +107,7 @@ def validate(cfg: DictConfig) -> Plan:
             "give a ready reward model or use reward=rule"
         )
     memory.check(cfg.model, task, reward.needs_reward_model)
-    if hasattr(generator, "check_model"):
-        generator.check_model(cfg.model)
+    generator.check_model(cfg.model)
     if not cfg.model.get("name_or_path") and not cfg.model.get("arch"):
         raise ConfigError("model.name_or_path: null and no model.arch to build from; give a from_pretrained name/path")
 

@@ -31,7 +31,7 @@ from rlhflab.errors import ConfigError
 from rlhflab.memory.base import MemoryStrategy, enable_checkpointing
 from rlhflab.memory.full import freeze, read_reward_norm
 from rlhflab.memory.lora import DEFAULT_TARGETS, lora_config, trainable
-from rlhflab.models.build import DTYPES, load_causal_lm, without_dropout
+from rlhflab.models.build import DTYPES, load_causal_lm, module_name, without_dropout
 from rlhflab.rollout.batch import join, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,6 @@ class ScalarHead(nn.Linear):
 
 def has_reward_head(path) -> bool:
     return (Path(path) / HEAD_FILE).is_file()
-
-
-def module_name(model: nn.Module, module: nn.Module) -> str:
-    return next(name for name, m in model.named_modules() if m is module)
 
 
 def trunk(causal_lm, input_ids, attention_mask, position_ids=None) -> torch.Tensor:

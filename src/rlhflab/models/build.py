@@ -133,3 +133,8 @@ def save_atomically(path: Path, *objects, files: dict[str, str] | None = None) -
     for name, text in (files or {}).items():
         (tmp / name).write_text(text)
     tmp.rename(path)
+
+
+def module_name(model, module) -> str:
+    """The dotted name of `module` inside `model` (e.g. lm_head or embed_out)."""
+    return next(name for name, m in model.named_modules() if m is module)

@@ -16,12 +16,15 @@ class HFGenerator:
     max_new_tokens: null = the task's budget.
     """
 
+    needs_spawn = False  # the generator process may be forked
+
     def __init__(self, temperature: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None) -> None:
         self.temperature = temperature
         self.top_k = top_k
         self.max_new_tokens = max_new_tokens
 
-    needs_spawn = False  # the generator process may be forked
+    def check_model(self, model_cfg) -> None:
+        """Raise ConfigError for a model this backend cannot run (called before any model loads)."""
 
     def setup(self, tokenizer, max_new_tokens: int) -> None:
         self.tokenizer = tokenizer

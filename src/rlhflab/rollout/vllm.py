@@ -122,7 +122,6 @@ class VLLMGenerator(HFGenerator):
                             "dtype": dtype, "enforce_eager": enforce_eager, "max_model_len": max_model_len}
         self.llm = None
         self.loaded_version = None
-        self.requested_version = 0
 
     def check_model(self, model_cfg) -> None:
         """Catch, before anything loads, a built model the CPU build's attention kernels cannot run."""
@@ -150,26 +149,25 @@ class VLLMGenerator(HFGenerator):
         return local
 
     def generate(self, model, query, prompts, samples_per_prompt, version, greedy_baseline=False):
-        self.requested_version = version
         t0 = time.perf_counter()
-        self._ensure_engine(model)
+        self._ensure_engine(model, version)
         sync_s = time.perf_counter() - t0
         rollout = super().generate(model, query, prompts, samples_per_prompt, version, greedy_baseline)
         rollout.extras["engine_sync_s"] = sync_s
         return rollout
 
-    def _ensure_engine(self, model) -> None:
+    def _ensure_engine(self, model, version: int) -> None:
         """Start the engine from the model's weights, or reload them when the version moved on."""
         if self.llm is None:
             with keep_caller_rng():  # the first batch draws the seeds it would draw in a run whose engine was already up
                 self._start_engine(model)
-        elif self.loaded_version != self.requested_version:
+        elif self.loaded_version != version:
             # vLLM's in-place reload: restore checkpoint-layout parameters, load, redo the post-load processing
             # (a bare model.load_weights fails where weights are repacked after loading, e.g. the CPU kernels).
             weights = list(policy_weights(model).items())
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        self.loaded_version = self.requested_version
+        self.loaded_version = version
 
     def _start_engine(self, model) -> None:
         # Engine core in this process: new weights reach it without a copy through another process.

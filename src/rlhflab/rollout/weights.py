@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlhflab.models.build import module_name
+
 
 def _base(model: nn.Module) -> nn.Module:
     """The transformers model under peft's wrapper (the model itself when there is none)."""
@@ -75,12 +77,7 @@ def save_policy_checkpoint(model: nn.Module, path) -> Path:
     # safetensors refuses tensors that share storage (a tied head): every entry gets its own copy.
     tensors = {n: t.to("cpu").contiguous().clone() for n, t in policy_weights(model).items()}
     if config.get("tie_word_embeddings"):
-        tensors = {n: t for n, t in tensors.items() if n != _head_key(model)}
+        base = _base(model)
+        tensors.pop(f"{module_name(base, base.get_output_embeddings())}.weight", None)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
-
-
-def _head_key(model: nn.Module) -> str:
-    base = _base(model)
-    head = base.get_output_embeddings()
-    return next(f"{n}.weight" for n, m in base.named_modules() if m is head)
