@@ -26,3 +26,10 @@ def test_algorithm_updates_only_what_it_trains(make_cfg, algo):
     assert all(not p.requires_grad for p in memory.reference.parameters())
     assert all(not p.requires_grad for p in memory.reward_model.parameters())
     assert (memory.value_model is not None) == ALGORITHMS[algo].needs_values
+
+
+def test_remax_takes_several_samples_per_prompt(make_cfg):
+    """Each prompt's greedy score is the baseline of all its k samples (it crashed with k=2)."""
+    result = train(make_cfg("algo=remax", "algo.samples_per_prompt=2", "trainer.max_steps=2"))
+    assert result.module.policy_version == 2
+

@@ -252,6 +252,10 @@ def test_rloo_vs_loop_and_errors(gen):
 def test_remax_advantages():
     # [1 - 0.5, 2 - 3]
     assert_close(F.remax_advantages(t([1.0, 2.0]), t([0.5, 3.0])), t([0.5, -1.0]))
+    # k=2: each prompt's greedy score is the baseline of both its samples
+    assert_close(F.remax_advantages(t([1.0, 0.0, 2.0, 4.0]), t([0.5, 3.0]), k=2), t([0.5, -0.5, -1.0, 1.0]))
+    with pytest.raises(ValueError, match="greedy baselines"):
+        F.remax_advantages(t([1.0, 0.0, 2.0, 4.0]), t([0.5, 3.0]))  # (4,) samples, (2,) baselines, k=1
 
 
 def test_grpo_hand_ties_and_constant():
@@ -302,6 +306,13 @@ def test_best_worst_indices():
         F.best_worst_indices(r, 1)
     with pytest.raises(ValueError):
         F.best_worst_indices(r, 5)
+
+
+def test_tied_groups():
+    # group0 [3,1,3,0] has a preference; group1 [2,2,2,2] none; group2 [5,5] of k=2 none
+    r = t([3, 1, 3, 0, 2, 2, 2, 2])
+    assert F.tied_groups(r, 4).tolist() == [False, True]
+    assert F.tied_groups(t([5, 5, 1, 0]), 2).tolist() == [True, False]
 
 
 def test_best_worst_vs_loop(gen):
@@ -365,17 +376,28 @@ def test_gae_vs_loop_ragged(gen, holes):
 
 
 # --------------------------------------------------------------------- losses
-def test_reinforce_loss_hand():
-    # seq logprobs: row0 -1-2 = -3 (pad -9 ignored), row1 -1.5; adv [2, -1]
-    # loss = -(2*-3 + -1*-1.5)/2 = 2.25; d/dlogp = -adv_i/b on valid tokens
-    lp = t([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]]).requires_grad_()
-    adv = t([2.0, -1.0]).requires_grad_()
-    mask = t([[1, 1, 0], [1, 1, 1]])
-    loss = F.reinforce_loss(lp, adv, mask)
-    assert loss.item() == pytest.approx(2.25)
-    loss.backward()
-    assert_close(lp.grad, t([[-1.0, -1.0, 0.0], [0.5, 0.5, 0.5]]))
-    assert adv.grad is None  # advantages are treated as constants
+def test_agg_loss_hand():
+    # row0 tokens [1, 2] (3 padded away, inf too), row1 [4, 5, 6]; budget t = 4
+    x = t([[1.0, 2.0, math.inf, 3.0], [4.0, 5.0, 6.0, 0.0]])
+    m = t([[1, 1, 0, 0], [1, 1, 1, 0]])
+    assert F.agg_loss(x, m, "token-mean").item() == pytest.approx(18 / 5)  # (1+2+4+5+6)/5
+    assert F.agg_loss(x, m, "seq-mean-token-sum").item() == pytest.approx((3 + 15) / 2)
+    assert F.agg_loss(x, m, "seq-mean-token-mean").item() == pytest.approx((1.5 + 5) / 2)
+    assert F.agg_loss(x, m, "seq-mean-token-sum-norm").item() == pytest.approx((3 / 4 + 15 / 4) / 2)
+    with pytest.raises(ValueError, match="token-mean"):
+        F.agg_loss(x, m, "sum")
+
+
+def test_agg_loss_vs_loop(gen):
+    x = torch.randn(5, 7, generator=gen, dtype=D)
+    m = ragged_mask([7, 3, 1, 0, 5], 7)
+    rows = [[x[i, j].item() for j in range(7) if m[i, j]] for i in range(5)]
+    flat = [v for r in rows for v in r]
+    assert F.agg_loss(x, m, "token-mean").item() == pytest.approx(sum(flat) / len(flat))
+    assert F.agg_loss(x, m, "seq-mean-token-sum").item() == pytest.approx(sum(sum(r) for r in rows) / 5)
+    means = [sum(r) / len(r) if r else 0.0 for r in rows]
+    assert F.agg_loss(x, m, "seq-mean-token-mean").item() == pytest.approx(sum(means) / 5)
+    assert F.agg_loss(x, m, "seq-mean-token-sum-norm").item() == pytest.approx(sum(sum(r) / 7 for r in rows) / 5)
 
 
 def test_clipped_policy_loss_hand_token_level():
@@ -398,22 +420,13 @@ def test_clipped_policy_loss_hand_token_level():
     assert approx_kl.item() == pytest.approx(kl)
     loss.backward()
     assert_close(lp.grad, t([[0.0, 0.0, -0.5, 0.375, 0.0]]))
-
-
-def test_clipped_policy_loss_sequence_level():
-    # eps 0.2.  row0 log-ratios log1.2 + log1.25 = log1.5 -> ratio 1.5, A=1 -> -1.2 (clipped)
-    # row1 log0.9 + 0 (pad ignored) -> ratio 0.9, A=1 -> -0.9 (inside the trust region)
-    # loss (-1.2 - 0.9)/2 = -1.05, clipfrac 1/2, approx_kl 0.5(log1.5^2 + log0.9^2)/2
-    old = torch.zeros(2, 3, dtype=D)
-    lp = t([[math.log(1.2), math.log(1.25), 0.0], [math.log(0.9), 0.0, 5.0]])
-    mask = t([[1, 1, 1], [1, 1, 0]])
-    adv = t([1.0, 1.0])
-    loss, cf, kl = F.clipped_policy_loss(lp, old, adv, mask, 0.2, sequence_level=True)
-    assert loss.item() == pytest.approx(-1.05)
-    assert cf.item() == pytest.approx(0.5)
-    assert kl.item() == pytest.approx(0.5 * (math.log(1.5) ** 2 + math.log(0.9) ** 2) / 2)
-    with pytest.raises(ValueError):
-        F.clipped_policy_loss(lp, old, adv[:, None].expand(2, 3), mask, 0.2, True)
+    # importance weights scale each token's term: weight 2 on token2 doubles its -2, 0 drops token3
+    w = t([[1.0, 1.0, 2.0, 0.0, 1.0]])
+    loss_w, _, _ = F.clipped_policy_loss(lp, old, adv, mask, 0.2, weights=w)
+    assert loss_w.item() == pytest.approx((-1.2 + 0.8 - 4.0 + 0.0) / 4)
+    # seq-mean-token-sum: the same per-token terms summed over the row, one row
+    loss_s, _, _ = F.clipped_policy_loss(lp, old, adv, mask, 0.2, loss_agg="seq-mean-token-sum")
+    assert loss_s.item() == pytest.approx(-0.9)
 
 
 def test_clipped_policy_loss_vs_loop(gen):
@@ -421,31 +434,33 @@ def test_clipped_policy_loss_vs_loop(gen):
     old = torch.randn(b, T, generator=gen, dtype=D)
     lp = old + 0.4 * torch.randn(b, T, generator=gen, dtype=D)
     adv = torch.randn(b, T, generator=gen, dtype=D)
+    w = torch.rand(b, T, generator=gen, dtype=D) * 2
     mask = ragged_mask([6, 2, 4, 1], T)
-    tot, clipped, n = 0.0, 0, 0
+    rows, clipped, n = [[] for _ in range(b)], 0, 0
     for i in range(b):
         for j in range(T):
             if mask[i, j]:
                 r = math.exp(lp[i, j].item() - old[i, j].item())
                 a = adv[i, j].item()
                 u, c = -a * r, -a * min(max(r, 1 - eps), 1 + eps)
-                tot += max(u, c)
+                rows[i].append(max(u, c) * w[i, j].item())
                 clipped += c > u
                 n += 1
-    loss, cf, _ = F.clipped_policy_loss(lp, old, adv, mask, eps)
-    assert loss.item() == pytest.approx(tot / n)
+    loss, cf, _ = F.clipped_policy_loss(lp, old, adv, mask, eps, weights=w)
+    assert loss.item() == pytest.approx(sum(map(sum, rows)) / n)
     assert cf.item() == pytest.approx(clipped / n)
+    loss, _, _ = F.clipped_policy_loss(lp, old, adv, mask, eps, "seq-mean-token-mean", w)
+    assert loss.item() == pytest.approx(sum(sum(r) / len(r) for r in rows) / b)
     # (b,) advantages broadcast to every token
     a1 = adv[:, 0]
     l_b, _, _ = F.clipped_policy_loss(lp, old, a1, mask, eps)
     l_bt, _, _ = F.clipped_policy_loss(lp, old, a1[:, None].expand(b, T), mask, eps)
     assert_close(l_b, l_bt)
-    # on-policy, sequence-level gradient == REINFORCE gradient
+    # on-policy (ratio 1), seq-mean-token-sum is REINFORCE on whole completions:
+    # d/d logprobs[i, t] = -A_i / b on valid tokens
     lp_leaf = old.clone().requires_grad_()
-    F.clipped_policy_loss(lp_leaf, old, a1, mask, eps, sequence_level=True)[0].backward()
-    lp_leaf2 = old.clone().requires_grad_()
-    F.reinforce_loss(lp_leaf2, a1, mask).backward()
-    assert_close(lp_leaf.grad, lp_leaf2.grad)
+    F.clipped_policy_loss(lp_leaf, old, a1, mask, eps, "seq-mean-token-sum")[0].backward()
+    assert_close(lp_leaf.grad, torch.where(mask, -a1[:, None] / b, torch.zeros_like(old)))
 
 
 def test_clipped_value_loss_hand_and_loop(gen):
@@ -511,36 +526,38 @@ def test_dpo_loss_vs_loop_and_detached_rewards(gen):
     assert not cr.requires_grad and loss.requires_grad
 
 
-def test_grpo_kl_loss_hand():
-    # k3 of (pi=0.5, ref=0.25) = log2 - 0.5 ; of (pi=0.25, ref=0.5) = 1 - log2 ; mean 0.25
+def test_kl_loss_hand():
+    # k3 of (pi=0.5, ref=0.25) = log2 - 0.5 ; of (pi=0.25, ref=0.5) = 1 - log2 ; mean 0.25, sum 0.5
     lp = t([[math.log(0.5), math.log(0.25), 3.0]])
     ref = t([[math.log(0.25), math.log(0.5), -3.0]])
     m = t([[1, 1, 0]])
-    assert F.grpo_kl_loss(lp, ref, m).item() == pytest.approx(0.25)
+    assert F.kl_loss(lp, ref, m).item() == pytest.approx(0.25)
+    assert F.kl_loss(lp, ref, m, "seq-mean-token-sum").item() == pytest.approx(0.5)
 
 
-def test_truncated_importance_weights(gen):
-    # ratios 0.5, 3 -> capped at 2, 1.5, padding -> 0 (even if its ratio overflows)
-    beh = t([[0.0, 0.0, 0.0, -1e4]])
-    lp = t([[math.log(0.5), math.log(3.0), math.log(1.5), 0.0]]).requires_grad_()
-    m = t([[1, 1, 1, 0]])
-    w = F.truncated_importance_weights(lp, beh, m, cap=2.0)
-    assert_close(w, t([[0.5, 2.0, 1.5, 0.0]]))
-    assert not w.requires_grad
+def test_sequence_logprobs_hand():
+    lp = t([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]])
+    m = t([[1, 1, 0], [1, 1, 1]])
+    assert_close(F.sequence_logprobs(lp, m, "seq-mean-token-sum"), t([-3.0, -1.5]))
+    assert_close(F.sequence_logprobs(lp, m, "seq-mean-token-mean"), t([-1.5, -0.5]))
+    assert_close(F.sequence_logprobs(lp, m, "seq-mean-token-sum-norm"), t([-1.0, -0.5]))
+    with pytest.raises(ValueError, match="seq-mean"):
+        F.sequence_logprobs(lp, m, "token-mean")
 
-    lp, beh = torch.randn(2, 4, 5, generator=gen, dtype=D)
-    m = ragged_mask([5, 0, 2, 4], 5)
-    w = F.truncated_importance_weights(lp, beh, m, cap=1.2)
-    for i in range(4):
-        for j in range(5):
-            e = min(math.exp(lp[i, j].item() - beh[i, j].item()), 1.2) if m[i, j] else 0.0
-            assert w[i, j].item() == pytest.approx(e)
-    with pytest.raises(ValueError):
-        F.truncated_importance_weights(lp, beh, m, cap=0.0)
+
+def test_dpo_loss_pair_mask_gives_masked_pairs_no_gradient():
+    pc, pr, rc, rr = (t([-1.0, -2.0]).requires_grad_(), t([-3.0, -1.0]), t([-2.0, -1.0]), t([-2.5, -1.0]))
+    loss, _, _ = F.dpo_loss(pc, pr, rc, rr, beta=0.1, pair_mask=torch.tensor([True, False]))
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-0.15)))  # pair0 alone (see test_dpo_loss_hand)
+    loss.backward()
+    assert pc.grad[1].item() == 0.0 and pc.grad[0].item() != 0.0
+    none, _, _ = F.dpo_loss(pc, pr, rc, rr, beta=0.1, pair_mask=torch.tensor([False, False]))
+    assert none.item() == 0.0
 
 
 def test_eos_penalty():
-    # the middle completion never emitted EOS -> its 0.9 becomes -1
+    # the middle completion never emitted EOS -> its 0.9 becomes -1; no penalty -> unchanged
     s = t([0.3, 0.9, -0.2])
     out = F.eos_penalty(s, torch.tensor([True, False, True]), -1.0)
     assert_close(out, t([0.3, -1.0, -0.2]))
+    assert_close(F.eos_penalty(s, torch.tensor([True, False, True]), None), s)

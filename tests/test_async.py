@@ -49,7 +49,7 @@ def test_prompt_streams_stay_aligned_across_epochs(make_cfg):
 
 def test_async_with_zero_staleness_equals_sync(make_cfg):
     sync = make_cfg("trainer.max_steps=6")
-    asyn = make_cfg("mode=async", "staleness=0", "mode.off_policy=none", "trainer.max_steps=6")
+    asyn = make_cfg("mode=async", "staleness=0", "off_policy=recompute", "trainer.max_steps=6")
     a, b = train(sync), train(asyn)
     for key in ("train/reward", "train/kl", "train/loss"):
         assert history(sync, a.run_id, key) == pytest.approx(history(asyn, b.run_id, key), rel=1e-5, abs=1e-6), key
@@ -131,10 +131,14 @@ def test_only_the_adapter_travels_under_lora(make_cfg):
     assert sum(t.numel() for t in sent.values()) < 0.5 * total
 
 
-def test_truncated_importance_weights_mode_runs_and_learns(make_cfg):
-    cfg = make_cfg("mode=async", "staleness=2", "mode.off_policy=tis", "mode.tis_cap=1.5", "trainer.max_steps=30")
+@pytest.mark.parametrize("correction", ["tis off_policy.cap=1.5"])
+def test_importance_weighted_corrections_run_and_learn(make_cfg, correction):
+    name, *settings = correction.split()
+    cfg = make_cfg("mode=async", "staleness=2", f"off_policy={name}", *settings, "trainer.max_steps=30")
     result = train(cfg)
     assert result.metrics["eval/gold_reward"] > result.metrics["eval/gold_reward_before"]
+    history_keys = MlflowClient(cfg.logger.tracking_uri).get_run(result.run_id).data.metrics
+    assert "off_policy/weight_mean" in history_keys
 
 
 def test_spawned_generator_matches_the_forked_one(make_cfg):

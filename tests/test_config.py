@@ -26,7 +26,7 @@ def vllm_unavailable() -> str | None:
 PARTNERS = {("task", "tldr"): ["model=pythia1b_tldr"]}
 if vllm_build() == "cpu":  # its attention wants a head size of 32 or more
     PARTNERS[("generator", "vllm")] = ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=2"]
-GROUPS = ["task", "model", "algo", "reward", "memory", "mode", "generator", "trainer", "logger"]
+GROUPS = ["task", "model", "algo", "reward", "memory", "mode", "off_policy", "generator", "trainer", "logger"]
 
 
 def options(group: str) -> list[str]:
@@ -80,6 +80,17 @@ def test_real_preset_loads_through_from_pretrained_names():
         ("algo.kl_estimator=k9", "algo.kl_estimator"),
         ("+algo.kl_coeff=0.1", "algo.kl_coeff"),
         ("trainer.max_steps=0", "trainer.max_steps"),
+        # each KL weight has its algorithm's own name (issue 10, defect 7)
+        ("algo=grpo +algo.kl_coef=0.1", "algo.kl_coef"),
+        ("algo=online_dpo +algo.kl_coef=0.1", "algo.kl_coef"),
+        ("algo=rloo +algo.beta=0.1", "algo.beta"),
+        # top-k sampling would make every ratio wrong (defect 6); it fails the same without vllm installed
+        ("generator.top_k=5", "generator.top_k"),
+        ("generator=vllm generator.top_k=5", "generator.top_k"),
+        ("algo=online_dpo off_policy=tis", "off_policy=tis"),
+        ("algo.loss_agg=token-sum", "algo.loss_agg"),
+        ("algo=online_dpo algo.ties=drop", "algo.ties"),
+        ("off_policy=tis off_policy.cap=0.5", "off_policy.cap"),
     ],
 )
 def test_bad_settings_are_one_line_naming_the_key(override, key):

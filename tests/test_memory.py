@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from rlhflab.algos.registry import ALGORITHMS
-from rlhflab.lit.hydra_stage import lm_loss
-from rlhflab.memory.hydra import HydraMemory, ScalarHead, sequence_scores, trunk
+from rlhflab.lit.stage_modules import lm_loss
+from rlhflab.memory.full import FullMemory
+from rlhflab.memory.hydra_rlhf import HydraRLHFMemory
 from rlhflab.memory.lora import LoraMemory
 from rlhflab.models.build import load_causal_lm
+from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
 from rlhflab.perf import model_state_bytes
 from rlhflab.train import train
 
@@ -82,11 +84,11 @@ def test_lora_and_hydra_hold_one_policy_backbone(make_cfg):
 
 def test_hydra_scores_are_the_stage_reward_head_on_the_shared_trunk(make_cfg, caplog):
     """Scores = the saved reward head on the plain SFT backbone; scores and reference log-probs
-    of one batch take one trunk forward; a second run loads stage hydra from the cache."""
+    of one batch take one trunk forward; a second run loads stage hydra_sft from the cache."""
     train(make_cfg("memory=hydra", "trainer.max_steps=1"))
     with caplog.at_level(logging.INFO):
         result = train(make_cfg("memory=hydra", "trainer.max_steps=1"))
-    assert "stage hydra: cached" in caplog.text and "training on" not in caplog.text
+    assert "stage hydra_sft: cached" in caplog.text and "training on" not in caplog.text
     memory, module = result.module.memory, result.module
     rollout = eval_rollout(module)
     q, r = rollout.query, rollout.response
@@ -108,7 +110,7 @@ def test_hydra_scores_are_the_stage_reward_head_on_the_shared_trunk(make_cfg, ca
 
 
 def test_hydra_trunk_and_lm_loss_match_the_models_own_forward():
-    """Stage hydra's shared-trunk LM loss is the loss the causal LM itself would compute."""
+    """Stage hydra_sft's shared-trunk LM loss is the loss the causal LM itself would compute."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -128,7 +130,7 @@ def _random_adapters(memory, seed: int = 0) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
 
-@pytest.mark.parametrize("strategy", [LoraMemory, HydraMemory])
+@pytest.mark.parametrize("strategy", [LoraMemory, HydraRLHFMemory])
 def test_gradient_checkpointing_gives_the_same_gradients(make_cfg, strategy):
     """Policy then value forward, one backward: under hydra the recomputation must use the adapter
     each forward ran with, although the active adapter switched in between."""
@@ -138,10 +140,28 @@ def test_gradient_checkpointing_gives_the_same_gradients(make_cfg, strategy):
     q, r = torch.randint(4, 40, (4, 6)), torch.randint(4, 40, (4, 5))
     grads = []
     for checkpointing in (False, True):
-        m = strategy(gradient_checkpointing=checkpointing).build(path, reward_path, True, memory.pad_token_id).train()
+        m = strategy(gradient_checkpointing=checkpointing).build(path, reward_path, True, memory.pad_token_id)
         _random_adapters(m)
         loss = m.policy_logprobs(q, r, 1.0).sum() + m.values(q, r).square().sum()
         loss.backward()
         grads.append([p.grad.clone() for p in m.policy_parameters() + m.value_parameters()])
     for plain, checkpointed in zip(*grads):
         torch.testing.assert_close(checkpointed, plain)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gradient_checkpointing_recomputes_in_backward_under_every_strategy(make_cfg, strategy):
+    """With the switch on, an update's backward re-runs each layer's forward (HF checkpoints only in
+    train mode, which from_pretrained does not give and Lightning does not set); off, it runs once."""
+    calls = {}
+    for on in (False, True):
+        result = train(make_cfg(f"memory={strategy}", f"memory.gradient_checkpointing={str(on).lower()}", "trainer.max_steps=1"))
+        memory = result.module.memory
+        rollout = eval_rollout(result.module)
+        attention = memory.generation_model.get_decoder().layers[0].self_attn
+        count = []
+        hook = attention.register_forward_hook(lambda *_: count.append(1))
+        memory.policy_logprobs(rollout.query, rollout.response, 1.0).sum().backward()
+        hook.remove()
+        calls[on] = len(count)
+    assert calls == {False: 1, True: 2}

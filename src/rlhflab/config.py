@@ -14,23 +14,26 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
 from rlhflab.algos import functional as F
+from rlhflab.algos.registry import Algorithm
+from rlhflab.contracts import Generator, MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.errors import ConfigError
 from rlhflab.models.build import check_pretrained
+from rlhflab.tracking import MlflowTracker
 
-REQUIRED_GROUPS = ("task", "model", "algo", "reward", "memory", "mode", "generator", "trainer", "logger")
+REQUIRED_GROUPS = ("task", "model", "algo", "reward", "memory", "mode", "off_policy", "generator", "trainer", "logger")
 
 
 @dataclass
 class Plan:
     """The instantiated, model-free parts of an experiment."""
 
-    task: object
-    algo: object
-    reward: object
-    generator: object
-    source: object
-    memory: object
-    tracker: object
+    task: Task
+    algo: Algorithm
+    reward: Reward
+    generator: Generator
+    source: RolloutSource
+    memory: MemoryStrategy
+    tracker: MlflowTracker
     tags: dict[str, str]
 
 
@@ -73,7 +76,8 @@ def validate(cfg: DictConfig) -> Plan:
     algo = _instantiate("algo", cfg.algo)
     reward = _instantiate("reward", cfg.reward)
     generator = _instantiate("generator", cfg.generator)
-    source = _instantiate("mode", cfg.mode, generator=generator)
+    correction = _instantiate("off_policy", cfg.off_policy)
+    source = _instantiate("mode", cfg.mode, generator=generator, correction=correction)
     memory = _instantiate("memory", cfg.memory)
     tracker = _instantiate("logger", cfg.logger)
     check_keys("trainer", cfg.trainer)
@@ -99,9 +103,14 @@ def validate(cfg: DictConfig) -> Plan:
         )
     for key in ("name_or_path", "sft_path", "reward_model_path", "tokenizer"):
         check_pretrained(f"model.{key}", cfg.model.get(key))
-    if task.demonstrations is None and not cfg.model.get("sft_path"):
+    if correction.weights_samples and not algo.uses_importance_ratio:
+        raise ConfigError(
+            f"off_policy={correction.name}: {algo.name}'s loss has no importance ratio to weight; "
+            "use off_policy=behaviour or off_policy=recompute"
+        )
+    if task.demonstrations() is None and not cfg.model.get("sft_path"):
         raise ConfigError(f"model.sft_path: null, but task {task.name} has no demonstrations to train SFT on; give a ready SFT policy")
-    if reward.needs_reward_model and task.preference_pairs is None and not cfg.model.get("reward_model_path"):
+    if reward.needs_reward_model and task.preference_pairs() is None and not cfg.model.get("reward_model_path"):
         raise ConfigError(
             f"model.reward_model_path: null, but task {task.name} has no preference pairs to train one; "
             "give a ready reward model or use reward=rule"
@@ -114,6 +123,7 @@ def validate(cfg: DictConfig) -> Plan:
     tags = {
         "algo": algo.name,
         "mode": source.name,
+        "off_policy": correction.name,
         "staleness": str(cfg.staleness),
         "memory": memory.name,
         "model": str(cfg.model.name),

@@ -17,7 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SWEEP_TAG = "rlhflab.sweep"  # set on parent runs by plugins/hydra_plugins/rlhflab_mlflow
+from rlhflab.naming import SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OVERRIDES_TAG, SWEEP_TAG
+
 GOLD, EVAL_KL, TRAIN_KL = "eval/gold_reward", "eval/kl", "train/kl"
 THROUGHPUT, PEAK_MEM, TOTAL_S = "perf/mean_samples_per_s", "perf/peak_mem_mb", "perf/total_s"
 RL_S, OVERLAP = "perf/rl_s", "perf/mean_overlap_eff"
@@ -62,7 +63,7 @@ def child_runs(client, parent) -> list:
 
 def varied_overrides(runs) -> dict[str, str]:
     """Per run id, the job overrides that are not shared by every child (what the sweep varied)."""
-    split = {r.info.run_id: r.data.tags.get("rlhflab.sweep.overrides", "").split() for r in runs}
+    split = {r.info.run_id: r.data.tags.get(SWEEP_OVERRIDES_TAG, "").split() for r in runs}
     common = set.intersection(*(set(v) for v in split.values())) if split else set()
     return {run_id: " ".join(o for o in ov if o not in common) for run_id, ov in split.items()}
 
@@ -72,7 +73,7 @@ def summary_rows(runs) -> list[dict]:
     rows = []
     for run in runs:
         tags, metrics = run.data.tags, run.data.metrics
-        job = tags.get("rlhflab.sweep.job")
+        job = tags.get(SWEEP_JOB_TAG)
         rows.append({
             "run": run.info.run_name + (f" #{job}" if job is not None else ""),
             "status": run.info.status,
@@ -151,7 +152,7 @@ def _pyplot():
 
 
 def _label(run) -> str:
-    job = run.data.tags.get("rlhflab.sweep.job")
+    job = run.data.tags.get(SWEEP_JOB_TAG)
     return run.info.run_name + (f" #{job}" if job is not None else "")
 
 
@@ -270,13 +271,13 @@ def _markdown(client, parent, runs, rows, report: Report) -> str:
         f"# Sweep {parent.info.run_name}",
         "",
         f"- parent run: `{parent.info.run_id}` at `{client.tracking_uri}`",
-        f"- sweep overrides: `{tags.get('rlhflab.sweep.overrides', '')}`",
+        f"- sweep overrides: `{tags.get(SWEEP_OVERRIDES_TAG, '')}`",
         f"- children: {len(runs)} ({failed} failed)",
     ]
-    if tags.get("rlhflab.sweep.best_run_name"):
-        metric = tags.get("rlhflab.sweep.metric", GOLD)
+    if tags.get(SWEEP_BEST_RUN_NAME_TAG):
+        metric = tags.get(SWEEP_METRIC_TAG, GOLD)
         best = parent.data.metrics.get(f"best/{metric}")
-        lines.append(f"- best {metric}: {_cell(best, '.4f')} ({tags['rlhflab.sweep.best_run_name']})")
+        lines.append(f"- best {metric}: {_cell(best, '.4f')} ({tags[SWEEP_BEST_RUN_NAME_TAG]})")
     lines += ["", "KL is the final eval/kl (train/kl where a run has no eval/kl).", "", markdown_table(rows), ""]
     lines += [f"![{p.stem}]({p.name})" for p in report.files]
     lines += [f"- {s}" for s in report.skipped]

@@ -8,10 +8,9 @@ import os
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
-log = logging.getLogger(__name__)
+from rlhflab.naming import PARENT_RUN_ENV, default_run_name
 
-# Set by the sweep callback (plugins/) so that each job becomes a child of the sweep's run.
-PARENT_RUN_ENV = "RLHFLAB_MLFLOW_PARENT_RUN_ID"
+log = logging.getLogger(__name__)
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict[str, str]:
@@ -66,7 +65,7 @@ class MlflowTracker:
         tags = dict(tags)
         if os.environ.get(PARENT_RUN_ENV):
             tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_ENV]
-        name = self.run_name or "-".join(tags[k] for k in ("algo", "memory", "mode") if k in tags)
+        name = self.run_name or default_run_name(tags)
         run = client.create_run(experiment_id, run_name=name, tags=tags)
         self.run_id = run.info.run_id
         from mlflow.entities import Param

@@ -14,7 +14,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.config import Plan, validate
 from rlhflab.errors import ConfigError
+from rlhflab.lit.rl_module import RLHFModule
+from rlhflab.models.build import ensure_base_model, load_tokenizer
 from rlhflab.quiet import quiet_libraries
+from rlhflab.stages.pipeline import run_stages
 
 log = logging.getLogger("rlhflab")
 
@@ -22,7 +25,7 @@ log = logging.getLogger("rlhflab")
 @dataclass
 class Result:
     metrics: dict[str, float]
-    module: object  # the RLHFModule, for callers (tests) that inspect the trained models
+    module: RLHFModule  # for callers (tests) that inspect the trained models
     run_id: str
 
 
@@ -52,9 +55,6 @@ def train(cfg: DictConfig) -> Result:
 
 
 def _run(cfg: DictConfig, plan: Plan, tracker) -> Result:
-    from rlhflab.lit.rl_module import RLHFModule
-    from rlhflab.models.build import ensure_base_model, load_tokenizer
-
     started = time.perf_counter()
     cache_dir = Path(cfg.cache_dir)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
@@ -66,10 +66,9 @@ def _run(cfg: DictConfig, plan: Plan, tracker) -> Result:
     # Stage 0: the base model (built from config for the tiny preset, cached).
     base = ensure_base_model(model_cfg, task, cache_dir)
     tokenizer = load_tokenizer(model_cfg.get("tokenizer") or model_cfg.get("sft_path") or base)
-    # Stages sft and rm (the memory strategy may train its own kind, e.g. a shared trunk).
-    sft_path, reward_path = plan.memory.run_stages(
-        model_cfg, base, tokenizer, task, stages, cache_dir, make_stage_trainer, plan.reward.needs_reward_model
-    )
+    # The stages the memory strategy needs (sft and rm, or hydra_sft), each skipped when given or cached.
+    needed = plan.memory.stages(plan.reward.needs_reward_model)
+    sft_path, reward_path = run_stages(needed, model_cfg, base, tokenizer, task, stages, cache_dir, make_stage_trainer)
     t_stages = time.perf_counter() - started
 
     # Stage rl.
@@ -96,7 +95,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker) -> Result:
         "perf/total_s": time.perf_counter() - started,
     }
     already_logged = ("eval/gold_reward", "eval/kl")  # by the module's last evaluation
-    tracker.log_metrics({k: v for k, v in metrics.items() if k not in already_logged}, step=trainer.global_step)
+    tracker.log_metrics({k: v for k, v in metrics.items() if k not in already_logged}, step=module.updates)
     tracker.log_generations(module.generation_rows)
     tracker.set_tag("perf/mem_method", module.mem_method)
     log.info(

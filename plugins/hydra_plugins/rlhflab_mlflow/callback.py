@@ -32,13 +32,13 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from rlhflab.naming import (
+    PARENT_RUN_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OVERRIDES_TAG, SWEEP_TAG,
+    default_run_name,
+)
+
 log = logging.getLogger("rlhflab.sweep")
 
-# Same value as rlhflab.tracking.PARENT_RUN_ENV; not imported so that Hydra's plugin scan stays light.
-PARENT_RUN_ENV = "RLHFLAB_MLFLOW_PARENT_RUN_ID"
-SWEEP_TAG = "rlhflab.sweep"
-# Tags the tracker sets on every run; a callback-made FAILED run gets them from the job's choices.
-RUN_TAG_GROUPS = ("algo", "memory", "mode", "model", "reward", "task")
 MAX_TAG = 5000  # MLflow caps tag values (8000 chars); keep error messages below it
 
 
@@ -92,8 +92,8 @@ class MlflowSweepCallback(Callback):
         child = self._find_child(client, config)
         overrides = " ".join(OmegaConf.to_container(config.hydra.overrides.task))
         if child is not None:
-            client.set_tag(child.info.run_id, "rlhflab.sweep.job", str(config.hydra.job.num))
-            client.set_tag(child.info.run_id, "rlhflab.sweep.overrides", overrides[:MAX_TAG])
+            client.set_tag(child.info.run_id, SWEEP_JOB_TAG, str(config.hydra.job.num))
+            client.set_tag(child.info.run_id, SWEEP_OVERRIDES_TAG, overrides[:MAX_TAG])
         if job_return.status == JobStatus.FAILED:
             self._record_failure(client, config, job_return, child, overrides)
 
@@ -155,10 +155,10 @@ class MlflowSweepCallback(Callback):
         tags |= {
             "staleness": str(OmegaConf.select(config, "staleness")),
             "mlflow.parentRunId": self.parent_run_id,
-            "rlhflab.sweep.job": str(config.hydra.job.num),
-            "rlhflab.sweep.overrides": overrides[:MAX_TAG],
+            SWEEP_JOB_TAG: str(config.hydra.job.num),
+            SWEEP_OVERRIDES_TAG: overrides[:MAX_TAG],
         }
-        name = "-".join(tags[k] for k in ("algo", "memory", "mode") if k in tags) or f"job{config.hydra.job.num}"
+        name = default_run_name(tags) or f"job{config.hydra.job.num}"
         run = client.create_run(experiment_id, run_name=name, tags=tags)
         client.set_terminated(run.info.run_id, "FAILED")
         return client.get_run(run.info.run_id)
@@ -176,12 +176,12 @@ class MlflowSweepCallback(Callback):
         best = max(scored, key=lambda r: sign * r.data.metrics[self.metric], default=None)
         now = int(time.time() * 1000)
         metrics = [Metric("sweep/jobs", len(children), now, 0), Metric("sweep/failed_jobs", len(self.failed), now, 0)]
-        tags = {"rlhflab.sweep.metric": self.metric, "rlhflab.sweep.direction": self.direction}
+        tags = {SWEEP_METRIC_TAG: self.metric, "rlhflab.sweep.direction": self.direction}
         note = f"{len(children)} jobs, {len(self.failed)} failed."
         if best is not None:
             value = best.data.metrics[self.metric]
             metrics.append(Metric(f"best/{self.metric}", value, now, 0))
-            tags |= {"rlhflab.sweep.best_run_id": best.info.run_id, "rlhflab.sweep.best_run_name": best.info.run_name}
+            tags |= {"rlhflab.sweep.best_run_id": best.info.run_id, SWEEP_BEST_RUN_NAME_TAG: best.info.run_name}
             note = f"Best {self.metric}: {value:.4f} ({best.info.run_name}, {best.info.run_id}). " + note
         tags["mlflow.note.content"] = note + f" Report: `python src/report.py sweep={self.parent_run_id}`"
         client.log_batch(self.parent_run_id, metrics=metrics)
@@ -207,7 +207,7 @@ def _sweep_tags(config: DictConfig) -> dict[str, str]:
     return {
         SWEEP_TAG: "1",
         "rlhflab.sweep.dir": os.path.abspath(str(config.hydra.sweep.dir)),
-        "rlhflab.sweep.overrides": " ".join(OmegaConf.to_container(config.hydra.overrides.task))[:MAX_TAG],
+        SWEEP_OVERRIDES_TAG: " ".join(OmegaConf.to_container(config.hydra.overrides.task))[:MAX_TAG],
         "rlhflab.sweep.params": json.dumps(params)[:MAX_TAG],
         "rlhflab.sweep.sweeper": str(OmegaConf.select(config, "hydra.sweeper._target_")),
         "rlhflab.sweep.experiment": str(OmegaConf.select(config, "hydra.runtime.choices.experiment")),

@@ -1,4 +1,5 @@
-"""Pure tensor functions for RLHF algorithms (PPO, RLOO, ReMax, online DPO, GRPO).
+"""Pure tensor functions for RLHF algorithms (PPO, RLOO, ReMax, online DPO, GRPO, Dr. GRPO,
+REINFORCE++) and the off-policy corrections of the rollout sources.
 
 Tensors and plain scalars in, tensors out; no config objects.  Shape letters:
 ``b`` batch (or prompts), ``k`` samples per prompt, ``t`` response length.
@@ -18,6 +19,12 @@ import torch.nn.functional as F
 
 KL_KINDS = ("k1", "k2", "k3")
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
+# How per-token losses (b, t) become one scalar (verl's `agg_loss` modes):
+#   token-mean               every valid token of the batch weighs the same (DAPO, Dr. GRPO, PPO)
+#   seq-mean-token-sum       sum over a sequence's tokens, mean over sequences (REINFORCE on whole completions)
+#   seq-mean-token-mean      mean over a sequence's tokens, then over sequences (the GRPO paper)
+#   seq-mean-token-sum-norm  sum over tokens / the fixed response budget t, mean over sequences (Dr. GRPO's constant)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def divide_exact(a: int, b: int, what: str) -> int:
@@ -165,9 +172,14 @@ def rloo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
     return adv.reshape(rewards.shape)
 
 
-def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor) -> torch.Tensor:
-    """ReMax: the greedy completion's reward is the baseline; ``(b,)`` -> ``(b,)``."""
-    return rewards - greedy_rewards
+def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """ReMax: the greedy completion's reward is the baseline of its prompt's ``k`` samples.
+
+    ``rewards`` ``(b*k,)``, ``greedy_rewards`` ``(b,)`` -> ``(b*k,)``.
+    """
+    if rewards.numel() != greedy_rewards.numel() * k:
+        raise ValueError(f"{rewards.numel()} rewards for {greedy_rewards.numel()} greedy baselines x k={k}")
+    return rewards - greedy_rewards.repeat_interleave(k)
 
 
 def grpo_advantages(
@@ -219,15 +231,23 @@ def gae_advantages(
     return advantages, returns
 
 
-def reinforce_loss(
-    logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor
-) -> torch.Tensor:
-    """REINFORCE with the whole completion as one action (RLOO / ReMax); scalar.
+def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Aggregate per-token losses ``(b, t)`` into a scalar; see ``LOSS_AGG_MODES``.
 
-    ``logprobs``, ``response_mask`` ``(b, t)``; ``advantages`` ``(b,)``.
+    Masked positions never count (they may hold inf/NaN).  An empty mask gives 0.
+    ``seq-mean-token-sum-norm`` divides every sequence by ``t``, the padded
+    response budget, so a sequence's weight does not depend on its length.
     """
-    seq_logprobs = masked_sum(logprobs, response_mask, dim=1)
-    return -(advantages.detach() * seq_logprobs).mean()
+    if mode == "token-mean":
+        return masked_mean(loss_mat, response_mask)
+    per_seq = masked_sum(loss_mat, response_mask, dim=1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / response_mask.bool().sum(dim=1).clamp(min=1).to(per_seq.dtype)
+    elif mode == "seq-mean-token-sum-norm":
+        per_seq = per_seq / response_mask.size(1)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss_agg {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+    return per_seq.mean() if per_seq.numel() else per_seq.sum()
 
 
 def clipped_policy_loss(
@@ -236,37 +256,32 @@ def clipped_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     clip_eps: float,
-    sequence_level: bool = False,
+    loss_agg: str = "token-mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate. Returns ``(loss, clipfrac, approx_kl)``, all scalars.
+    """PPO clipped surrogate on token ratios. Returns ``(loss, clipfrac, approx_kl)``, all scalars.
 
-    ``logprobs``, ``old_logprobs``, ``response_mask`` ``(b, t)``.
-    Token level (default): ``advantages`` ``(b, t)`` or ``(b,)`` (broadcast to every
-    token); loss = masked mean of ``max(-A*ratio, -A*clip(ratio, 1-eps, 1+eps))``.
-    ``sequence_level=True`` (clipped RLOO): ``advantages`` ``(b,)``, one ratio per
-    sequence ``exp(sum_t (logprobs - old_logprobs))``, mean over sequences.
-    ``clipfrac`` is the fraction of actions where the clipped term is active;
-    ``approx_kl`` is the mean of ``0.5 * log_ratio^2`` (k2), detached.
+    ``logprobs``, ``old_logprobs``, ``response_mask`` ``(b, t)``; ``advantages`` ``(b, t)`` or
+    ``(b,)`` (one per sequence, broadcast to its tokens).  Per token:
+    ``w * max(-A * ratio, -A * clip(ratio, 1-eps, 1+eps))`` with ``ratio = exp(logprobs - old)``
+    and ``w`` the importance ``weights`` ``(b, t)`` of an off-policy correction (1 without),
+    aggregated by ``loss_agg``.  With ratio 1 (the first update on a batch) and
+    ``seq-mean-token-sum`` this is REINFORCE on whole completions: ``-mean_i A_i sum_t logprobs``.
+    ``clipfrac`` is the token fraction where the clipped term is active; ``approx_kl`` the token
+    mean of ``0.5 * log_ratio^2`` (k2), detached.
     """
     adv = advantages.detach()
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1)
     log_ratio = logprobs - old_logprobs.detach()
-    if sequence_level:
-        if adv.dim() != 1:
-            raise ValueError("sequence_level=True needs advantages of shape (b,)")
-        log_ratio = masked_sum(log_ratio, response_mask, dim=1)
-        reduce = torch.mean
-    else:
-        if adv.dim() == 1:
-            adv = adv.unsqueeze(1)
-
-        def reduce(x: torch.Tensor) -> torch.Tensor:
-            return masked_mean(x, response_mask)
-
     ratio = torch.exp(log_ratio)
     unclipped, clipped = -adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-    loss = reduce(torch.maximum(unclipped, clipped))
-    clipfrac = reduce((clipped > unclipped).to(ratio.dtype)).detach()
-    approx_kl = reduce(0.5 * log_ratio.detach() ** 2)
+    per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    loss = agg_loss(per_token, response_mask, loss_agg)
+    clipfrac = masked_mean((clipped > unclipped).to(ratio.dtype), response_mask).detach()
+    approx_kl = masked_mean(0.5 * log_ratio.detach() ** 2, response_mask)
     return loss, clipfrac, approx_kl
 
 
@@ -276,18 +291,35 @@ def clipped_value_loss(
     returns: torch.Tensor,
     response_mask: torch.Tensor,
     clip_eps: float,
+    loss_agg: str = "token-mean",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped value loss, all inputs ``(b, t)``. Returns ``(loss, clipfrac)`` scalars.
 
-    ``loss = 0.5 * masked_mean(max((v - R)^2, (v_clip - R)^2))`` with
-    ``v_clip = old + clamp(v - old, -eps, eps)``.
+    ``loss = 0.5 * agg(max((v - R)^2, (v_clip - R)^2))`` with
+    ``v_clip = old + clamp(v - old, -eps, eps)``, aggregated by ``loss_agg``.
     """
     old_values, returns = old_values.detach(), returns.detach()
     v_clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
     err, err_clipped = (values - returns) ** 2, (v_clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(err, err_clipped), response_mask)
+    loss = 0.5 * agg_loss(torch.maximum(err, err_clipped), response_mask, loss_agg)
     clipfrac = masked_mean((err_clipped > err).to(values.dtype), response_mask).detach()
     return loss, clipfrac
+
+
+def sequence_logprobs(logprobs: torch.Tensor, response_mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
+    """One log-probability per sequence ``(b, t)`` -> ``(b,)`` for losses on whole sequences (DPO).
+
+    ``seq-mean-token-sum``: the sequence's log-likelihood (DPO); ``seq-mean-token-mean``: its
+    per-token mean (length-normalised, as SimPO); ``seq-mean-token-sum-norm``: the sum over ``t``.
+    """
+    total = masked_sum(logprobs, response_mask, dim=1)
+    if loss_agg == "seq-mean-token-sum":
+        return total
+    if loss_agg == "seq-mean-token-mean":
+        return total / response_mask.bool().sum(dim=1).clamp(min=1).to(total.dtype)
+    if loss_agg == "seq-mean-token-sum-norm":
+        return total / response_mask.size(1)
+    raise ValueError(f"loss_agg {loss_agg!r} has no per-sequence log-probability; use a seq-mean-* mode")
 
 
 def dpo_loss(
@@ -297,25 +329,28 @@ def dpo_loss(
     ref_rejected_logps: torch.Tensor,
     beta: float,
     loss_type: str = "sigmoid",
+    pair_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DPO / IPO loss on sequence log-probs ``(b,)``.
 
-    ``logits = (pc - rc) - (pr - rr)``; ``sigmoid``: ``-logsigmoid(beta*logits).mean()``;
-    ``ipo``: ``((logits - 1/(2*beta))**2).mean()``.  Returns ``(loss, chosen_rewards,
-    rejected_rewards)`` with implicit rewards ``beta*(pc - rc)``, ``beta*(pr - rr)``
-    (``(b,)``, detached).
+    ``logits = (pc - rc) - (pr - rr)``; ``sigmoid``: ``-logsigmoid(beta*logits)``;
+    ``ipo``: ``(logits - 1/(2*beta))**2``; mean over the pairs where ``pair_mask`` ``(b,)`` is
+    set (all by default; 0 when none is).  Returns ``(loss, chosen_rewards, rejected_rewards)``
+    with implicit rewards ``beta*(pc - rc)``, ``beta*(pr - rr)`` (``(b,)``, detached).
     """
     chosen_ratio = chosen_logps - ref_chosen_logps
     rejected_ratio = rejected_logps - ref_rejected_logps
     logits = chosen_ratio - rejected_ratio
     if loss_type == "sigmoid":
-        loss = -F.logsigmoid(beta * logits).mean()
+        per_pair = -F.logsigmoid(beta * logits)
     elif loss_type == "ipo":
-        loss = ((logits - 1.0 / (2.0 * beta)) ** 2).mean()
+        per_pair = (logits - 1.0 / (2.0 * beta)) ** 2
     else:
         raise ValueError(
             f"unknown DPO loss_type {loss_type!r}; valid: {', '.join(DPO_LOSS_TYPES)}"
         )
+    mask = torch.ones_like(per_pair, dtype=torch.bool) if pair_mask is None else pair_mask.bool()
+    loss = masked_mean(per_pair, mask)
     return loss, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
 
 
@@ -323,7 +358,7 @@ def best_worst_indices(rewards: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     """Flat indices ``(b,)``, ``(b,)`` of the best and worst sample of each group.
 
     ``rewards`` ``(b*k,)``.  Ties: chosen is the FIRST max, rejected the LAST min,
-    so the two differ even when a group is all equal (online DPO needs a pair).
+    so the two differ even when a group is all equal (see ``tied_groups``).
     """
     g = _groups(rewards, k)
     chosen = torch.argmax(g, dim=1)
@@ -332,11 +367,17 @@ def best_worst_indices(rewards: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     return offset + chosen, offset + rejected
 
 
-def grpo_kl_loss(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor
+def tied_groups(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """``(b,)`` bool: every sample of the group has the same reward (no preference to learn)."""
+    g = _groups(rewards, k)
+    return g.amax(dim=1) == g.amin(dim=1)
+
+
+def kl_loss(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor, loss_agg: str = "token-mean"
 ) -> torch.Tensor:
-    """GRPO KL term: masked mean of the k3 estimator, inputs ``(b, t)`` -> scalar."""
-    return masked_mean(kl_penalty(logprobs, ref_logprobs, "k3"), response_mask)
+    """GRPO's KL term: the k3 estimator per token ``(b, t)``, aggregated by ``loss_agg`` -> scalar."""
+    return agg_loss(kl_penalty(logprobs, ref_logprobs, "k3"), response_mask, loss_agg)
 
 
 def truncated_importance_weights(
@@ -356,7 +397,9 @@ def truncated_importance_weights(
     return _where_mask(torch.exp(log_ratio), response_mask)
 
 
-def eos_penalty(scores: torch.Tensor, has_eos: torch.Tensor, penalty: float) -> torch.Tensor:
+def eos_penalty(scores: torch.Tensor, has_eos: torch.Tensor, penalty: float | None) -> torch.Tensor:
     """Replace scores ``(b,)`` of completions without EOS (``has_eos`` ``(b,)`` bool) by
-    ``penalty``; truncated text would otherwise be scored as if finished."""
+    ``penalty``; truncated text would otherwise be scored as if finished.  ``None``: no penalty."""
+    if penalty is None:
+        return scores
     return torch.where(has_eos.bool(), scores, torch.full_like(scores, penalty))

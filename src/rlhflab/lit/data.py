@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from itertools import count
+
 import torch
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 
 def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -42,32 +44,51 @@ def encode_completions(tokenizer, prompts: list[str], responses: list[str]):
     return input_ids, attention_mask, label_ids
 
 
-class EpochShuffle(Sampler):
-    """A shuffle that is a pure function of (seed, epoch).
+class PromptBatches(IterableDataset):
+    """The RL stage's prompt batches: batch j (j = start, start+1, ...) is a pure function of (seed, j).
 
-    The async generator iterates its own copy of the learner's loader; a
-    sampler that drew from a running generator would drift from the learner's
-    whenever either side started one more iterator. Lightning calls set_epoch.
+    Epoch e = j // per_epoch shuffles every prompt with its own seed (seed, e), and
+    batch j takes the (j % per_epoch)-th run of `prompts_per_step` prompts of that
+    order; an epoch's incomplete tail is dropped. So a run resumed at batch j, and the
+    async generator iterating its own copy, see exactly the prompts an uninterrupted
+    learner would. Under data parallelism rank r of w takes the r-th of w equal
+    contiguous slices of each batch (whole prompts: their k samples stay together).
+
+    Yields (query (b, P), prompt index (b,), batch index j (0-d)).
     """
 
-    def __init__(self, n: int, seed: int) -> None:
-        self.n, self.seed, self.epoch = n, seed, 0
+    def __init__(self, query: torch.Tensor, prompts_per_step: int, seed: int, start: int = 0, rank: int = 0,
+                 world_size: int = 1) -> None:
+        self.query = query
+        self.size = prompts_per_step
+        self.per_epoch = len(query) // prompts_per_step
+        if self.per_epoch < 1:
+            raise ValueError(f"{len(query)} prompts cannot fill one batch of {prompts_per_step}")
+        self.seed, self.start = seed, start
+        self.rank, self.world_size = rank, world_size
+        self.local = prompts_per_step // world_size
+        self._order: tuple[int, torch.Tensor] | None = None
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if self._order is None or self._order[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            self._order = (epoch, torch.randperm(len(self.query), generator=g))
+        return self._order[1]
+
+    def indices(self, j: int) -> torch.Tensor:
+        """Global prompt indices (prompts_per_step,) of batch j."""
+        epoch, pos = divmod(j, self.per_epoch)
+        return self._epoch_order(epoch)[pos * self.size : (pos + 1) * self.size]
 
     def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
-
-    def __len__(self) -> int:
-        return self.n
+        for j in count(self.start):
+            index = self.indices(j)[self.rank * self.local : (self.rank + 1) * self.local]
+            yield self.query[index], index, torch.tensor(j)
 
 
-def prompt_loader(query: torch.Tensor, batch_size: int, seed: int) -> DataLoader:
-    """Batches of (query (b, P), index (b,)); the index finds the prompt text."""
-    dataset = TensorDataset(query, torch.arange(len(query)))
-    return DataLoader(dataset, batch_size=batch_size, sampler=EpochShuffle(len(query), seed), drop_last=True)
+def prompt_loader(batches: PromptBatches) -> DataLoader:
+    """The stream as a DataLoader (batches are made by the stream itself)."""
+    return DataLoader(batches, batch_size=None)
 
 
 def tensor_loader(*tensors: torch.Tensor, batch_size: int, seed: int, shuffle: bool = True) -> DataLoader:

@@ -3,30 +3,34 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import lightning as L
 import torch
 
 from rlhflab.algos import functional as F
-from rlhflab.algos.registry import Algorithm, Scored
+from rlhflab.algos.carriers import Experience, Scored
+from rlhflab.algos.registry import Algorithm
+from rlhflab.contracts import MemoryStrategy, Reward, RolloutSource, Task
+from rlhflab.lit.data import PromptBatches, encode_prompts, prompt_loader
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
-from rlhflab.lit.data import encode_prompts, prompt_loader
+from rlhflab.rewards import score_rollout
 from rlhflab.rollout.batch import Rollout
 
 log = logging.getLogger(__name__)
 
 
 class RLHFModule(L.LightningModule):
-    """Generate -> score -> reference log-probs -> advantages -> updates, one prompt batch per step.
+    """Generate -> score -> old/reference log-probs -> advantages -> updates, one prompt batch per step.
 
     `memory` answers policy/reference log-probs, values and scores; `algo`
     turns them into targets and losses; `source` produces rollouts (now with
-    the current weights in sync mode, ahead of time in async mode).
+    the current weights in sync mode, ahead of time in async mode) and says
+    which log-probs the ratios start from.
     """
 
-    def __init__(self, memory, algo: Algorithm, reward, source, task, tokenizer, train_prompts, eval_prompts, rl_cfg, seed: int) -> None:
+    def __init__(self, memory: MemoryStrategy, algo: Algorithm, reward: Reward, source: RolloutSource, task: Task, tokenizer,
+                 train_prompts: list[str], eval_prompts: list[str], rl_cfg, seed: int) -> None:
         super().__init__()
         self.memory = memory
         self.algo = algo
@@ -42,18 +46,23 @@ class RLHFModule(L.LightningModule):
         self.seed = seed
         self.temperature = source.generator.temperature
         self.policy_version = 0  # rollout batches trained on so far
+        self.updates = 0  # optimizer steps taken so far: the step of every RL metric
         self.automatic_optimization = False
         self.eval_history: list[tuple[int, float, float]] = []  # (rl step, gold reward, KL)
         self.generation_rows: list[dict] = []
         self.step_times: list[tuple[int, float, float, float]] = []  # (samples, gen busy, train busy, step) seconds
+        self.constants_logged = False
+
+    def prompt_batches(self) -> PromptBatches:
+        """The prompt stream from the next batch to train on (the async generator iterates its own copy)."""
+        return PromptBatches(self.train_query, self.cfg.prompts_per_step, self.seed, start=self.policy_version)
 
     def train_dataloader(self):
-        return prompt_loader(self.train_query, self.cfg.prompts_per_step, self.seed)
+        return prompt_loader(self.prompt_batches())
 
     def on_fit_start(self) -> None:
         self.activations = ActivationMeter(p for m in self.memory.trainable_modules() for p in m.parameters())
-        # The async generator iterates its own copy of the same loader: same prompts, same order.
-        self.source.start(self.memory.generation_model, self.train_dataloader(), self.train_prompts, self.algo, self.seed)
+        self.source.start(self.memory.generation_model, self.prompt_batches(), self.train_prompts, self.algo, self.seed)
 
     def configure_optimizers(self):
         groups = [{"params": self.memory.policy_parameters(), "lr": self.cfg.lr}]
@@ -66,72 +75,44 @@ class RLHFModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         t0 = time.perf_counter()
         # 1. generate (sync: now, with the current weights; async: a batch made earlier)
-        query, index = batch
+        query, index, batch_id = batch
         prompts = [self.train_prompts[i] for i in index.tolist()]
-        rollout = self.source.get(self.memory.generation_model, query, prompts, self.policy_version, self.algo).to(self.device)
+        rollout = self.source.get(self.memory.generation_model, query, prompts, self.policy_version, self.algo, int(batch_id))
+        rollout = rollout.to(self.device)
         t_gen = time.perf_counter() - t0
-        # 2. score (a completion that never ends gets the EOS penalty instead)
-        with torch.no_grad():
-            scores = self.reward.score(self.memory, self.task, rollout)
-            scores = F.eos_penalty(scores, rollout.has_eos(self.tokenizer.eos_token_id), self.cfg.eos_penalty)
-            baseline = self.reward.score_baseline(self.memory, self.task, rollout) if self.algo.needs_greedy_baseline else None
-            # 3. log-probs before the update (or the generator's, for stale batches), reference log-probs, values
-            if self.source.off_policy == "behaviour":
-                old_logprobs = rollout.logprobs  # no forward: the generator's are the old policy
-            else:
-                old_logprobs = self.memory.policy_logprobs(rollout.query, rollout.response, self.temperature)
-            ref_logprobs = self.memory.reference_logprobs(rollout.query, rollout.response, self.temperature)
-            values = self.memory.values(rollout.query, rollout.response) if self.algo.needs_values else None
         mask = rollout.response_mask
+        with torch.no_grad():
+            # 2. score (a completion that never ends gets the EOS penalty instead, greedy baselines too)
+            scores, baseline = score_rollout(self.reward, self.memory, self.task, rollout, self.tokenizer.eos_token_id,
+                                             self.cfg.eos_penalty, self.algo.needs_greedy_baseline)
+            # 3. where the ratios start (the source's off-policy correction), reference log-probs, values
+            old_logprobs, is_weights, metrics = self.source.old_policy(rollout, lambda: self._logprobs(rollout))
+            ref_logprobs = self.memory.reference_logprobs(rollout.query, rollout.response, self.temperature) * mask
+            values = self.memory.values(rollout.query, rollout.response) if self.algo.needs_values else None
         # 4. + 5. rewards and advantages
-        scored = Scored(scores, old_logprobs * mask, ref_logprobs * mask, mask, values, baseline)
-        targets, metrics = self.algo.prepare(scored)
-        if self.source.off_policy == "tis" and "advantages" in targets:
-            targets["advantages"] = targets["advantages"] * self._tis_weights(scored.old_logprobs, rollout, targets["advantages"])
-        targets |= {"query": rollout.query, "response": rollout.response, "response_mask": mask,
-                    "old_logprobs": scored.old_logprobs, "ref_logprobs": scored.ref_logprobs}
+        targets, algo_metrics = self.algo.prepare(Scored(scores, old_logprobs, ref_logprobs, mask, values, baseline))
+        experience = Experience(rollout.query, rollout.response, mask, old_logprobs, ref_logprobs, targets, is_weights)
         # 6. updates: epochs x mini-batches of whole prompt groups
-        metrics |= self._update(targets, rollout.num_samples)
+        metrics = metrics | algo_metrics | self._update(experience)
         self.policy_version += 1
         t_sync = time.perf_counter()
         self.source.after_update(self.memory.generation_model, self.policy_version)
         t_step = time.perf_counter() - t0
         t_sync = time.perf_counter() - t_sync
         # 7. log
-        gen_busy = rollout.extras.get("gen_busy_s", t_gen)  # async: the generator's own busy time
-        train_busy = t_step - t_gen
-        self.step_times.append((rollout.num_samples, gen_busy, train_busy, t_step))
-        metrics |= {
-            "train/response_len": mask.sum(1).mean(),
-            "train/eos_rate": rollout.has_eos(self.tokenizer.eos_token_id).float().mean(),
-            "rollout/staleness": float(self.policy_version - 1 - rollout.version),
-            "perf/gen_s": gen_busy,
-            "perf/train_s": train_busy,
-            "perf/wait_s": t_gen,
-            "perf/sync_s": t_sync,
-            "perf/step_s": t_step,
-            "perf/samples_per_s": rollout.num_samples / t_step,
-            # 1.0 = the step took only as long as the slower side (perfect overlap)
-            "perf/overlap_eff": max(gen_busy, train_busy) / t_step,
-        }
-        if "engine_sync_s" in rollout.extras:  # generator=vllm: loading new weights into the engine
-            metrics["perf/engine_sync_s"] = rollout.extras["engine_sync_s"]
-        metrics |= self.memory_metrics()
+        metrics |= self._step_metrics(rollout, t_gen, t_sync, t_step)
         self._log_step(metrics)
         if self.cfg.eval_every and self.policy_version % self.cfg.eval_every == 0:
             self.evaluate()
 
-    def _tis_weights(self, learner_old, rollout: Rollout, advantages):
-        """Truncated importance weights pi_learner_old / pi_behaviour, per sequence or per token like the advantages."""
-        mask = rollout.response_mask
-        if advantages.dim() == 1:
-            log_ratio = F.masked_sum(learner_old - rollout.logprobs, mask, dim=1)
-            return torch.exp(log_ratio.clamp(max=math.log(self.source.tis_cap)))
-        return F.truncated_importance_weights(learner_old, rollout.logprobs, mask, self.source.tis_cap)
+    def _logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """(n, R) the current policy's log-probs of the rollout's responses, 0 on padding."""
+        return self.memory.policy_logprobs(rollout.query, rollout.response, self.temperature) * rollout.response_mask
 
-    def _update(self, targets: dict, n: int) -> dict:
+    def _update(self, experience: Experience) -> dict:
         opt = self.optimizers()
         k = self.algo.samples_per_prompt
+        n = len(experience)
         groups = F.divide_exact(n, k, "rollout samples per prompt group")
         per_mb = F.divide_exact(groups, self.algo.num_minibatches, "algo.num_minibatches (prompts per step must divide)") * k
         sums: dict[str, float] = {}
@@ -139,22 +120,45 @@ class RLHFModule(L.LightningModule):
         for _ in range(self.algo.epochs):
             order = torch.randperm(groups).repeat_interleave(k) * k + torch.arange(k).repeat(groups)
             for start in range(0, n, per_mb):
-                idx = order[start : start + per_mb]
-                mb = {key: v[idx] for key, v in targets.items()}
+                batch = experience.select(order[start : start + per_mb].to(experience.response.device))
                 with self.activations.track():
-                    logprobs = self.memory.policy_logprobs(mb["query"], mb["response"], self.temperature) * mb["response_mask"]
-                    values = self.memory.values(mb["query"], mb["response"]) if self.algo.needs_values else None
-                    loss, m = self.algo.loss(logprobs, values, mb)
+                    logprobs = self.memory.policy_logprobs(batch.query, batch.response, self.temperature) * batch.response_mask
+                    values = self.memory.values(batch.query, batch.response) if self.algo.needs_values else None
+                    loss, m = self.algo.loss(logprobs, values, batch)
                 opt.zero_grad(set_to_none=True)
                 self.manual_backward(loss)
                 self.activations.reset()
                 self.clip_gradients(opt, gradient_clip_val=self.cfg.max_grad_norm, gradient_clip_algorithm="norm")
                 opt.step()
+                self.updates += 1
                 m["train/loss"] = loss.detach()
                 for key, value in m.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
                 count += 1
         return {key: v / count for key, v in sums.items()}
+
+    def _step_metrics(self, rollout: Rollout, t_gen: float, t_sync: float, t_step: float) -> dict[str, float]:
+        gen_busy = rollout.extras.get("gen_busy_s", t_gen)  # async: the generator's own busy time
+        train_busy = t_step - t_gen
+        self.step_times.append((rollout.num_samples, gen_busy, train_busy, t_step))
+        eos = self.tokenizer.eos_token_id
+        metrics = {
+            "train/response_len": float(rollout.response_mask.sum(1).mean()),
+            "train/eos_rate": float(rollout.has_eos(eos).float().mean()),
+            "rollout/staleness": float(self.policy_version - 1 - rollout.version),
+            "perf/gen_s": gen_busy,
+            "perf/train_s": train_busy,
+            "perf/wait_s": t_gen,
+            "perf/sync_s": t_sync,
+            "perf/step_s": t_step,
+            "perf/samples_per_s": rollout.num_samples / t_step,
+        }
+        if self.source.name != "sync":
+            # 1.0 = the step took only as long as the slower side (perfect overlap)
+            metrics["perf/overlap_eff"] = max(gen_busy, train_busy) / t_step
+        if "engine_sync_s" in rollout.extras:  # generator=vllm: loading new weights into the engine
+            metrics["perf/engine_sync_s"] = rollout.extras["engine_sync_s"]
+        return metrics | self.memory_metrics()
 
     def timing_summary(self) -> dict[str, float]:
         """Run-level throughput over RL steps after the first (warm-up), evaluation excluded.
@@ -173,16 +177,20 @@ class RLHFModule(L.LightningModule):
         }
 
     def memory_metrics(self) -> dict[str, float]:
-        """Model-state bytes by kind and the peak memory (see rlhflab.perf for the method)."""
+        """The peak memory every step; model-state bytes (constant after the first update) once, as params."""
         state = model_state_bytes(self.memory.model_modules(), self.optimizers().optimizer)
         peak, self.mem_method = peak_memory_mb(state, self.activations.peak, self.device)
-        return state | {"perf/peak_mem_mb": peak, "perf/activation_peak_mb": self.activations.peak / 2**20}
+        if not self.constants_logged and self.logger is not None:
+            self.logger.log_hyperparams(state)
+            self.constants_logged = True
+        return {"perf/peak_mem_mb": peak, "perf/activation_peak_mb": self.activations.peak / 2**20}
 
     def _log_step(self, metrics: dict) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
-        for key in ("train/reward", "train/kl"):
-            self.log(key, metrics.pop(key), prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        for key in ("train/reward", "train/kl"):  # the progress bar's
+            self.log(key, metrics[key], prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+        if self.logger is not None:
+            self.logger.log_metrics(metrics, step=self.updates)
 
     # ---- evaluation ----------------------------------------------------------------------
 
@@ -209,7 +217,7 @@ class RLHFModule(L.LightningModule):
         self.eval_history.append((self.policy_version, value, float(kl.mean())))
         metrics = {"eval/gold_reward": value, "eval/kl": float(kl.mean()), "eval/eos_rate": float(rollout.has_eos(self.tokenizer.eos_token_id).float().mean())}
         if self.logger is not None:
-            self.logger.log_metrics(metrics, step=self.global_step)
+            self.logger.log_metrics(metrics, step=self.updates)
         log.info("eval after %d RL steps: gold reward %.3f, KL %.2f", self.policy_version, value, metrics["eval/kl"])
         scores = self.reward.score(self.memory, self.task, rollout) if self.cfg.log_generations else None
         for i in range(min(self.cfg.log_generations, rollout.num_samples)):

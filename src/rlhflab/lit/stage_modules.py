@@ -1,4 +1,5 @@
-"""LightningModules of the supervised stages: `sft` (demonstrations) and `rm` (preference pairs)."""
+"""LightningModules of the stages before RL: `sft` (demonstrations), `rm` (preference pairs) and
+`hydra_sft` (both at once, on one trunk with an LM head and a reward head)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
 
 
@@ -67,3 +69,50 @@ class RewardModule(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.model.parameters(), lr=self.lr)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(n, T, V) logits, (n, T) labels (-100 = ignore) -> mean next-token cross-entropy."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+class HydraSFTModule(L.LightningModule):
+    """loss = LM cross-entropy on demonstrations + reward_loss_weight x -log sigmoid(r(chosen) - r(rejected))."""
+
+    def __init__(
+        self, causal_lm, reward_head: ScalarHead, pad_token_id: int, lm_lr: float, reward_lr: float, reward_loss_weight: float
+    ) -> None:
+        super().__init__()
+        self.causal_lm = causal_lm
+        self.reward_head = reward_head
+        self.pad_token_id = pad_token_id
+        self.lm_lr = lm_lr
+        self.reward_lr = reward_lr
+        self.reward_loss_weight = reward_loss_weight
+
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(n, T) right-padded sequences -> (n,) raw reward-head scores."""
+        hidden = trunk(self.causal_lm, input_ids, (input_ids != self.pad_token_id).long())
+        return sequence_scores(self.reward_head, hidden, input_ids, self.pad_token_id)
+
+    def training_step(self, batch, batch_idx):
+        input_ids, attention_mask, labels = batch["sft"]
+        chosen, rejected = batch["rm"]
+        logits = self.causal_lm.get_output_embeddings()(trunk(self.causal_lm, input_ids, attention_mask))
+        sft_loss = lm_loss(logits, labels)
+        # Chosen and rejected share one forward.
+        scores = self.score(torch.cat([chosen, rejected])).view(2, -1)
+        margin = scores[0] - scores[1]
+        rm_loss = -F.logsigmoid(margin).mean()
+        loss = sft_loss + self.reward_loss_weight * rm_loss
+        # The same keys as stages sft and rm, so their curves compare across memory strategies.
+        self.log_dict(
+            {"sft/loss": sft_loss, "rm/loss": rm_loss, "rm/accuracy": (margin > 0).float().mean(), "hydra_sft/loss": loss},
+            prog_bar=True, on_step=True, on_epoch=False,
+        )
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(
+            [{"params": self.causal_lm.parameters(), "lr": self.lm_lr}, {"params": self.reward_head.parameters(), "lr": self.reward_lr}]
+        )

@@ -1,52 +1,46 @@
-"""What every memory strategy answers, and the default way to get its starting models.
+"""The base of the memory strategies (the contract is rlhflab.contracts.MemoryStrategy).
 
-A strategy decides how policy, reference, reward and value share weights. The
-RL module and the algorithms only call: `policy_logprobs`, `reference_logprobs`,
-`values`, `scores`, `generation_model`, `policy_parameters`, `value_parameters`,
-`model_modules`, `trainable_modules`, and `run_stages` (before `build`).
+A strategy decides how policy, reference, reward and value share weights. It
+declares which training stages it needs (`stages`) and builds its models from
+their outputs (`build`); it never runs a stage itself.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
+from rlhflab.models.build import without_dropout
 from rlhflab.rollout.batch import join, token_logprobs
-
-log = logging.getLogger(__name__)
-
-
-def enable_checkpointing(model, **checkpoint_kwargs) -> None:
-    """Recompute each layer's activations in backward; non-reentrant, so frozen inputs need no grad."""
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs})
 
 
 class MemoryStrategy(nn.Module):
+    """Shared helpers: the standard stages, trainable-module preparation, one forward over prompt + response."""
+
     name = "base"
+    pad_token_id: int
+    reward_norm: tuple[float, float]
+
+    def __init__(self, gradient_checkpointing: bool = False) -> None:
+        super().__init__()
+        self.gradient_checkpointing = gradient_checkpointing
+
+    def stages(self, need_reward: bool) -> tuple[str, ...]:
+        """Stage sft for the policy, and stage rm when the reward needs a reward model."""
+        return ("sft", "rm") if need_reward else ("sft",)
 
     def check(self, model_cfg, task, need_reward: bool) -> None:
         """Raise ConfigError for settings this strategy cannot run with (called before any model loads)."""
 
-    def run_stages(self, model_cfg: dict, base, tokenizer, task, stages: dict, cache_dir, make_trainer, need_reward: bool):
-        """-> (sft_path, reward_path or None): stage sft then stage rm, each skipped when given or cached."""
-        from rlhflab.stages import run_rm, run_sft
-
-        if model_cfg.get("sft_path"):
-            sft_path = model_cfg["sft_path"]
-            log.info("stage sft: skipped, using model.sft_path=%s", sft_path)
-        else:
-            sft_path = run_sft(base, tokenizer, task, stages["sft"], model_cfg["dtype"], cache_dir, make_trainer)
-        if not need_reward:
-            log.info("stage rm: skipped, the reward needs no reward model")
-            return sft_path, None
-        if model_cfg.get("reward_model_path"):
-            log.info("stage rm: skipped, using model.reward_model_path=%s", model_cfg["reward_model_path"])
-            return sft_path, model_cfg["reward_model_path"]
-        return sft_path, run_rm(sft_path, tokenizer, task, stages["rm"], model_cfg["dtype"], cache_dir, make_trainer)
-
-    # Helpers shared by the strategies: one forward over prompt + response.
+    def trainable(self, model: nn.Module, **checkpoint_kwargs) -> nn.Module:
+        """Ready a model whose weights RL trains: no dropout (the rollout pass and the update pass must
+        compute the same log-probs), activation checkpointing if asked, and train mode, which HF's
+        checkpointing requires (from_pretrained returns eval-mode models, and Lightning keeps modes)."""
+        without_dropout(model)
+        if self.gradient_checkpointing:
+            # Non-reentrant, so frozen inputs need no grad.
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs})
+        return model.train()
 
     def _forward(self, model, query, response, **kwargs):
         input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)

@@ -7,55 +7,34 @@ reference log-probs, values and scores. Other strategies answer the same calls.
 from __future__ import annotations
 
 import copy
-import json
-import logging
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from rlhflab.memory.base import MemoryStrategy, enable_checkpointing
-from rlhflab.models.build import load_causal_lm, load_reward_model, load_value_model
-
-log = logging.getLogger(__name__)
-
-REWARD_NORM_FILE = "rlhflab_reward_norm.json"
-
-
-def read_reward_norm(path) -> tuple[float, float]:
-    """(mean, std) the reward stage measured; (0, 1) for a reward model it did not train."""
-    f = Path(path) / REWARD_NORM_FILE
-    if f.is_file():
-        d = json.loads(f.read_text())
-        return float(d["mean"]), float(d["std"])
-    return 0.0, 1.0
-
-
-def freeze(model: nn.Module) -> nn.Module:
-    model.requires_grad_(False)
-    return model.eval()
+from rlhflab.memory.base import MemoryStrategy
+from rlhflab.models.build import freeze, load_causal_lm, load_reward_model, load_value_model, read_reward_norm, without_dropout
 
 
 class FullMemory(MemoryStrategy):
-    """Every role is its own model; the reference is a frozen copy of the starting policy."""
+    """Every role is its own model; the reference is a frozen copy of the starting policy.
+
+    gradient_checkpointing: recompute activations in backward to save memory.
+    """
 
     name = "full"
-
-    def __init__(self, gradient_checkpointing: bool = False) -> None:
-        super().__init__()
-        self.gradient_checkpointing = gradient_checkpointing
 
     def build(self, policy_path, reward_path, need_values: bool, pad_token_id: int, dtype: str = "float32") -> "FullMemory":
         """Load the models this run needs. reward_path None: no reward model (rule reward)."""
         self.pad_token_id = pad_token_id
         self.dtype = dtype
-        self.policy = load_causal_lm(policy_path, self.dtype)
-        if self.gradient_checkpointing:
-            enable_checkpointing(self.policy)
-        self.reference = freeze(copy.deepcopy(self.policy))
+        policy = without_dropout(load_causal_lm(policy_path, self.dtype))
+        self.reference = freeze(copy.deepcopy(policy))
+        self.policy = self.trainable(policy)
         self.load_reward_model(reward_path)
         # Values start from the reward model when there is one (as in the PPO-RLHF recipes).
-        self.value_model = load_value_model(reward_path or policy_path, self.dtype, self.pad_token_id) if need_values else None
+        self.value_model = None
+        if need_values:
+            self.value_model = self.trainable(load_value_model(reward_path or policy_path, self.dtype, self.pad_token_id))
         return self
 
     def load_reward_model(self, reward_path) -> None:

@@ -14,9 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from rlhflab.memory.base import enable_checkpointing
 from rlhflab.memory.full import FullMemory
-from rlhflab.models.build import load_causal_lm, load_value_model, without_dropout
+from rlhflab.models.build import load_causal_lm, load_value_model
 
 # Every linear layer of Llama and GPT-NeoX blocks, and the LM head (lm_head / embed_out); names a
 # model lacks are skipped. The head matters: the final norm bounds the trunk's output, so adapters
@@ -37,7 +36,7 @@ def lora_config(r: int, lora_alpha: float, lora_dropout: float, target_modules, 
     return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets, task_type=task_type, **extra)
 
 
-def trainable(module: nn.Module | None) -> list[nn.Parameter]:
+def trainable_parameters(module: nn.Module | None) -> list[nn.Parameter]:
     return [] if module is None else [p for p in module.parameters() if p.requires_grad]
 
 
@@ -69,22 +68,17 @@ class LoraMemory(FullMemory):
 
         self.pad_token_id = pad_token_id
         self.dtype = dtype
-        policy = self._prepared(load_causal_lm(policy_path, dtype))
+        policy = self.trainable(load_causal_lm(policy_path, dtype))
         self.policy = get_peft_model(policy, lora_config(**self.lora, task_type=TaskType.CAUSAL_LM))
         self.load_reward_model(reward_path)
         self.value_model = None
         if need_values:
             # Values start from the reward model when there is one (as in the PPO-RLHF recipes);
             # listing the head in modules_to_save trains it in full and keeps the adapter off it.
-            backbone = self._prepared(load_value_model(reward_path or policy_path, dtype, pad_token_id))
+            backbone = self.trainable(load_value_model(reward_path or policy_path, dtype, pad_token_id))
             config = lora_config(**self.lora, task_type=TaskType.TOKEN_CLS, modules_to_save=VALUE_HEAD_NAMES)
             self.value_model = get_peft_model(backbone, config)
         return self
-
-    def _prepared(self, model):
-        if self.gradient_checkpointing:
-            enable_checkpointing(model)
-        return without_dropout(model)
 
     @torch.no_grad()
     def reference_logprobs(self, query, response, temperature: float) -> torch.Tensor:

@@ -22,6 +22,10 @@ from rlhflab.errors import ConfigError
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Saved next to a reward model by the stage that trained it: the mean/std of its scores on
+# demonstrations, which RL standardises scores with (so a KL coefficient means the same thing
+# whatever scale the reward model happened to learn).
+REWARD_NORM_FILE = "rlhflab_reward_norm.json"
 
 
 def config_key(*parts: Any) -> str:
@@ -100,6 +104,21 @@ def load_reward_model(name_or_path, dtype: str = "float32", pad_token_id: int | 
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model
+
+
+def read_reward_norm(path) -> tuple[float, float]:
+    """(mean, std) the reward stage measured; (0, 1) for a reward model it did not train."""
+    f = Path(path) / REWARD_NORM_FILE
+    if f.is_file():
+        d = json.loads(f.read_text())
+        return float(d["mean"]), float(d["std"])
+    return 0.0, 1.0
+
+
+def freeze(model):
+    """Frozen and in eval mode: a reference or reward model."""
+    model.requires_grad_(False)
+    return model.eval()
 
 
 def without_dropout(model):

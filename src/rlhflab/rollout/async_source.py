@@ -23,7 +23,6 @@ import queue
 import signal
 import time
 import traceback
-from itertools import count
 
 import torch
 import torch.multiprocessing as mp
@@ -56,11 +55,6 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _epoch(loader, epoch: int):
-    loader.sampler.set_epoch(epoch)  # as Lightning does for the learner's copy
-    return loader
-
-
 def pin_cuda_device(device: str) -> str:
     """In a fresh (spawned) process, make `cuda:N` the only visible GPU and return its new name, cuda:0.
 
@@ -79,7 +73,7 @@ def pin_cuda_device(device: str) -> str:
     return "cuda:0"
 
 
-def _generator_main(generator, model, loader, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
+def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
                     weights_q, out_q, parent):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle; it then stops us
     torch.set_num_threads(threads)
@@ -90,8 +84,8 @@ def _generator_main(generator, model, loader, train_prompts, algo_needs, seed, s
     params = dict(model.named_parameters())
     version = 0
     try:
-        batches = (b for epoch in count() for b in _epoch(loader, epoch))  # the learner's order, epoch after epoch
-        for j in count():
+        for query, index, batch in batches:  # the learner's stream, from the learner's first batch
+            j = int(batch)
             need = required_version(j, staleness, sync_every)
             while version < need:
                 try:
@@ -106,7 +100,6 @@ def _generator_main(generator, model, loader, train_prompts, algo_needs, seed, s
                 with torch.no_grad():
                     for name, t in tensors.items():
                         params[name].copy_(t)
-            query, index = next(batches)
             prompts = [train_prompts[i] for i in index.tolist()]
             t0 = time.perf_counter()
             with seeded(seed, j):
@@ -128,28 +121,22 @@ class AsyncSource(SyncSource):
     generator_threads / learner_threads: torch threads of each side (their sum should not exceed the cores).
     device: where the generator's copy of the policy runs (null: CPU); e.g. cuda:1 beside a learner on cuda:0.
     start_method: fork (CPU; 0.1 s) or spawn (required once CUDA is initialised; 4-6 s of imports).
-    off_policy: how the learner treats stale samples: `behaviour` uses the generator's log-probs as the
-      old policy of importance ratios (PPO, GRPO, clipped RLOO); `tis` additionally weights advantages by
-      min(pi_learner_old / pi_behaviour, tis_cap); `none` recomputes old log-probs with current weights.
+    correction: the off-policy correction (`off_policy=`) for stale samples.
     """
 
     name = "async"
 
-    def __init__(self, generator, staleness: int = 1, sync_every: int = 1, generator_threads: int = 1,
-                 learner_threads: int = 1, off_policy: str = "behaviour", tis_cap: float = 2.0, device: str | None = None,
-                 start_method: str = "fork") -> None:
-        super().__init__(generator)
+    def __init__(self, generator, correction=None, staleness: int = 1, sync_every: int = 1, generator_threads: int = 1,
+                 learner_threads: int = 1, device: str | None = None, start_method: str = "fork") -> None:
+        super().__init__(generator, correction)
         if staleness < 0:
             raise ConfigError(f"staleness={staleness}: must be >= 0")
         if sync_every < 1:
             raise ConfigError(f"mode.sync_every={sync_every}: must be >= 1")
-        if off_policy not in ("behaviour", "tis", "none"):
-            raise ConfigError(f"mode.off_policy={off_policy!r}: use behaviour, tis or none")
         self.staleness = staleness
         self.sync_every = sync_every
         self.generator_threads = generator_threads
         self.learner_threads = learner_threads
-        self.off_policy = off_policy
         if start_method not in ("fork", "spawn"):
             raise ConfigError(f"mode.start_method={start_method!r}: use fork or spawn")
         if device is not None and device.startswith("cuda") and start_method == "fork":
@@ -157,11 +144,9 @@ class AsyncSource(SyncSource):
         if generator.needs_spawn and start_method == "fork":
             raise ConfigError(f"mode.start_method=fork: {type(generator).__name__} starts an engine in the generator process, "
                               "which needs a fresh one; set mode.start_method=spawn")
-        self.tis_cap = tis_cap
         self.device = device
         self.start_method = start_method
         self.proc = None
-        self.next_batch = 0
 
     @property
     def eval_generator(self):
@@ -172,14 +157,14 @@ class AsyncSource(SyncSource):
     def max_staleness(self) -> int:
         return self.staleness + self.sync_every - 1
 
-    def start(self, model, loader, train_prompts, algo, seed: int) -> None:
+    def start(self, model, batches, train_prompts, algo, seed: int) -> None:
         ctx = mp.get_context(self.start_method)
         self.weights_q, self.out_q = ctx.Queue(), ctx.Queue()
         torch.set_num_threads(self.learner_threads)
         # fork: the child's copy is the parent's memory at fork time (copy on write). spawn pickles
         # the arguments, so hand it a host copy rather than shared handles to the learner's weights.
         gen_model = model if self.start_method == "fork" else copy.deepcopy(model).to("cpu")
-        args = (self.generator, gen_model, loader, train_prompts, (algo.samples_per_prompt, algo.needs_greedy_baseline),
+        args = (self.generator, gen_model, batches, train_prompts, (algo.samples_per_prompt, algo.needs_greedy_baseline),
                 seed, self.staleness, self.sync_every, self.generator_threads, self.device, self.weights_q, self.out_q,
                 os.getpid())
         self.proc = ctx.Process(target=_generator_main, args=args, daemon=True, name="rlhflab-generator")
@@ -187,7 +172,7 @@ class AsyncSource(SyncSource):
         log.info("mode async: generator process %d started (staleness %d, weights every %d updates, threads %d+%d)",
                  self.proc.pid, self.staleness, self.sync_every, self.generator_threads, self.learner_threads)
 
-    def get(self, model, query, prompts, version: int, algo) -> Rollout:
+    def get(self, model, query, prompts, version: int, algo, batch: int) -> Rollout:
         while True:
             try:
                 kind, payload = self.out_q.get(timeout=POLL_S)
@@ -198,11 +183,10 @@ class AsyncSource(SyncSource):
         if kind == "error":
             raise GeneratorCrashed(f"generator process failed:\n{payload}")
         rollout: Rollout = pickle.loads(payload)
-        if rollout.extras["batch"] != self.next_batch or rollout.prompts[:: algo.samples_per_prompt] != prompts:
-            raise RuntimeError(f"generator sent batch {rollout.extras['batch']} for step {self.next_batch}: prompt streams diverged")
+        if rollout.extras["batch"] != batch or rollout.prompts[:: algo.samples_per_prompt] != prompts:
+            raise RuntimeError(f"generator sent batch {rollout.extras['batch']} for batch {batch}: prompt streams diverged")
         if version - rollout.version > self.max_staleness:
             raise RuntimeError(f"rollout of version {rollout.version} at learner version {version}: staler than {self.max_staleness}")
-        self.next_batch += 1
         return rollout
 
     def after_update(self, model, version: int) -> None:

@@ -32,7 +32,11 @@ class Rollout:
 
     def has_eos(self, eos_token_id: int) -> torch.Tensor:
         """(n,) bool: did the completion end with EOS."""
-        return (self.response == eos_token_id).any(dim=1)
+        return ends(self.response, eos_token_id)
+
+    def baseline_has_eos(self, eos_token_id: int) -> torch.Tensor:
+        """(n // k,) bool: did each greedy completion end with EOS."""
+        return ends(self.baseline_response, eos_token_id)
 
     def with_version(self, version: int) -> "Rollout":
         return replace(self, version=version)
@@ -41,6 +45,11 @@ class Rollout:
         """The same rollout with every tensor on `device` (a no-op when they are there already)."""
         moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         return replace(self, **moved)
+
+
+def ends(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(n, R) ids -> (n,) bool: the completion emitted EOS within its budget."""
+    return (response == eos_token_id).any(dim=1)
 
 
 def response_mask_from_eos(response: torch.Tensor, eos_token_id: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlhflab.errors import ConfigError
 from rlhflab.rollout.batch import Rollout, repeat_prompts, response_mask_from_eos
 
 
@@ -12,15 +13,20 @@ class HFGenerator:
     """Samples k completions per prompt with `model.generate`, recording behaviour log-probs.
 
     temperature: sampling temperature; the learner divides logits by the same value.
-    top_k: 0 = full distribution (keeps the behaviour log-probs exact for the learner).
+    top_k: must be 0 (the full distribution): the learner, the reference and every KL estimate use
+      untruncated log-probs, so samples from a truncated distribution would make each ratio wrong.
     max_new_tokens: null = the task's budget.
     """
 
     needs_spawn = False  # the generator process may be forked
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None) -> None:
+        if top_k != 0:
+            raise ConfigError(
+                f"generator.top_k={top_k}: the learner's and the reference's log-probs are those of the full distribution, "
+                "so top-k sampling would make every importance ratio and KL estimate wrong; set generator.top_k=0"
+            )
         self.temperature = temperature
-        self.top_k = top_k
         self.max_new_tokens = max_new_tokens
 
     def check_model(self, model_cfg) -> None:
@@ -42,7 +48,7 @@ class HFGenerator:
             attention_mask=attention_mask,
             do_sample=not greedy,
             temperature=self.temperature if not greedy else None,
-            top_k=self.top_k if not greedy else None,
+            top_k=0 if not greedy else None,  # 0: no truncation (transformers' default would be 50)
             top_p=None,
             max_new_tokens=self.max_new_tokens,
             min_new_tokens=0,

@@ -1,4 +1,9 @@
-"""Where the learner's rollouts come from: `mode=sync` generates them on demand."""
+"""Where the learner's rollouts come from: `mode=sync` generates them on demand.
+
+A source also owns the off-policy correction (`off_policy=`): it says which
+log-probs the learner's ratios start from and which importance weights apply,
+so the LightningModule never knows how fresh a batch is.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ from contextlib import contextmanager
 
 import torch
 
+from rlhflab.contracts import Generator, OffPolicyCorrection
 from rlhflab.rollout.batch import Rollout
+from rlhflab.rollout.off_policy import Behaviour
 
 
 @contextmanager
@@ -23,28 +30,32 @@ class SyncSource:
     name = "sync"
     staleness = 0
     max_staleness = 0
-    off_policy = "none"  # the learner's recomputed log-probs are the behaviour policy's
 
-    def __init__(self, generator) -> None:
+    def __init__(self, generator: Generator, correction: OffPolicyCorrection | None = None) -> None:
         self.generator = generator
-        self.next_batch = 0
+        self.correction = correction or Behaviour()
         self.seed = 0
 
     @property
-    def eval_generator(self):
+    def eval_generator(self) -> Generator:
         """What the learner samples evaluation completions with."""
         return self.generator
 
-    def start(self, model, loader, train_prompts, algo, seed: int) -> None:
+    def start(self, model, batches, train_prompts, algo, seed: int) -> None:
         self.seed = seed
 
-    def get(self, model, query, prompts: list[str], version: int, algo) -> Rollout:
-        with seeded(self.seed, self.next_batch):
-            rollout = self.generator.generate(
+    def get(self, model, query, prompts: list[str], version: int, algo, batch: int) -> Rollout:
+        """Generate training batch `batch` (its index in the run's prompt stream) with the current weights."""
+        with seeded(self.seed, batch):
+            return self.generator.generate(
                 model, query, prompts, algo.samples_per_prompt, version, greedy_baseline=algo.needs_greedy_baseline
             )
-        self.next_batch += 1
-        return rollout
+
+    def old_policy(self, rollout: Rollout, recompute):
+        """(old log-probs, importance weights or None, metrics) from the correction; `recompute()` is
+        the learner's log-probs before the update, computed only when the correction needs them."""
+        recomputed = recompute() if self.correction.needs_recompute else None
+        return self.correction(rollout.logprobs, recomputed, rollout.response_mask)
 
     def after_update(self, model, version: int) -> None:
         """Sync mode generates from the live policy: no weights to push."""

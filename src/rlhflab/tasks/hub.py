@@ -22,8 +22,6 @@ class HubPromptTask:
     """
 
     name = "hub_prompts"
-    demonstrations = None  # no SFT data: give model.sft_path
-    preference_pairs = None  # no preference data: give model.reward_model_path
 
     def __init__(self, dataset: str, prompt_key: str = "prompt", train_split: str = "train", eval_split: str = "validation",
                  num_train_prompts: int = 8192, num_eval_prompts: int = 256, max_new_tokens: int = 53,
@@ -36,6 +34,14 @@ class HubPromptTask:
         self.max_new_tokens = max_new_tokens
         self.gold_model_path = gold_model_path
         self.seed = seed
+
+    def demonstrations(self) -> None:
+        """No SFT data: give model.sft_path."""
+        return None
+
+    def preference_pairs(self) -> None:
+        """No preference data: give model.reward_model_path."""
+        return None
 
     def build_tokenizer(self):
         raise ConfigError("task: a hub dataset brings no tokenizer; set model.name_or_path to a pretrained model")

@@ -1,4 +1,7 @@
-"""Memory strategy `hydra` (Hydra-RLHF, Santacroce et al., 2023): one backbone, several heads.
+"""Memory strategy `memory=hydra`: Hydra-RLHF (Santacroce et al., 2023), one backbone, several heads.
+
+(In code the strategy is `HydraRLHFMemory` and its stage `hydra_sft`, so that "hydra"
+alone never has to be read as the config framework.)
 
 Layout of the one model:
 
@@ -8,7 +11,7 @@ Layout of the one model:
                    -> reward head  -> scores: reward model (adapters off; frozen)
                    -> value head   -> values: critic (adapter "value"; trainable, starts as the reward head)
 
-Stage `hydra` (rlhflab.lit.hydra_stage) trains the decoder, LM head and reward
+Stage `hydra_sft` (rlhflab.stages.hydra_sft) trains the decoder, LM head and reward
 head together on demonstrations and preference pairs. RL then trains only the
 adapters (and the value head): with the adapters off the model is, bit for
 bit, the reference policy and the reward model, so no second copy exists.
@@ -19,82 +22,29 @@ serves both for a batch.
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from rlhflab.errors import ConfigError
-from rlhflab.memory.base import MemoryStrategy, enable_checkpointing
-from rlhflab.memory.full import freeze, read_reward_norm
-from rlhflab.memory.lora import DEFAULT_TARGETS, lora_config, trainable
-from rlhflab.models.build import DTYPES, load_causal_lm, module_name, without_dropout
+from rlhflab.memory.base import MemoryStrategy
+from rlhflab.memory.lora import DEFAULT_TARGETS, lora_config, trainable_parameters
+from rlhflab.models.build import DTYPES, freeze, load_causal_lm, module_name, read_reward_norm
+from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
 from rlhflab.rollout.batch import join, token_logprobs
 
-log = logging.getLogger(__name__)
-
-HEAD_FILE = "rlhflab_reward_head.safetensors"
 POLICY, VALUE = "policy", "value"  # adapter names
 
 
-class ScalarHead(nn.Linear):
-    """(..., H) hidden states -> (..., 1) scores; saved next to the causal LM whose trunk it reads."""
-
-    def __init__(self, hidden_size: int, dtype: torch.dtype | None = None) -> None:
-        super().__init__(hidden_size, 1, bias=False, dtype=dtype)
-        nn.init.zeros_(self.weight)  # every sequence starts at score 0; training sets the scale
-
-    def save_pretrained(self, path) -> None:
-        from safetensors.torch import save_file
-
-        Path(path).mkdir(parents=True, exist_ok=True)
-        save_file({"weight": self.weight.detach().contiguous()}, str(Path(path) / HEAD_FILE))
-
-    @classmethod
-    def from_pretrained(cls, path, dtype: str = "float32") -> "ScalarHead":
-        from safetensors.torch import load_file
-
-        weight = load_file(str(Path(path) / HEAD_FILE))["weight"]
-        head = cls(weight.shape[1], dtype=DTYPES[dtype])
-        with torch.no_grad():
-            head.weight.copy_(weight)
-        return head
-
-
-def has_reward_head(path) -> bool:
-    return (Path(path) / HEAD_FILE).is_file()
-
-
-def trunk(causal_lm, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
-    """(n, T) -> (n, T, H) final hidden states: what the LM head, reward head and value head all read."""
-    out = causal_lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    return out.last_hidden_state
-
-
-def last_token_index(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """(n, T) -> (n,) position of the rightmost non-pad token (HF sequence classifiers score the same one)."""
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    return (positions * (input_ids != pad_token_id)).argmax(-1)
-
-
-def sequence_scores(head: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """(n, T, H) hidden, (n, T) ids -> (n,) raw scores read at each sequence's last token."""
-    last = last_token_index(input_ids, pad_token_id)
-    return head(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1)
-
-
-class HydraMemory(MemoryStrategy):
+class HydraRLHFMemory(MemoryStrategy):
     """One backbone for policy, reference, reward and value; LoRA adapters carry what RL learns.
 
-    r, lora_alpha, lora_dropout, target_modules, gradient_checkpointing: as
-    in `lora`. reward_loss_weight: weight of the preference loss against the
-    LM loss in stage hydra.
+    r, lora_alpha, lora_dropout, target_modules, gradient_checkpointing: as in `lora`.
     """
 
-    name = "hydra"
+    name = "hydra"  # the user's word: memory=hydra
 
     def __init__(
         self,
@@ -103,12 +53,9 @@ class HydraMemory(MemoryStrategy):
         lora_dropout: float = 0.0,
         target_modules: str | Sequence[str] = DEFAULT_TARGETS,
         gradient_checkpointing: bool = False,
-        reward_loss_weight: float = 1.0,
     ) -> None:
-        super().__init__()
+        super().__init__(gradient_checkpointing)
         self.lora = {"r": r, "lora_alpha": lora_alpha, "lora_dropout": lora_dropout, "target_modules": target_modules}
-        self.gradient_checkpointing = gradient_checkpointing
-        self.reward_loss_weight = reward_loss_weight
 
     # ---- stages ----------------------------------------------------------------------------
 
@@ -119,39 +66,24 @@ class HydraMemory(MemoryStrategy):
         if model_cfg.get("reward_model_path"):
             raise ConfigError(
                 "model.reward_model_path: memory=hydra scores with a reward head on the policy's own backbone, not a separate "
-                "reward model; set it to null (stage hydra trains the head) or use memory=full or memory=lora"
+                "reward model; set it to null (stage hydra_sft trains the head) or use memory=full or memory=lora"
             )
-        if not model_cfg.get("sft_path") and (task.demonstrations is None or task.preference_pairs is None):
-            raise ConfigError(f"memory=hydra: task {task.name} lacks demonstrations or preference pairs for stage hydra; use memory=lora")
+        if not model_cfg.get("sft_path") and (task.demonstrations() is None or task.preference_pairs() is None):
+            raise ConfigError(f"memory=hydra: task {task.name} lacks demonstrations or preference pairs for stage hydra_sft; use memory=lora")
 
-    def run_stages(self, model_cfg: dict, base, tokenizer, task, stages: dict, cache_dir, make_trainer, need_reward: bool):
-        """-> (hydra checkpoint, the same path): stage hydra replaces stages sft and rm."""
-        if not need_reward:
-            log.info("stage hydra: the reward needs no reward head, so plain stage sft")
-            return super().run_stages(model_cfg, base, tokenizer, task, stages, cache_dir, make_trainer, need_reward)
-        sft_path = model_cfg.get("sft_path")
-        if sft_path and has_reward_head(sft_path):
-            log.info("stage hydra: skipped, model.sft_path=%s already carries a reward head", sft_path)
-            return sft_path, sft_path
-        self.check(model_cfg, task, need_reward)
-        from rlhflab.lit.hydra_stage import run_hydra_sft
-
-        path = run_hydra_sft(
-            sft_path or base, tokenizer, task, stages, self.reward_loss_weight, model_cfg["dtype"], cache_dir, make_trainer
-        )
-        return path, path
+    def stages(self, need_reward: bool) -> tuple[str, ...]:
+        """Stage hydra_sft trains the shared trunk with both heads; without a reward, plain stage sft."""
+        return ("hydra_sft",) if need_reward else ("sft",)
 
     # ---- building ------------------------------------------------------------------------
 
-    def build(self, policy_path, reward_path, need_values: bool, pad_token_id: int, dtype: str = "float32") -> "HydraMemory":
-        """Wrap the hydra checkpoint in adapters and load its heads. reward_path None: no reward head (rule reward)."""
+    def build(self, policy_path, reward_path, need_values: bool, pad_token_id: int, dtype: str = "float32") -> "HydraRLHFMemory":
+        """Wrap the hydra_sft checkpoint in adapters and load its heads. reward_path None: no reward head (rule reward)."""
         from peft import TaskType, get_peft_model
 
         self.pad_token_id = pad_token_id
         self.dtype = dtype
-        causal_lm = without_dropout(load_causal_lm(policy_path, dtype))
-        if self.gradient_checkpointing:
-            enable_checkpointing(causal_lm, context_fn=self._recompute_context)
+        causal_lm = self.trainable(load_causal_lm(policy_path, dtype), context_fn=self._recompute_context)
         lm_head = module_name(causal_lm, causal_lm.get_output_embeddings())
         self.lm = get_peft_model(causal_lm, lora_config(**self.lora, task_type=TaskType.CAUSAL_LM), adapter_name=POLICY)
         self.reward_head = None
@@ -169,7 +101,7 @@ class HydraMemory(MemoryStrategy):
             head = ScalarHead(causal_lm.config.hidden_size, DTYPES[dtype]) if fresh else copy.deepcopy(self.reward_head)
             self.value_head = head.requires_grad_(True).train()
         self._policy_params = self._adapter_parameters(POLICY)
-        self._value_params = self._adapter_parameters(VALUE) + trainable(self.value_head)
+        self._value_params = self._adapter_parameters(VALUE) + trainable_parameters(self.value_head)
         self._memo = None
         self._activate(POLICY)
         return self
@@ -245,7 +177,7 @@ class HydraMemory(MemoryStrategy):
 
     @torch.no_grad()
     def reference_logprobs(self, query, response, temperature: float) -> torch.Tensor:
-        """(n, R) log-probs under the backbone with the adapters off: the SFT policy of stage hydra."""
+        """(n, R) log-probs under the backbone with the adapters off: the SFT policy of stage hydra_sft."""
         hidden = self._frozen_hidden(query, response)
         with self._using(None):  # the LM head carries an adapter too
             return self._response_logprobs(hidden, query, response, temperature)

@@ -1,4 +1,4 @@
-"""Stages `sft` and `rm`: train what is missing, cache it, and say so in the log.
+"""Stages `sft` and `rm`: supervised fine-tuning and a reward model, each cached.
 
 Each stage's output is a `save_pretrained` directory under
 `<cache_dir>/stages/`, named by a hash of everything that determines it, so a
@@ -15,8 +15,7 @@ import torch
 
 from rlhflab.lit.data import encode_completions, tensor_loader
 from rlhflab.lit.stage_modules import RewardModule, SFTModule
-from rlhflab.memory.full import REWARD_NORM_FILE
-from rlhflab.models.build import config_key, load_causal_lm, load_reward_model, save_atomically
+from rlhflab.models.build import REWARD_NORM_FILE, config_key, load_causal_lm, load_reward_model, save_atomically
 
 log = logging.getLogger(__name__)
 
