@@ -555,6 +555,35 @@ def test_dpo_loss_pair_mask_gives_masked_pairs_no_gradient():
     assert none.item() == 0.0
 
 
+# --------------------------------------------------------------------- REINFORCE++
+def test_discounted_returns_hand():
+    # rewards [1, 2, 3 | pad 7], gamma 0.5: G2 = 3, G1 = 2 + 1.5 = 3.5, G0 = 1 + 1.75 = 2.75
+    r = t([[1.0, 2.0, 3.0, 7.0]])
+    m = t([[1, 1, 1, 0]])
+    assert_close(F.discounted_returns(r, m, 0.5), t([[2.75, 3.5, 3.0, 0.0]]))
+    assert_close(F.discounted_returns(r, m, 1.0), t([[6.0, 5.0, 3.0, 0.0]]))
+
+
+def test_reinforce_pp_advantages_vs_loop(gen):
+    """Against verl's backward loop (returns reset after each row's last token), then whitening."""
+    b, T, gamma = 5, 6, 0.9
+    rewards = torch.randn(b, T, generator=gen, dtype=D)
+    mask = ragged_mask([6, 3, 1, 4, 5], T)
+    returns = torch.zeros(b, T, dtype=D)
+    for i in range(b):
+        running = 0.0
+        for j in reversed(range(T)):
+            running = rewards[i, j].item() * mask[i, j].item() + gamma * running
+            returns[i, j] = running if mask[i, j] else 0.0
+            running = running * mask[i, j].item()
+    adv, ret = F.reinforce_pp_advantages(rewards, mask, gamma)
+    assert_close(ret, returns)
+    vals = [returns[i, j].item() for i in range(b) for j in range(T) if mask[i, j]]
+    mean, std = statistics.mean(vals), statistics.stdev(vals)
+    expected = torch.where(mask, (returns - mean) / math.sqrt(std**2 + 1e-8), torch.zeros_like(returns))
+    assert_close(adv, expected)
+
+
 def test_eos_penalty():
     # the middle completion never emitted EOS -> its 0.9 becomes -1; no penalty -> unchanged
     s = t([0.3, 0.9, -0.2])

@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 from rlhflab.algos import functional as F
 from rlhflab.algos.carriers import Experience, Scored, Targets
-from rlhflab.algos.registry import ALGORITHMS, GRPO, PPO, RLOO, OnlineDPO, ReMax
+from rlhflab.algos.registry import ALGORITHMS, GRPO, PPO, RLOO, OnlineDPO, ReinforcePP, ReMax
 from rlhflab.errors import ConfigError
 from rlhflab.rewards import RuleReward, score_rollout
 from rlhflab.rollout.batch import Rollout
@@ -104,7 +104,7 @@ def test_online_dpo_with_every_group_tied_has_zero_loss():
 
 # ---- defect 7: one name, one meaning
 
-@pytest.mark.parametrize("cls, coefficient", [(RLOO, "kl_coef"), (ReMax, "kl_coef"), (PPO, "kl_coef"),
+@pytest.mark.parametrize("cls, coefficient", [(RLOO, "kl_coef"), (ReMax, "kl_coef"), (PPO, "kl_coef"), (ReinforcePP, "kl_coef"),
                                                (GRPO, "kl_loss_coef"), (OnlineDPO, "beta")])
 def test_each_kl_weight_is_named_for_what_it_is(cls, coefficient):
     import inspect
@@ -129,8 +129,26 @@ def test_loss_agg_is_an_option_of_every_algorithm_and_checked():
 def test_defaults_are_the_papers_aggregations():
     assert {n: c().loss_agg for n, c in ALGORITHMS.items()} == {
         "ppo": "token-mean", "rloo": "seq-mean-token-sum", "remax": "seq-mean-token-sum", "online_dpo": "seq-mean-token-sum",
-        "grpo": "seq-mean-token-mean",
+        "grpo": "seq-mean-token-mean", "reinforce_pp": "token-mean",
     }
+
+
+# ---- the new algorithms
+
+def test_reinforce_pp_targets_are_whitened_returns_of_kl_penalised_token_rewards():
+    s = scored([1.0, -1.0, 0.5, 0.0], R=4)
+    algo = ReinforcePP(samples_per_prompt=2, kl_coef=0.1, kl_estimator="k2")
+    targets, metrics = algo.prepare(s)
+    rewards = F.token_level_rewards(s.scores, s.old_logprobs, s.ref_logprobs, s.response_mask, 0.1, "k2")
+    returns = rewards.flip(1).cumsum(1).flip(1) * s.response_mask  # gamma 1: plain reward-to-go
+    expected = F.masked_whiten(returns, s.response_mask) * s.response_mask
+    assert_close(targets.advantages, expected)
+    assert F.masked_mean(targets.advantages, s.response_mask).abs() < 1e-6  # whitened over the batch
+    logprobs = s.old_logprobs.clone().requires_grad_()
+    loss, m = algo.loss(logprobs, None, experience(s, targets))
+    loss.backward()
+    # ratio 1, token-mean: d/d logprobs = -A / (valid tokens)
+    assert_close(logprobs.grad, -targets.advantages / s.response_mask.sum())
 
 
 def test_importance_weights_reach_the_loss():

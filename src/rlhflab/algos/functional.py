@@ -380,6 +380,32 @@ def kl_loss(
     return agg_loss(kl_penalty(logprobs, ref_logprobs, "k3"), response_mask, loss_agg)
 
 
+def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reward-to-go ``G_t = sum_{s >= t} gamma^(s-t) r_s`` over each row's valid tokens ``(b, t)``.
+
+    Masked positions neither contribute nor receive (0 there), as in REINFORCE++.
+    Vectorised as ``r @ D`` with ``D[s, t] = gamma^(s-t)`` for ``s >= t``.
+    """
+    mask = response_mask.bool()
+    r = _where_mask(rewards, mask)
+    t = r.size(1)
+    steps = torch.arange(t, device=r.device)
+    power = (steps[:, None] - steps[None, :]).to(r.dtype)  # s - t
+    discount = torch.where(power >= 0, torch.as_tensor(gamma, dtype=r.dtype) ** power.clamp(min=0), torch.zeros_like(power))
+    return _where_mask(r @ discount, mask)
+
+
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu, 2025): returns of the per-token (KL-penalised) rewards, whitened over the
+    whole batch's valid tokens; no critic.  ``(b, t)`` -> ``(advantages, returns)``, 0 on padding.
+    """
+    returns = discounted_returns(token_rewards.detach(), response_mask, gamma)
+    advantages = _where_mask(masked_whiten(returns, response_mask), response_mask)
+    return advantages, returns
+
+
 def truncated_importance_weights(
     logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,

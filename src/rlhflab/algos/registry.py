@@ -8,7 +8,7 @@ the declared needs (`needs_values`, `needs_greedy_baseline`, `samples_per_prompt
 `uses_importance_ratio`).
 
 Each coefficient is named for what it is: `kl_coef` is a KL penalty in the
-reward (rloo, remax, ppo), `kl_loss_coef` a KL term in the loss
+reward (rloo, remax, ppo, reinforce_pp), `kl_loss_coef` a KL term in the loss
 (grpo), `beta` DPO's inverse temperature (online_dpo).
 """
 
@@ -128,6 +128,29 @@ class ReMax(_WholeCompletionReinforce):
         return super().kl_metrics(s) | {"train/greedy_reward": s.baseline_scores.mean()}
 
 
+class ReinforcePP(Algorithm):
+    """REINFORCE++ (Hu, 2025; OpenRLHF, verl): per-token KL penalty in the reward, reward-to-go
+    returns whitened over the whole batch (no critic, no per-prompt baseline), clipped token ratio."""
+
+    name = "reinforce_pp"
+
+    def __init__(self, samples_per_prompt: int = 4, kl_coef: float = 0.05, kl_estimator: str = "k1", gamma: float = 1.0,
+                 clip_eps: float = 0.2, loss_agg: str = "token-mean", epochs: int = 1, num_minibatches: int = 1) -> None:
+        super().__init__(samples_per_prompt, kl_estimator, loss_agg, epochs, num_minibatches)
+        self.kl_coef = kl_coef
+        self.gamma = gamma
+        self.clip_eps = clip_eps
+
+    def prepare(self, s):
+        rewards = F.token_level_rewards(s.scores, s.old_logprobs, s.ref_logprobs, s.response_mask, self.kl_coef, self.kl_estimator)
+        advantages, returns = F.reinforce_pp_advantages(rewards, s.response_mask, self.gamma)
+        metrics = self.kl_metrics(s) | {"train/rlhf_reward": F.masked_sum(rewards, s.response_mask, dim=1).mean()}
+        return Targets(advantages=advantages), metrics
+
+    def loss(self, logprobs, values, batch):
+        return self.policy_loss(logprobs, batch, self.clip_eps)
+
+
 class GRPO(Algorithm):
     """GRPO (Shao et al., 2024): group-normalised advantages, clipped token ratio, k3 KL to the
     reference in the loss (weighted by kl_loss_coef); per-sequence token means (the paper's 1/|o|)."""
@@ -238,5 +261,5 @@ class OnlineDPO(Algorithm):
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (PPO, RLOO, ReMax, OnlineDPO, GRPO)
+    cls.name: cls for cls in (PPO, RLOO, ReMax, OnlineDPO, GRPO, ReinforcePP)
 }
