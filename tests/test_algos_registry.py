@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 from rlhflab.algos import functional as F
 from rlhflab.algos.carriers import Experience, Scored, Targets
-from rlhflab.algos.registry import ALGORITHMS, GRPO, PPO, RLOO, OnlineDPO, ReinforcePP, ReMax
+from rlhflab.algos.registry import ALGORITHMS, GRPO, PPO, RLOO, DrGRPO, OnlineDPO, ReinforcePP, ReMax
 from rlhflab.errors import ConfigError
 from rlhflab.rewards import RuleReward, score_rollout
 from rlhflab.rollout.batch import Rollout
@@ -105,7 +105,7 @@ def test_online_dpo_with_every_group_tied_has_zero_loss():
 # ---- defect 7: one name, one meaning
 
 @pytest.mark.parametrize("cls, coefficient", [(RLOO, "kl_coef"), (ReMax, "kl_coef"), (PPO, "kl_coef"), (ReinforcePP, "kl_coef"),
-                                               (GRPO, "kl_loss_coef"), (OnlineDPO, "beta")])
+                                               (GRPO, "kl_loss_coef"), (DrGRPO, "kl_loss_coef"), (OnlineDPO, "beta")])
 def test_each_kl_weight_is_named_for_what_it_is(cls, coefficient):
     import inspect
 
@@ -129,7 +129,7 @@ def test_loss_agg_is_an_option_of_every_algorithm_and_checked():
 def test_defaults_are_the_papers_aggregations():
     assert {n: c().loss_agg for n, c in ALGORITHMS.items()} == {
         "ppo": "token-mean", "rloo": "seq-mean-token-sum", "remax": "seq-mean-token-sum", "online_dpo": "seq-mean-token-sum",
-        "grpo": "seq-mean-token-mean", "reinforce_pp": "token-mean",
+        "grpo": "seq-mean-token-mean", "dr_grpo": "token-mean", "reinforce_pp": "token-mean",
     }
 
 
@@ -149,6 +149,21 @@ def test_reinforce_pp_targets_are_whitened_returns_of_kl_penalised_token_rewards
     loss.backward()
     # ratio 1, token-mean: d/d logprobs = -A / (valid tokens)
     assert_close(logprobs.grad, -targets.advantages / s.response_mask.sum())
+
+
+def test_dr_grpo_is_grpo_without_std_and_with_token_mean():
+    s = scored([1.0, 3.0, 0.0, 0.0, 2.0, 5.0], k=3, R=4)
+    dr, grpo = DrGRPO(samples_per_prompt=3), GRPO(samples_per_prompt=3)
+    assert_close(dr.prepare(s)[0].advantages, torch.tensor([-1 / 3, 5 / 3, -4 / 3, -7 / 3, -1 / 3, 8 / 3]))
+    assert not torch.allclose(grpo.prepare(s)[0].advantages, dr.prepare(s)[0].advantages)
+    targets = dr.prepare(s)[0]
+    lp = s.old_logprobs.clone().requires_grad_()
+    dr.loss(lp, None, experience(s, targets))[0].backward()
+    # the same loss from the pure functions: token-mean policy term + kl_loss_coef x token-mean k3
+    lp2 = s.old_logprobs.clone().requires_grad_()
+    pg, _, _ = F.clipped_policy_loss(lp2, s.old_logprobs, targets.advantages, s.response_mask, 0.2, "token-mean")
+    (pg + 0.04 * F.kl_loss(lp2, s.ref_logprobs, s.response_mask, "token-mean")).backward()
+    assert_close(lp.grad, lp2.grad)
 
 
 def test_importance_weights_reach_the_loss():

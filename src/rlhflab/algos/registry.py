@@ -9,7 +9,7 @@ the declared needs (`needs_values`, `needs_greedy_baseline`, `samples_per_prompt
 
 Each coefficient is named for what it is: `kl_coef` is a KL penalty in the
 reward (rloo, remax, ppo, reinforce_pp), `kl_loss_coef` a KL term in the loss
-(grpo), `beta` DPO's inverse temperature (online_dpo).
+(grpo, dr_grpo), `beta` DPO's inverse temperature (online_dpo).
 """
 
 from __future__ import annotations
@@ -175,6 +175,17 @@ class GRPO(Algorithm):
         return pg + self.kl_loss_coef * kl, metrics | {"train/kl_loss": kl.detach()}
 
 
+class DrGRPO(GRPO):
+    """Dr. GRPO (Liu et al., 2025) / DAPO-style aggregation: GRPO without the group-std scaling and
+    with one token mean over the whole batch, which removes GRPO's length and difficulty biases."""
+
+    name = "dr_grpo"
+
+    def __init__(self, samples_per_prompt: int = 4, kl_loss_coef: float = 0.04, kl_estimator: str = "k1", clip_eps: float = 0.2,
+                 scale_by_std: bool = False, loss_agg: str = "token-mean", epochs: int = 1, num_minibatches: int = 1) -> None:
+        super().__init__(samples_per_prompt, kl_loss_coef, kl_estimator, clip_eps, scale_by_std, loss_agg, epochs, num_minibatches)
+
+
 class PPO(Algorithm):
     """PPO-RLHF: per-token KL penalty in the reward, GAE, clipped policy and value losses."""
 
@@ -261,5 +272,5 @@ class OnlineDPO(Algorithm):
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (PPO, RLOO, ReMax, OnlineDPO, GRPO, ReinforcePP)
+    cls.name: cls for cls in (PPO, RLOO, ReMax, OnlineDPO, GRPO, DrGRPO, ReinforcePP)
 }
