@@ -584,6 +584,45 @@ def test_reinforce_pp_advantages_vs_loop(gen):
     assert_close(adv, expected)
 
 
+# --------------------------------------------------------------------- off-policy weights
+def test_decoupled_importance_weights_hand_and_loop(gen):
+    # pi_prox / mu = 0.5, 3 (above cap 2: dropped, not truncated), 1.5; padding 0
+    beh = t([[0.0, 0.0, 0.0, -1e4]])
+    prox = t([[math.log(0.5), math.log(3.0), math.log(1.5), 0.0]])
+    m = t([[1, 1, 1, 0]])
+    assert_close(F.decoupled_importance_weights(prox, beh, m, cap=2.0), t([[0.5, 0.0, 1.5, 0.0]]))
+    assert_close(F.decoupled_importance_weights(prox, beh, m, cap=None), t([[0.5, 3.0, 1.5, 0.0]]))
+    with pytest.raises(ValueError):
+        F.decoupled_importance_weights(prox, beh, m, cap=0.0)
+    prox, beh = torch.randn(2, 4, 5, generator=gen, dtype=D)
+    m = ragged_mask([5, 0, 2, 4], 5)
+    w = F.decoupled_importance_weights(prox, beh, m, cap=1.3)
+    for i in range(4):
+        for j in range(5):
+            r = math.exp(prox[i, j].item() - beh[i, j].item())
+            assert w[i, j].item() == pytest.approx(r if m[i, j] and r <= 1.3 else 0.0)
+
+
+def test_truncated_importance_weights(gen):
+    # ratios 0.5, 3 -> capped at 2, 1.5, padding -> 0 (even if its ratio overflows)
+    beh = t([[0.0, 0.0, 0.0, -1e4]])
+    lp = t([[math.log(0.5), math.log(3.0), math.log(1.5), 0.0]]).requires_grad_()
+    m = t([[1, 1, 1, 0]])
+    w = F.truncated_importance_weights(lp, beh, m, cap=2.0)
+    assert_close(w, t([[0.5, 2.0, 1.5, 0.0]]))
+    assert not w.requires_grad
+
+    lp, beh = torch.randn(2, 4, 5, generator=gen, dtype=D)
+    m = ragged_mask([5, 0, 2, 4], 5)
+    w = F.truncated_importance_weights(lp, beh, m, cap=1.2)
+    for i in range(4):
+        for j in range(5):
+            e = min(math.exp(lp[i, j].item() - beh[i, j].item()), 1.2) if m[i, j] else 0.0
+            assert w[i, j].item() == pytest.approx(e)
+    with pytest.raises(ValueError):
+        F.truncated_importance_weights(lp, beh, m, cap=0.0)
+
+
 def test_eos_penalty():
     # the middle completion never emitted EOS -> its 0.9 becomes -1; no penalty -> unchanged
     s = t([0.3, 0.9, -0.2])

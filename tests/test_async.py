@@ -131,7 +131,7 @@ def test_only_the_adapter_travels_under_lora(make_cfg):
     assert sum(t.numel() for t in sent.values()) < 0.5 * total
 
 
-@pytest.mark.parametrize("correction", ["tis off_policy.cap=1.5"])
+@pytest.mark.parametrize("correction", ["tis off_policy.cap=1.5", "decoupled"])
 def test_importance_weighted_corrections_run_and_learn(make_cfg, correction):
     name, *settings = correction.split()
     cfg = make_cfg("mode=async", "staleness=2", f"off_policy={name}", *settings, "trainer.max_steps=30")

@@ -91,6 +91,7 @@ def test_real_preset_loads_through_from_pretrained_names():
         ("algo.loss_agg=token-sum", "algo.loss_agg"),
         ("algo=online_dpo algo.ties=drop", "algo.ties"),
         ("off_policy=tis off_policy.cap=0.5", "off_policy.cap"),
+        ("off_policy=decoupled off_policy.cap=0.5", "off_policy.cap"),
     ],
 )
 def test_bad_settings_are_one_line_naming_the_key(override, key):

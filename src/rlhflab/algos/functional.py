@@ -423,6 +423,30 @@ def truncated_importance_weights(
     return _where_mask(torch.exp(log_ratio), response_mask)
 
 
+def decoupled_importance_weights(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    cap: float | None,
+) -> torch.Tensor:
+    """AReaL's decoupled-PPO behaviour weights ``pi_prox / mu`` ``(b, t)``, detached.
+
+    The clipped ratio is taken against the proximal policy (the learner's weights
+    before this batch's updates), and each token is weighted by how much more the
+    proximal policy likes it than the stale behaviour policy did.  A token whose
+    weight exceeds ``cap`` is dropped (weight 0), not truncated (Fu et al., 2025);
+    ``cap=None`` keeps every token.  0 at masked positions.
+    """
+    log_w = (proximal_logprobs - behaviour_logprobs).detach()
+    keep = response_mask.bool()
+    if cap is not None:
+        if cap <= 0:
+            raise ValueError(f"cap must be > 0, got {cap}")
+        keep = keep & (log_w <= math.log(cap))
+    # exp(80) is still finite in float32; dropped tokens are zeroed anyway.
+    return _where_mask(torch.exp(log_w.clamp(max=80.0)), keep)
+
+
 def eos_penalty(scores: torch.Tensor, has_eos: torch.Tensor, penalty: float | None) -> torch.Tensor:
     """Replace scores ``(b,)`` of completions without EOS (``has_eos`` ``(b,)`` bool) by
     ``penalty``; truncated text would otherwise be scored as if finished.  ``None``: no penalty."""

@@ -12,6 +12,8 @@ batch's updates (the proximal policy), and returns
 - recompute: the learner's recomputed log-probs are the old policy (ratio 1 at
   the first update whatever the staleness; stale samples are not corrected).
 - tis: recompute, and weight each token by min(pi_prox / mu, cap) (truncated IS).
+- decoupled: AReaL's decoupled PPO (Fu et al., 2025): clip against the proximal
+  policy and weight each token by pi_prox / mu, dropping tokens above the cap.
 """
 
 from __future__ import annotations
@@ -73,3 +75,18 @@ class TruncatedIS:
         weights = F.truncated_importance_weights(recomputed, behaviour, mask, self.cap)
         return recomputed, weights, _weight_metrics(weights, mask)
 
+
+class Decoupled:
+    """AReaL's decoupled PPO: clip against the proximal policy, weight by pi_prox / mu, drop above the cap."""
+
+    name = "decoupled"
+    needs_recompute = True
+    weights_samples = True
+
+    def __init__(self, cap: float | None = 5.0) -> None:
+        _check_cap(cap, allow_none=True)
+        self.cap = cap
+
+    def __call__(self, behaviour, recomputed, mask) -> Correction:
+        weights = F.decoupled_importance_weights(recomputed, behaviour, mask, self.cap)
+        return recomputed, weights, _weight_metrics(weights, mask)
