@@ -1,12 +1,18 @@
-"""Entry point: `python src/train.py [group=option ...] [key=value ...]` (add -m to sweep)."""
+"""Entry point: `python src/train.py [group=option ...] [key=value ...]` (add -m to sweep, --help for the groups)."""
 
 import os
+import sys
 
 # Before torch is imported: with active OpenMP waiting, 2 threads on 2 cores run 5-20x slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
+
+from rlhflab.cli import preflight  # noqa: E402  (light: no torch)
+from rlhflab.schema import register  # noqa: E402
+
+register()  # the typed schemas every option file starts from
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -17,4 +23,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    preflight(sys.argv[1:])  # --help, and one-line errors before anything heavy loads
     main()

@@ -12,6 +12,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, open_dict
 
+from rlhflab.schema import register
+
+register()  # the group schemas, as src/train.py registers them
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
 

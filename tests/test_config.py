@@ -59,6 +59,23 @@ def test_every_experiment_composes_and_validates(experiment):
     assert plan.tags["model"]
 
 
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS if g not in ("model", "trainer") for o in options(g)])
+def test_every_schema_declares_exactly_its_targets_parameters(group, option):
+    """The schema an option starts from (rlhflab/schema.py) names the same settings as its class, so a
+    setting cannot be typed and checked but ignored, nor taken by the class but unchecked."""
+    import inspect
+
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    cfg = compose_cfg([f"{group}={option}", *PARTNERS.get((group, option), [])], shrink=False)
+    node = cfg[group]
+    schema = {f for f in OmegaConf.get_type(node).__dataclass_fields__ if f != "_target_"}
+    params = inspect.signature(get_class(node._target_)).parameters
+    passed_by_code = {"generator", "correction"}  # the rollout source gets its generator and correction from train()
+    assert schema == set(params) - passed_by_code - {"self"}
+
+
 def test_real_preset_loads_through_from_pretrained_names():
     cfg = compose_cfg(["model=pythia1b_tldr"], shrink=False)
     validate(cfg)  # hub ids pass validation; they are only fetched at load time
@@ -73,8 +90,8 @@ def test_real_preset_loads_through_from_pretrained_names():
         ("algo.samples_per_prompt=1", "algo.samples_per_prompt"),
         ("algo=online_dpo algo.samples_per_prompt=1", "algo.samples_per_prompt"),
         ("algo=grpo algo.samples_per_prompt=1", "algo.samples_per_prompt"),
-        ("algo.num_minibatches=3", "rl.prompts_per_step / algo.num_minibatches"),
-        ("staleness=2", "staleness=2"),
+        ("algo.num_minibatches=3", "rl.prompts_per_step"),
+        ("staleness=2", "staleness"),
         ("model.sft_path=/nonexistent/sft", "model.sft_path"),
         ("model.name_or_path=./no/such/model", "model.name_or_path"),
         ("algo.kl_estimator=k9", "algo.kl_estimator"),
@@ -104,14 +121,6 @@ def test_bad_settings_are_one_line_naming_the_key(override, key):
 
 def run_cli(*args: str, cwd: Path):
     return subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
-
-
-def test_cli_unknown_option_lists_valid_ones(tmp_path):
-    out = run_cli("algo=nope", cwd=tmp_path)
-    assert out.returncode != 0
-    assert "Could not find 'algo/nope'" in out.stderr
-    for name in ("rloo", "ppo", "grpo", "online_dpo", "remax"):
-        assert name in out.stderr
 
 
 def test_cli_bad_task_file_is_one_line_and_loads_nothing(tmp_path):

@@ -106,9 +106,10 @@ def test_optuna_preset_searches_existing_keys_in_memory():
 
 @pytest.fixture(scope="module")
 def sqlite_sweep(tmp_path_factory, stage_cache) -> Sweep:
-    """rloo and grpo with 1 sample per prompt (a ConfigError: both need 2) and 2: two failures, two runs."""
+    """rloo and grpo with 2 training prompts (a ConfigError in the job's validation: a step takes 4) and 512:
+    two failures, two runs. (A value the schema rejects would stop the whole sweep before it starts.)"""
     cwd = tmp_path_factory.mktemp("sweep")
-    return run_sweep(cwd, f"sqlite:///{cwd}/mlflow.db", stage_cache, "algo=rloo,grpo", "algo.samples_per_prompt=1,2")
+    return run_sweep(cwd, f"sqlite:///{cwd}/mlflow.db", stage_cache, "algo=rloo,grpo", "task.num_train_prompts=2,512")
 
 
 @pytest.mark.slow
@@ -116,7 +117,7 @@ def test_sweep_jobs_are_children_of_one_parent(sqlite_sweep):
     client = MlflowClient(sqlite_sweep.uri)
     parent, children = sweep_runs(client)
     assert [r.data.tags["rlhflab.sweep.job"] for r in children] == ["0", "1", "2", "3"]
-    failed, finished = children[0::2], children[1::2]  # samples_per_prompt=1 is each algo's first job
+    failed, finished = children[0::2], children[1::2]  # num_train_prompts=2 is each algo's first job
     # Job 0 failed and job 1 still ran: the sweep went on after a failure.
     assert [r.info.status for r in children] == ["FAILED", "FINISHED", "FAILED", "FINISHED"]
     assert [r.data.tags["algo"] for r in children] == ["rloo", "rloo", "grpo", "grpo"]
@@ -124,7 +125,7 @@ def test_sweep_jobs_are_children_of_one_parent(sqlite_sweep):
         for key in ("eval/gold_reward", "eval/kl", "train/kl", "perf/samples_per_s", "perf/total_s"):
             assert key in run.data.metrics, key
     for run in failed:  # failed in validation, before the job's tracker made a run: the callback made this one
-        assert run.data.tags["rlhflab.error"].startswith("ConfigError: algo.samples_per_prompt=1")
+        assert run.data.tags["rlhflab.error"].startswith("ConfigError: rl.prompts_per_step=4")
         assert not run.data.metrics
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["rlhflab.sweep.best_run_id"] in {r.info.run_id for r in finished}

@@ -34,23 +34,6 @@ def config_key(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def is_local_path(name_or_path: str) -> bool:
-    """Hub ids look like 'org/name'; anything starting with '/', '.' or '~' or existing locally is a path."""
-    return name_or_path.startswith(("/", ".", "~")) or Path(name_or_path).exists()
-
-
-def check_pretrained(key: str, name_or_path: str | None) -> None:
-    """Fail before loading anything when a local model path is missing."""
-    if name_or_path is None or not is_local_path(name_or_path):
-        return
-    path = Path(name_or_path).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"{key}: '{name_or_path}' is not a saved model (no config.json there); "
-            f"give a directory written by save_pretrained, a hub id, or null to build/train it"
-        )
-
-
 def ensure_base_model(model_cfg: dict, task, cache_dir: Path) -> Path | str:
     """Return a `from_pretrained` path for the base policy, building the tiny one if needed."""
     if model_cfg.get("name_or_path"):

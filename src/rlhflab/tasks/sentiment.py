@@ -11,6 +11,7 @@ Everything is generated from a seed, as Python lists, in well under a second.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,10 @@ import torch
 
 from rlhflab.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 EMBEDDED_WORDS = Path(__file__).parent / "data" / "sentiment_words.json"
+MAX_WORDS = 5000  # beyond this the embedded model sizes and data counts are unlikely to learn the task
 SPECIALS = {"pad": "[PAD]", "eos": "[EOS]", "bos": "[BOS]", "unk": "[UNK]"}
 
 
@@ -41,7 +45,9 @@ def load_words(words_file: str | None) -> WordLists:
     if not path.is_file():
         raise ConfigError(f"task.words_file: no such file '{path}'; {fix}")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"task.words_file: '{path}' is not UTF-8 text (byte {err.start}); save it as UTF-8, or {fix}") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"task.words_file: '{path}' is not valid JSON ({err.msg}, line {err.lineno}); {fix}") from None
     lists = {}
@@ -53,6 +59,12 @@ def load_words(words_file: str | None) -> WordLists:
     every = lists["positive"] + lists["negative"] + lists["neutral"]
     if len(set(every)) != len(every):
         raise ConfigError(f"task.words_file: '{path}' lists a word twice; {fix}")
+    special = sorted(set(every) & set(SPECIALS.values()))
+    if special:
+        raise ConfigError(f"task.words_file: '{path}' lists {', '.join(special)}, which the tokenizer reserves; remove them")
+    if len(every) > MAX_WORDS:
+        log.warning("task.words_file: %d words make a vocabulary the tiny model and %s may not learn; "
+                    "the reward stage stops if its model stays at chance", len(every), "the default data sizes")
     return WordLists(**lists)
 
 

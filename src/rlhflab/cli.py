@@ -1,0 +1,170 @@
+"""What `src/train.py` does before Hydra's own main: `--help`, and one-line errors for bad input.
+
+`preflight(argv)` composes the config from the command line exactly as Hydra will,
+types and range-checks every value (rlhflab.schema), and on the first problem prints
+`error: <key>: <what>; <fix>` and exits with status 2, before torch, transformers or
+MLflow are imported and before any MLflow run exists. A sweep (`-m a=1,2 b=x,y`) is
+checked job by job (up to MAX_SWEEP_JOBS of them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import sys
+from pathlib import Path
+
+from rlhflab.errors import ConfigError
+from rlhflab.schema import check, register
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONFIG_NAME = "train"
+MAX_SWEEP_JOBS = 64
+# Flags that make Hydra do something other than run the experiment: leave those to Hydra.
+HYDRA_FLAGS = ("--cfg", "-c", "--info", "-i", "--hydra-help", "--package", "-p", "--resolve", "--shell-completion", "-sc",
+               "--version", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun")
+TYPE_WORDS = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def preflight(argv: list[str]) -> None:
+    """Print help, or check the command line's config; exits on bad input, returns when all is well."""
+    if "--help" in argv or "-h" in argv:
+        print(render_help())
+        sys.exit(0)
+    if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
+        return
+    overrides = [a for a in argv if not a.startswith("-")]
+    register()
+    multirun = "-m" in argv or "--multirun" in argv
+    for job in sweep_jobs(overrides, multirun):
+        which = f" (sweep job: {' '.join(job)})" if multirun else ""
+        try:
+            check(compose(job))
+        except ConfigError as err:
+            fail(f"{err}{which}")
+        except Exception as err:  # Hydra's and OmegaConf's composition errors
+            fail(composition_error(err, job) + which)
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name=CONFIG_NAME, overrides=overrides)
+
+
+def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """The command line's jobs: each combination of a sweep's comma lists and ranges. Overrides
+    with a continuous search space (interval(...), for Optuna) are left to each job's own check."""
+    if not multirun:
+        return [overrides]
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    choices = []
+    for text, parsed in zip(overrides, OverridesParser.create().parse_overrides(overrides)):
+        if not parsed.is_sweep_override():
+            choices.append([text])
+        elif parsed.is_discrete_sweep():
+            choices.append([f"{parsed.get_key_element()}={value}" for value in parsed.sweep_string_iterator()])
+    return [list(job) for job in itertools.islice(itertools.product(*choices), MAX_SWEEP_JOBS)]
+
+
+def composition_error(err: Exception, overrides: list[str]) -> str:
+    """One line for what Hydra or OmegaConf raised while composing."""
+    from hydra.errors import MissingConfigException
+
+    if isinstance(err, MissingConfigException):
+        found = re.search(r"Could not find '([^']+)/([^']+)'", str(err))
+        if found:
+            group, option = found.groups()
+            options = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+            return f"{group}={option}: no such option; choose one of {', '.join(options)}"
+    cause = err.__cause__ or err
+    key = getattr(cause, "full_key", None)
+    message = str(getattr(cause, "msg", None) or cause).strip().splitlines()[0]
+    converted = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", message)
+    others = [o for o in overrides if key is None or o.split("=")[0].lstrip("+~") != key]
+    if key and converted:
+        value, kind = converted.groups()
+        return f"{key}: {value!r} is not {TYPE_WORDS.get(kind, kind)}; give {TYPE_WORDS.get(kind, kind)}, e.g. {key}={_default(key, others)}"
+    if key and re.search(r"Key '\w+' not in '\w+'", message):
+        parent = key.rpartition(".")[0]
+        return f"{key}: not a setting of {parent or 'the config'}; valid keys: {', '.join(_keys(parent, others))}"
+    if key:
+        return f"{key}: {message}; see python src/train.py --help"
+    bad = next((o for o in overrides if o.split("=")[0].lstrip("+~") in str(err)), " ".join(overrides) or "the config")
+    return f"{bad}: {message}; see python src/train.py --help"
+
+
+def _default(key: str, overrides: list[str]) -> str:
+    """The value `key` has without the bad override (what the fix suggests)."""
+    from omegaconf import OmegaConf
+
+    try:
+        return str(OmegaConf.select(compose(overrides), key, throw_on_missing=False))
+    except Exception:
+        return "<value>"
+
+
+def _keys(parent: str, overrides: list[str]) -> list[str]:
+    from omegaconf import OmegaConf
+
+    try:
+        node = OmegaConf.select(compose(overrides), parent) if parent else compose(overrides)
+        return [k for k in node.keys() if not str(k).startswith("_")]
+    except Exception:
+        return ["(see python src/train.py --cfg job)"]
+
+
+# ---- --help -----------------------------------------------------------------------------------
+
+def _summary(path: Path) -> str:
+    """The first comment line of an option file (after `# @package`)."""
+    for line in path.read_text().splitlines():
+        if line.startswith("#") and "@package" not in line:
+            return line.lstrip("# ").strip()
+    return ""
+
+
+def render_help() -> str:
+    """The groups, their options (default first) and each option's one-line comment."""
+    import yaml
+
+    root = yaml.safe_load((CONFIG_DIR / f"{CONFIG_NAME}.yaml").read_text())
+    defaults = {k: v for d in root["defaults"] if isinstance(d, dict) for k, v in d.items()}
+    lines = [
+        "rlhflab: declarative RLHF experiments (Hydra composes, Lightning trains, MLflow records).",
+        "",
+        "usage: python src/train.py [group=option ...] [key=value ...]     one experiment",
+        "       python src/train.py -m group=a,b key=1,2 ...               a sweep: one MLflow parent run, a child per job",
+        "",
+        "groups and options (* = default):",
+    ]
+    for group in sorted(defaults, key=list(defaults).index):
+        if group == "experiment":
+            continue
+        for i, path in enumerate(_options(group, defaults[group])):
+            mark = "*" if path.stem == defaults[group] else " "
+            lines.append(f"  {group if i == 0 else '':<12}{mark}{path.stem:<16}{_summary(path)}")
+    lines += ["", "presets (experiment=NAME, debug=NAME):"]
+    for group in ("experiment", "debug"):
+        for path in _options(group, None):
+            lines.append(f"  {group + '=' + path.stem:<29}{_summary(path)}")
+    lines += [
+        "",
+        "every value: python src/train.py --cfg job    (each field's one-line comment is in its file under conf/)",
+        "e.g.         python src/train.py algo=online_dpo mode=async staleness=2 rl.lr=3e-4 trainer.max_steps=100",
+        "runs:        mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1",
+        "Hydra's own flags: python src/train.py --hydra-help",
+    ]
+    return "\n".join(lines)
+
+
+def _options(group: str, default: str | None) -> list[Path]:
+    paths = sorted((CONFIG_DIR / group).glob("*.yaml"))
+    return sorted(paths, key=lambda p: p.stem != default)

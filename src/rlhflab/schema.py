@@ -1,0 +1,382 @@
+"""Typed schemas of every config group (Hydra structured configs), and the checks they carry.
+
+Each option file in conf/ starts from its schema (`defaults: [/schema/<group>/<name>@_here_]`),
+so OmegaConf types every value when the config is composed: `trainer.max_steps=abc` fails
+there. Ranges and choices ride on the fields (`setting(ge=..., choices=...)`) and
+`check(cfg)` enforces them, together with keys no schema declares (a `+key` override) and
+the cross-field rules that need no model. This module imports neither torch nor the classes
+the schemas describe: the checks run in well under a second, before anything heavy loads.
+A test keeps every schema's fields equal to its `_target_`'s parameters.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+from rlhflab.errors import ConfigError
+from rlhflab.models.checks import check_pretrained
+
+KL_KINDS = ("k1", "k2", "k3")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def setting(default: Any = MISSING, *, ge=None, gt=None, le=None, lt=None, choices=None, example=None, why=None,
+            file=None, model=False):
+    """A dataclass field whose value `check` keeps in range (ge/gt/le/lt) or in `choices`;
+    `example` is the value the fix suggests, `why` a reason the error gives. `file`: the value
+    is a path that must exist (the text is the fix); `model`: a local path must be a saved model."""
+    meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, example=example, why=why, file=file,
+                                  model=model or None).items() if v is not None}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+@dataclass
+class SFTStage:
+    epochs: int = setting(ge=1)
+    batch_size: int = setting(ge=1)
+    lr: float = setting(gt=0, example=1e-3)
+    seed: int = setting(ge=0)
+
+
+@dataclass
+class RMStage(SFTStage):
+    held_out_fraction: float = setting(gt=0, lt=1, example=0.1)
+
+
+@dataclass
+class HydraSFTStage:
+    reward_loss_weight: float = setting(ge=0)
+
+
+@dataclass
+class Stages:
+    sft: SFTStage = MISSING
+    rm: RMStage = MISSING
+    hydra_sft: HydraSFTStage = MISSING
+
+
+@dataclass
+class RL:
+    prompts_per_step: int = setting(ge=1)
+    lr: float = setting(gt=0, example=1e-3)
+    value_lr: Optional[float] = setting(gt=0, example=1e-3)
+    max_grad_norm: Optional[float] = setting(gt=0, example=1.0)
+    eos_penalty: Optional[float] = MISSING
+    eval_every: int = setting(ge=0)
+    eval_samples_per_prompt: int = setting(ge=1)
+    eval_seed: int = setting(ge=0)
+    log_generations: int = setting(ge=0)
+
+
+@dataclass
+class Train:
+    """The root config (conf/train.yaml); each group's node is typed by its option's schema."""
+
+    task: Any = MISSING
+    model: Any = MISSING
+    algo: Any = MISSING
+    reward: Any = MISSING
+    memory: Any = MISSING
+    mode: Any = MISSING
+    off_policy: Any = MISSING
+    generator: Any = MISSING
+    trainer: Any = MISSING
+    logger: Any = MISSING
+    staleness: int = setting(ge=0)
+    seed: int = setting(ge=0)
+    cache_dir: str = MISSING
+    torch_threads: Optional[int] = setting(ge=1)
+    optimized_metric: str = MISSING
+    kl_budget: Optional[float] = setting(None, ge=0)  # sweep_optuna: nats of eval KL before the penalty
+    kl_penalty: float = setting(0.1, ge=0)  # sweep_optuna: gold reward off per nat above the budget
+    stages: Stages = MISSING
+    rl: RL = MISSING
+
+
+# ---- tasks and models -------------------------------------------------------------------------
+
+@dataclass
+class SentimentTask:
+    _target_: str = "rlhflab.tasks.sentiment.SentimentTask"
+    words_file: Optional[str] = setting(file="point it at a JSON file with 'positive', 'negative', 'neutral' word lists, or set task.words_file=null")
+    prompt_words: int = setting(ge=1)
+    response_words: int = setting(ge=1)
+    num_train_prompts: int = setting(ge=1)
+    num_eval_prompts: int = setting(ge=1)
+    num_demonstrations: int = setting(ge=1)
+    num_preference_pairs: int = setting(ge=2)
+    seed: int = setting(ge=0)
+
+
+@dataclass
+class HubPromptTask:
+    _target_: str = "rlhflab.tasks.hub.HubPromptTask"
+    dataset: str = MISSING
+    prompt_key: str = MISSING
+    train_split: str = MISSING
+    eval_split: str = MISSING
+    num_train_prompts: int = setting(ge=1)
+    num_eval_prompts: int = setting(ge=1)
+    max_new_tokens: int = setting(ge=1)
+    gold_model_path: Optional[str] = MISSING
+    seed: int = setting(ge=0)
+
+
+@dataclass
+class Model:
+    name: str = MISSING
+    name_or_path: Optional[str] = setting(model=True)
+    tokenizer: Optional[str] = setting(model=True)
+    sft_path: Optional[str] = setting(model=True)
+    reward_model_path: Optional[str] = setting(model=True)
+    dtype: str = setting(choices=DTYPES)
+    init_seed: int = setting(ge=0)
+    arch: Optional[Dict[str, Any]] = MISSING
+
+
+# ---- algorithms -------------------------------------------------------------------------------
+
+@dataclass
+class Algo:
+    _target_: str = MISSING
+    samples_per_prompt: int = setting(ge=1)
+    kl_estimator: str = setting(choices=KL_KINDS)
+    loss_agg: str = setting(choices=LOSS_AGG_MODES)
+    epochs: int = setting(ge=1)
+    num_minibatches: int = setting(ge=1)
+
+
+@dataclass
+class WholeCompletionReinforce(Algo):  # rloo, remax
+    kl_coef: float = setting(ge=0, example=0.05)
+    clip_eps: float = setting(gt=0, example=0.2)
+
+
+@dataclass
+class RLOO(WholeCompletionReinforce):
+    samples_per_prompt: int = setting(ge=2, why="the baseline is the mean of the other k-1 samples")
+
+
+@dataclass
+class ReinforcePP(Algo):
+    kl_coef: float = setting(ge=0, example=0.05)
+    gamma: float = setting(ge=0, le=1)
+    clip_eps: float = setting(gt=0, example=0.2)
+
+
+@dataclass
+class GRPO(Algo):  # grpo, dr_grpo
+    samples_per_prompt: int = setting(ge=2, why="advantages are normalised within each prompt's group")
+    kl_loss_coef: float = setting(ge=0, example=0.04)
+    clip_eps: float = setting(gt=0, example=0.2)
+    scale_by_std: bool = MISSING
+
+
+@dataclass
+class PPO(Algo):
+    kl_coef: float = setting(ge=0, example=0.05)
+    gamma: float = setting(ge=0, le=1)
+    lam: float = setting(ge=0, le=1)
+    clip_eps: float = setting(gt=0, example=0.2)
+    value_clip_eps: float = setting(gt=0, example=0.2)
+    vf_coef: float = setting(ge=0, example=0.1)
+    whiten_advantages: bool = MISSING
+
+
+@dataclass
+class OnlineDPO(Algo):
+    samples_per_prompt: int = setting(ge=2, why="the best and the worst sample of a prompt form its pair")
+    beta: float = setting(gt=0, example=0.1)
+    loss_type: str = setting(choices=("sigmoid", "ipo"))
+    ties: str = setting(choices=("skip", "keep"))
+
+
+# ---- reward, memory, mode, off-policy, generation -----------------------------------------------
+
+@dataclass
+class Reward:
+    _target_: str = MISSING
+
+
+@dataclass
+class FullMemory:
+    _target_: str = "rlhflab.memory.full.FullMemory"
+    gradient_checkpointing: bool = MISSING
+
+
+@dataclass
+class LoraMemory(FullMemory):  # lora, hydra
+    r: int = setting(ge=1)
+    lora_alpha: float = setting(gt=0)
+    lora_dropout: float = setting(ge=0, lt=1)
+    target_modules: Any = MISSING  # a list of module names, or "all-linear"
+
+
+@dataclass
+class SyncMode:
+    _target_: str = "rlhflab.rollout.sources.SyncSource"
+
+
+@dataclass
+class AsyncMode:
+    _target_: str = "rlhflab.rollout.async_source.AsyncSource"
+    staleness: int = setting(ge=0)
+    sync_every: int = setting(ge=1)
+    generator_threads: int = setting(ge=1)
+    learner_threads: int = setting(ge=1)
+    device: Optional[str] = MISSING
+    start_method: str = setting(choices=("fork", "spawn"))
+
+
+@dataclass
+class OffPolicy:
+    _target_: str = MISSING
+
+
+@dataclass
+class TruncatedIS(OffPolicy):
+    cap: float = setting(gt=1, example=2.0)
+
+
+@dataclass
+class Decoupled(OffPolicy):
+    cap: Optional[float] = setting(gt=1, example=5.0)
+
+
+@dataclass
+class HFGenerator:
+    _target_: str = "rlhflab.rollout.hf.HFGenerator"
+    temperature: float = setting(gt=0, example=1.0)
+    top_k: int = setting(choices=(0,), why="the learner and the reference never truncate, so top-k samples would make every ratio and KL wrong")
+    max_new_tokens: Optional[int] = setting(ge=1)
+
+
+@dataclass
+class VLLMGenerator(HFGenerator):
+    gpu_memory_utilization: float = setting(gt=0, le=1)
+    kv_cache_memory_bytes: Optional[int] = setting(ge=1)
+    dtype: str = setting(choices=("auto", *DTYPES))
+    enforce_eager: bool = MISSING
+    max_model_len: Optional[int] = setting(ge=1)
+
+
+@dataclass
+class Trainer:
+    _target_: str = "lightning.Trainer"
+    accelerator: str = MISSING
+    devices: Any = MISSING
+    max_steps: int = setting(ge=1)
+    precision: str = setting(choices=("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true"))
+    log_every_n_steps: int = setting(ge=1)
+    enable_checkpointing: bool = MISSING
+    enable_model_summary: bool = MISSING
+    enable_progress_bar: bool = MISSING
+    num_sanity_val_steps: int = setting(ge=0)
+
+
+@dataclass
+class MlflowLogger:
+    _target_: str = "rlhflab.tracking.MlflowTracker"
+    tracking_uri: str = MISSING
+    experiment_name: str = MISSING
+    run_name: Optional[str] = MISSING
+    synchronous: bool = MISSING
+
+
+# The option files and the schema each starts from (conf/<group>/<option>.yaml -> schema/<group>/<name>).
+SCHEMAS: dict[str, dict[str, type]] = {
+    "task": {"sentiment": SentimentTask, "tldr": HubPromptTask},
+    "model": {"model": Model},
+    "algo": {"rloo": RLOO, "remax": WholeCompletionReinforce, "reinforce_pp": ReinforcePP,
+             "grpo": GRPO, "dr_grpo": GRPO, "ppo": PPO, "online_dpo": OnlineDPO},
+    "reward": {"reward": Reward},
+    "memory": {"full": FullMemory, "lora": LoraMemory, "hydra": LoraMemory},
+    "mode": {"sync": SyncMode, "async": AsyncMode},
+    "off_policy": {"plain": OffPolicy, "tis": TruncatedIS, "decoupled": Decoupled},
+    "generator": {"hf": HFGenerator, "vllm": VLLMGenerator},
+    "trainer": {"trainer": Trainer},
+    "logger": {"mlflow": MlflowLogger},
+}
+
+
+def register() -> None:
+    """Put the schemas in Hydra's ConfigStore (idempotent): before any config is composed."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=Train)
+    for group, options in SCHEMAS.items():
+        for name, node in options.items():
+            store.store(group=f"schema/{group}", name=name, node=node)
+
+
+# ---- the checks -------------------------------------------------------------------------------
+
+class SettingError(ConfigError):
+    """One bad setting: `key` and a message that ends with the fix."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+
+
+def _check_value(key: str, value: Any, meta: dict) -> None:
+    if value is None or not meta:
+        return
+    if "file" in meta and not Path(value).expanduser().is_file():
+        raise SettingError(key, f"no such file '{value}'; {meta['file']}")
+    if "model" in meta:
+        check_pretrained(key, value)
+    why = f" ({meta['why']})" if "why" in meta else ""
+    if "choices" in meta and value not in meta["choices"]:
+        options = ", ".join(map(str, meta["choices"]))
+        raise SettingError(key, f"{value!r} is not one of {options}{why}; set e.g. {key}={meta['choices'][0]}")
+    broken = [f"{sign} {meta[k]}" for k, (sign, ok) in _BOUNDS.items() if k in meta and not ok(value, meta[k])]
+    if broken:
+        wanted = " and ".join(f"{sign} {meta[k]}" for k, (sign, _) in _BOUNDS.items() if k in meta)
+        example = meta.get("example", meta.get("ge", meta.get("gt")))
+        raise SettingError(key, f"{value} must be {wanted}{why}; set e.g. {key}={example}")
+
+
+def _walk(node: DictConfig, prefix: str = "") -> None:
+    schema = OmegaConf.get_type(node)
+    declared = {f.name: f for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if declared is not None and key not in declared:
+            valid = ", ".join(k for k in declared if not k.startswith("_"))
+            raise SettingError(name, f"not a setting of {prefix.rstrip('.') or 'the config'}; valid keys: {valid}")
+        if OmegaConf.is_missing(node, key):
+            raise SettingError(name, f"has no value; set it, e.g. {name}=...")
+        if OmegaConf.is_interpolation(node, key):
+            continue  # e.g. task.seed: ${seed}; the key it points to is checked where it lives
+        value = node[key]
+        if isinstance(value, DictConfig):
+            _walk(value, f"{name}.")
+        elif declared is not None and not isinstance(value, ListConfig):
+            _check_value(name, value, declared[key].metadata)
+
+
+def check(cfg: DictConfig) -> None:
+    """Raise SettingError for the first bad value of a composed config: an undeclared key, a value
+    out of range or not among its choices, or a cross-field rule that needs no model."""
+    _walk(cfg)
+    mode = OmegaConf.get_type(cfg.mode)
+    if mode is SyncMode and cfg.staleness != 0:
+        raise SettingError("staleness", f"{cfg.staleness}: mode=sync runs with staleness 0; use mode=async for staleness > 0 (or staleness=0)")
+    minibatches = cfg.algo.num_minibatches
+    if cfg.rl.prompts_per_step % minibatches:
+        raise SettingError("rl.prompts_per_step", f"{cfg.rl.prompts_per_step} is not divisible by algo.num_minibatches={minibatches}; "
+                           f"make rl.prompts_per_step a multiple of {minibatches}")
