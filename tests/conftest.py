@@ -6,6 +6,11 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see docs/ENV.md
 
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -53,6 +58,41 @@ def make_cfg(stage_cache, tmp_path):
         cfg = compose_cfg([f"cache_dir={stage_cache}", *overrides], shrink=shrink)
         with open_dict(cfg):
             cfg.logger.tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
+            if cfg.output.dir is None:
+                cfg.output.dir = str(tmp_path / "run")
         return cfg
 
     return make
+
+
+TRAIN = str(ROOT / "src" / "train.py")
+
+
+@contextmanager
+def cli_run(args: list[str], cwd: Path, env: dict | None = None):
+    """`python src/train.py ARGS` in its own process group; the group is always killed on exit,
+    so no learner or generator outlives the test, whatever it asserted."""
+    proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=cwd, env=os.environ | (env or {}), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def wait_for(predicate, timeout: float, what: str, proc=None, poll: float = 0.2):
+    """Poll `predicate` until it is true (an event), failing after `timeout` or when `proc` ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {proc.returncode}) before {what}:\n{proc.stdout.read()[-4000:]}")
+        time.sleep(poll)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s")

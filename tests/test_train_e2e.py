@@ -45,7 +45,7 @@ def test_second_run_reuses_cached_stages(make_cfg, caplog):
     with caplog.at_level("INFO"):
         train(make_cfg("trainer.max_steps=1"))
     text = caplog.text
-    assert "reusing the built tiny model" in text
+    assert "model: cached" in text
     assert "stage sft: cached" in text and "stage rm: cached" in text
     assert "training on" not in text
 

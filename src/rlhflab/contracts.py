@@ -85,20 +85,31 @@ class RolloutSource(Protocol):
     max_staleness: int  # the largest version gap the source lets through
     generator: Generator
     correction: OffPolicyCorrection
+    pending: list[Rollout]  # rollouts made ahead of their step that a checkpoint keeps (async mode)
 
     @property
     def eval_generator(self) -> Generator:
         """What the learner samples evaluation completions with."""
 
-    def start(self, model: nn.Module, batches: Iterator, train_prompts: list[str], algo: Any, seed: int) -> None:
-        """Before the first step: `batches` yields the learner's (query, index) batches in its order."""
+    def start(self, model: nn.Module, batches: Iterator, train_prompts: list[str], algo: Any, seed: int, version: int) -> None:
+        """Before the first step: `batches` yields (query, index, batch index) in the learner's order, from the
+        first batch not pending; `model` holds the weights of policy version `version`."""
 
-    def get(self, model: nn.Module, query: torch.Tensor, prompts: list[str], version: int, algo: Any) -> Rollout:
-        """The rollout of this training step's prompts."""
+    def get(self, model: nn.Module, query: torch.Tensor, prompts: list[str], version: int, algo: Any, batch: int) -> Rollout:
+        """The rollout of training batch `batch` (its index in the run's prompt stream)."""
 
     def old_policy(self, rollout: Rollout, recompute) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """(old log-probs, importance weights or None, metrics) for `rollout`; `recompute()` gives the
         learner's log-probs under its weights before the update, called only if the correction needs them."""
+
+    def can_checkpoint(self, version: int) -> bool:
+        """Whether a run could resume exactly from a checkpoint taken after update `version`."""
+
+    def checkpoint_state(self, version: int) -> dict:
+        """What a checkpoint after update `version` must keep (plain types), e.g. rollouts made by older weights."""
+
+    def restore(self, state: dict) -> None:
+        """Take back what `checkpoint_state` returned."""
 
     def after_update(self, model: nn.Module, version: int) -> None:
         """The learner finished update `version`: push weights where the generator needs them."""

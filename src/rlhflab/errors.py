@@ -1,5 +1,28 @@
-"""Errors a user can fix from the command line."""
+"""Errors a user can act on, each a one-line message (the entry point prints it as `error: ...`)."""
 
 
 class ConfigError(ValueError):
     """Bad input. The message is one line: the config key or file, what is wrong, and the fix."""
+
+
+class StageFailed(RuntimeError):
+    """A training stage produced something unusable (not finite, or no better than chance); it was not cached."""
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or Inf in a loss, reward, reward-model output or gradient; the message names the step and quantity."""
+
+
+class RunInterrupted(BaseException):
+    """SIGINT or SIGTERM asked the run to stop. A BaseException, like KeyboardInterrupt, so that no
+    `except Exception` on the way up swallows it; unlike KeyboardInterrupt, Lightning re-raises it."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM

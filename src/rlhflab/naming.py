@@ -5,6 +5,8 @@ Imported by Hydra's plugin scan at every start, so it imports nothing heavy.
 
 from __future__ import annotations
 
+import re
+
 # Set by the sweep callback so that each job's run becomes a child of the sweep's parent run.
 PARENT_RUN_ENV = "RLHFLAB_MLFLOW_PARENT_RUN_ID"
 # Tag on a sweep's parent run.
@@ -24,3 +26,33 @@ SWEEP_JOB_TAG = f"{SWEEP_TAG}.job"  # on a child: its job number
 SWEEP_OVERRIDES_TAG = f"{SWEEP_TAG}.overrides"  # on a child: its overrides; on the parent: the sweep's
 SWEEP_METRIC_TAG = f"{SWEEP_TAG}.metric"  # on the parent: the metric that picks the best child
 SWEEP_BEST_RUN_NAME_TAG = f"{SWEEP_TAG}.best_run_name"
+
+# Overrides that change where things are logged or shown, not what is trained: left out of run names.
+NOT_IN_NAMES = ("logger.", "hydra.", "trainer.enable_progress_bar", "cache_dir", "output.", "checkpoint.", "resume")
+GROUP_NAMES = ("task", "model", "algo", "reward", "memory", "mode", "off_policy", "generator", "trainer", "experiment", "debug")
+MAX_RUN_NAME = 250
+
+
+def run_name(algo: str, overrides: list[str]) -> str:
+    """A run name that carries what this run changed: the algorithm, then each command-line override,
+    a group choice by its option (`mode=async` -> async) and a value by its last key (`rl.lr=3e-4` -> lr=3e-4).
+
+    >>> run_name("online_dpo", ["algo=online_dpo", "mode=async", "staleness=2", "rl.lr=3e-4", "logger.run_name=x"])
+    'online_dpo async staleness=2 lr=3e-4'
+    """
+    parts = [algo]
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key.startswith(NOT_IN_NAMES) or key == "algo":
+            continue
+        parts.append(value if key in GROUP_NAMES else f"{key.rpartition('.')[2]}={value}")
+    return " ".join(parts)[:MAX_RUN_NAME]
+
+
+CREDENTIAL = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^:/@\s]*:)[^@\s/]+@")
+
+
+def redact(text: str) -> str:
+    """Text with the password of every URI in it replaced by *** (user:password@host -> user:***@host),
+    so a credential never reaches a log line, a param, a tag or an artifact."""
+    return CREDENTIAL.sub(r"\1***@", text)

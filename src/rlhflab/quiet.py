@@ -1,4 +1,4 @@
-"""Keep the console to what a researcher reads: our log, Lightning's progress bar, real warnings."""
+"""Keep the console to what a researcher reads: our log, one progress bar per stage, real warnings."""
 
 from __future__ import annotations
 
@@ -6,20 +6,37 @@ import logging
 import warnings
 
 
-class _DropTips(logging.Filter):
+class _Once(logging.Filter):
+    """Lightning's per-Trainer chatter: the device banner once per process, tips and stop notices never."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "litlogger" not in record.getMessage()
+        message = record.getMessage()
+        if "litlogger" in message or message.startswith("`Trainer.fit` stopped"):
+            return False
+        if message.startswith(("GPU available", "TPU available", "HPU available", "💡")):
+            if message in self.seen:
+                return False
+            self.seen.add(message)
+        return True
+
+
+_ONCE = _Once()
 
 
 def quiet_libraries() -> None:
     # Lightning installs its own console handler; Hydra's root handler already prints its records.
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero"):
         logger = logging.getLogger(name)
-        if logging.getLogger().handlers:
+        if name != "lightning.pytorch.utilities.rank_zero" and logging.getLogger().handlers:
             logger.handlers.clear()
             logger.propagate = True
-        logger.addFilter(_DropTips())
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DropTips())
+        if _ONCE not in logger.filters:
+            logger.addFilter(_ONCE)
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notices
     import transformers
 
     transformers.utils.logging.set_verbosity_error()  # a fresh reward/value head is expected, not news
@@ -27,5 +44,9 @@ def quiet_libraries() -> None:
     # The reference and reward models are frozen in eval mode on purpose.
     warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecated, once per stage.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    # An RL prompt stream has no length by design: it ends at trainer.max_steps.
+    warnings.filterwarnings("ignore", message=r".*Your `IterableDataset` has `__len__` defined.*")
     # peft still calls a transformers property deprecated in 5.x.
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*deprecated.*", category=FutureWarning)

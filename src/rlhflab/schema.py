@@ -74,6 +74,20 @@ class RL:
     eval_samples_per_prompt: int = setting(ge=1)
     eval_seed: int = setting(ge=0)
     log_generations: int = setting(ge=0)
+    on_nonfinite: str = setting(choices=("stop", "skip_batch"))
+
+
+@dataclass
+class Output:
+    dir: Optional[str] = MISSING
+    merge_lora: bool = MISSING
+    log_policy: bool = MISSING
+
+
+@dataclass
+class Checkpointing:
+    every_n_steps: Optional[int] = setting(ge=1)
+    keep: int = setting(ge=1)
 
 
 @dataclass
@@ -99,6 +113,9 @@ class Train:
     kl_penalty: float = setting(0.1, ge=0)  # sweep_optuna: gold reward off per nat above the budget
     stages: Stages = MISSING
     rl: RL = MISSING
+    output: Output = MISSING
+    checkpoint: Checkpointing = MISSING
+    resume: Optional[str] = MISSING
 
 
 # ---- tasks and models -------------------------------------------------------------------------

@@ -1,16 +1,31 @@
-"""MLflow tracking: one run per experiment holding every stage's metrics, the config and samples."""
+"""MLflow tracking: one run per experiment holding every stage's metrics, the config, samples and the policy.
+
+A run is named by what it changed (rlhflab.naming.run_name), carries its lineage
+(entry point, git commit, user, command-line overrides, Hydra output directory,
+the cached models it used) and never holds a credential: every URI is redacted.
+A resumed run continues the same MLflow run, and a metric step it already logged
+is not logged twice.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
 
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
-from rlhflab.naming import PARENT_RUN_ENV, default_run_name
+from rlhflab.naming import PARENT_RUN_ENV, default_run_name, redact, run_name
 
 log = logging.getLogger(__name__)
+
+EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's classic training view, not GenAI's traces and judges
+EXPERIMENT_NOTE = ("RLHF runs from rlhflab (python src/train.py). Each run holds its stages (sft, rm) and RL; "
+                   "eval/gold_reward is the task's own judgement of held-out completions.")
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict[str, str]:
@@ -20,19 +35,47 @@ def flatten(cfg: dict, prefix: str = "") -> dict[str, str]:
         if isinstance(value, dict):
             out |= flatten(value, f"{name}.")
         else:
-            out[name] = str(value)[:6000]  # MLflow's limit on a param value
+            out[name] = redact(str(value))[:6000]  # MLflow's limit on a param value
     return out
 
 
 class RunLogger(MLFlowLogger):
-    """Lightning's MLflow logger bound to our run; it leaves ending the run to the tracker.
+    """Lightning's MLflow logger bound to our run; it leaves ending the run to the tracker, and skips
+    metric steps the run already has (a resumed run re-runs the steps after its checkpoint).
 
     Every stage (sft, rm, rl) gets its own Trainer; without this the first
     Trainer to finish would mark the whole run FINISHED.
     """
 
+    def __init__(self, *args, logged_steps: dict[str, int] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.logged_steps = logged_steps or {}
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if self.logged_steps and step is not None:
+            metrics = {k: v for k, v in metrics.items() if step > self.logged_steps.get(k, -1)}
+        if metrics:
+            super().log_metrics(metrics, step)
+
     def finalize(self, status: str = "success") -> None:
         pass
+
+
+@contextmanager
+def store_lock(tracking_uri: str):
+    """Serialise the first use of a SQLite store: two processes creating a fresh database at once race
+    in MLflow's schema migration (one dies with 'duplicate column name')."""
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(tracking_uri.removeprefix("sqlite:///")).expanduser()
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{db}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class MlflowTracker:
@@ -40,7 +83,7 @@ class MlflowTracker:
 
     tracking_uri: where runs go (default: sqlite:///mlflow.db in the working directory).
     experiment_name: the MLflow experiment that groups runs.
-    run_name: null = "<algo>-<memory>-<mode>".
+    run_name: null = the algorithm and the command-line overrides (e.g. "online_dpo async staleness=2").
     synchronous: write each step's metrics before going on (false: through MLflow's background queue).
     """
 
@@ -51,6 +94,11 @@ class MlflowTracker:
         self.run_name = run_name
         self.synchronous = synchronous
         self.run_id: str | None = None
+        self.logged_steps: dict[str, int] = {}
+        self._system = None
+        # MLflow prints "View run ... at <tracking URI>" when a run against a server ends, password and all;
+        # the closing line of a run gives a redacted link instead.
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
     @property
     def client(self):
@@ -58,35 +106,91 @@ class MlflowTracker:
 
         return MlflowClient(self.tracking_uri)
 
-    def start(self, cfg: DictConfig, tags: dict[str, str]) -> str:
+    def _experiment_id(self) -> str:
         client = self.client
         experiment = client.get_experiment_by_name(self.experiment_name)
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.experiment_name)
-        tags = dict(tags)
+        if experiment is not None:
+            return experiment.experiment_id
+        tags = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": EXPERIMENT_NOTE}
+        try:
+            return client.create_experiment(self.experiment_name, tags=tags)
+        except Exception:  # another process created it first
+            return client.get_experiment_by_name(self.experiment_name).experiment_id
+
+    def start(self, cfg: DictConfig, tags: dict[str, str], overrides: list[str], output_dir: Path,
+              resume_run_id: str | None = None) -> str:
+        """Create the run (or reopen `resume_run_id`), with params, the config, lineage and a description."""
+        from mlflow.tracking.context.registry import resolve_tags
+
+        with store_lock(self.tracking_uri):
+            experiment_id = self._experiment_id()
+        client = self.client
+        if resume_run_id:
+            client.update_run(resume_run_id, status="RUNNING")
+            self.run_id = resume_run_id
+            self.logged_steps = self._logged_steps()
+            client.set_tag(self.run_id, "rlhflab.resumed_at", time.strftime("%Y-%m-%d %H:%M:%S"))
+            log.info("mlflow: resuming run %s at %s", self.run_id, redact(self.tracking_uri))
+            self._start_system_metrics()
+            return self.run_id
+        tags = {k: redact(str(v)) for k, v in tags.items()}
         if os.environ.get(PARENT_RUN_ENV):
             tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_ENV]
-        name = self.run_name or default_run_name(tags)
-        run = client.create_run(experiment_id, run_name=name, tags=tags)
+        command = " ".join(["python src/train.py", *map(redact, overrides)])
+        tags |= {"rlhflab.overrides": " ".join(map(redact, overrides)), "rlhflab.output_dir": str(output_dir),
+                 "mlflow.note.content": f"`{command}`\n\nHydra output directory: `{output_dir}`"}
+        name = redact(self.run_name or run_name(tags.get("algo", ""), overrides) or default_run_name(tags))
+        run = client.create_run(experiment_id, run_name=name, tags=resolve_tags(tags))  # + source, git commit, user
         self.run_id = run.info.run_id
         from mlflow.entities import Param
 
         params = [Param(k, v) for k, v in flatten(OmegaConf.to_container(cfg, resolve=True)).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             client.log_batch(self.run_id, params=params[i : i + 100])
-        client.log_text(self.run_id, OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-        log.info("mlflow: run %s (%s) in experiment '%s' at %s", self.run_id, name, self.experiment_name, self.tracking_uri)
+        client.log_text(self.run_id, redact(OmegaConf.to_yaml(cfg, resolve=True)), "config.yaml")
+        log.info("mlflow: run %s (%s) in experiment '%s' at %s", self.run_id, name, self.experiment_name, redact(self.tracking_uri))
+        self._start_system_metrics()
         return self.run_id
+
+    def _logged_steps(self) -> dict[str, int]:
+        """The last step of every metric the run already holds."""
+        client = self.client
+        keys = client.get_run(self.run_id).data.metrics
+        return {key: max(m.step for m in client.get_metric_history(self.run_id, key)) for key in keys}
+
+    def _start_system_metrics(self) -> None:
+        """CPU, memory, disk and network (and GPU with pynvml) every 10 s, as mlflow.start_run(log_system_metrics=True)."""
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._system = SystemMetricsMonitor(self.run_id, sampling_interval=10, samples_before_logging=1,
+                                                resume_logging=bool(self.logged_steps), tracking_uri=self.tracking_uri)
+            self._system.start()
+        except Exception as err:  # e.g. psutil missing: a warning, not a failed run
+            log.warning("mlflow: system metrics are off (%s)", err)
+            self._system = None
 
     def lightning_logger(self) -> RunLogger:
         # Per-step metrics go through MLflow's background queue, so a slow store never blocks a step.
-        return RunLogger(tracking_uri=self.tracking_uri, run_id=self.run_id, synchronous=self.synchronous)
+        return RunLogger(tracking_uri=self.tracking_uri, run_id=self.run_id, synchronous=self.synchronous,
+                         logged_steps=self.logged_steps)
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
         from mlflow.entities import Metric
-        import time
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        rows = [Metric(k, float(v), now, step) for k, v in metrics.items() if step > self.logged_steps.get(k, -1)]
+        if rows:
+            self.client.log_batch(self.run_id, metrics=rows)
+
+    def log_params(self, params: dict[str, str]) -> None:
+        """Params not logged yet (a resumed run keeps the values it started with)."""
+        from mlflow.entities import Param
+
+        have = self.client.get_run(self.run_id).data.params
+        new = [Param(k, redact(str(v))[:6000]) for k, v in params.items() if k not in have]
+        if new:
+            self.client.log_batch(self.run_id, params=new)
 
     def log_generations(self, rows: list[dict]) -> None:
         """A table (MLflow's table artifact) of sampled completions with their rewards."""
@@ -95,15 +199,28 @@ class MlflowTracker:
         table = {key: [row[key] for row in rows] for key in rows[0]}
         self.client.log_table(self.run_id, data=table, artifact_file="generations.json")
 
-    def set_tag(self, key: str, value: str) -> None:
-        self.client.set_tag(self.run_id, key, value)
+    def log_artifacts(self, path: Path, artifact_path: str) -> None:
+        self.client.log_artifacts(self.run_id, str(path), artifact_path)
 
-    def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+    def set_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, redact(str(value)))
+
+    def url(self) -> str | None:
+        """The run's page in an MLflow UI served from this tracking URI (default port)."""
+        if self.run_id is None:
+            return None
+        experiment_id = self.client.get_run(self.run_id).info.experiment_id
+        base = self.tracking_uri if self.tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+        return f"{redact(base.rstrip('/'))}/#/experiments/{experiment_id}/runs/{self.run_id}"
 
     def finish(self, status: str = "FINISHED") -> None:
-        if self.run_id is not None:
-            import mlflow
+        """End the run with `status` (FINISHED, FAILED, KILLED); safe to call twice."""
+        if self.run_id is None:
+            return
+        if self._system is not None:
+            self._system.finish()
+            self._system = None
+        import mlflow
 
-            mlflow.flush_async_logging()  # every queued step metric lands before the run ends
-            self.client.set_terminated(self.run_id, status)
+        mlflow.flush_async_logging()  # every queued step metric lands before the run ends
+        self.client.set_terminated(self.run_id, status)

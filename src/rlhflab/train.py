@@ -1,7 +1,14 @@
-"""`train(cfg)`: validate, then run the stages that are missing, then RL; all tracked in MLflow."""
+"""`train(cfg)`: validate, run the stages that are missing, then RL; save the policy; all tracked in MLflow.
+
+A run writes into its output directory (`output.dir`, by default Hydra's run directory):
+`policy/` (the trained policy, loadable with from_pretrained), `checkpoints/` (to resume
+with `resume=auto`) and `mlflow_run.json` (which MLflow run it is). It ends FINISHED,
+FAILED or KILLED in MLflow and with exit code 0, 1 (2 for bad input) or 128 + the signal.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -13,11 +20,18 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.config import Plan, validate
-from rlhflab.errors import ConfigError
+from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, StageFailed
+from rlhflab.interrupts import STOP, as_interrupt
+from rlhflab.lit import checkpoint as ckpt
+from rlhflab.lit.progress import StageProgressBar
 from rlhflab.lit.rl_module import RLHFModule
 from rlhflab.models.build import ensure_base_model, load_tokenizer
+from rlhflab.models.checks import check_hub
+from rlhflab.naming import redact
 from rlhflab.quiet import quiet_libraries
+from rlhflab.rng import fixed_seed
 from rlhflab.stages.pipeline import run_stages
+from rlhflab.tracking import MlflowTracker
 
 log = logging.getLogger("rlhflab")
 
@@ -27,96 +41,178 @@ class Result:
     metrics: dict[str, float]
     module: RLHFModule  # for callers (tests) that inspect the trained models
     run_id: str
+    output_dir: Path
 
 
-def _make_trainer(cfg: DictConfig, logger, **overrides):
-    def make(**stage_overrides):
-        return instantiate(cfg.trainer, logger=logger, **(overrides | stage_overrides))
+def hydra_overrides() -> list[str]:
+    """The command line's overrides when Hydra runs us (none for a train(cfg) call)."""
+    from hydra.core.hydra_config import HydraConfig
 
-    return make
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def output_dir(cfg: DictConfig) -> Path:
+    """output.dir, else Hydra's run directory, else a new outputs/<date>/<time> (a train(cfg) call)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if cfg.output.dir:
+        path = Path(cfg.output.dir)
+    elif HydraConfig.initialized():
+        path = Path(HydraConfig.get().runtime.output_dir)
+    else:
+        path = Path("outputs") / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")
+    path.mkdir(parents=True, exist_ok=True)
+    return path.resolve()
+
+
+def _make_trainer(cfg: DictConfig, logger, stage: str, callbacks=(), **overrides):
+    bar = [StageProgressBar(stage)] if cfg.trainer.enable_progress_bar else []
+    return instantiate(cfg.trainer, logger=logger, callbacks=[*bar, *callbacks], **overrides)
 
 
 def train(cfg: DictConfig) -> Result:
     """Run one experiment end to end. Raises ConfigError (one line) before loading any model."""
     plan: Plan = validate(cfg)  # every check that needs no model
+    for key in ("name_or_path", "sft_path", "reward_model_path", "tokenizer"):
+        check_hub(f"model.{key}", cfg.model.get(key))  # hub ids: cached, or the hub answers (before any run exists)
     quiet_libraries()
     if cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))
     torch.manual_seed(cfg.seed)
+    out = output_dir(cfg)
+    resume = ckpt.find(cfg.resume, out, cfg)
     tracker = plan.tracker
-    tracker.start(cfg, plan.tags)
-    status = "FAILED"
-    try:
-        result = _run(cfg, plan, tracker)
-        status = "FINISHED"
-        return result
-    finally:
-        tracker.finish(status)
+    with STOP.installed():
+        run_id = tracker.start(cfg, plan.tags, hydra_overrides(), out, resume.state["run_id"] if resume else None)
+        (out / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(tracker.tracking_uri),
+                                                         "experiment": tracker.experiment_name}, indent=1))
+        status = "FAILED"
+        try:
+            result = _run(cfg, plan, tracker, out, resume)
+            status = "FINISHED"
+            return result
+        except BaseException as err:
+            interrupted = as_interrupt(err)
+            if interrupted is None:
+                raise
+            status = "KILLED"
+            raise interrupted from None
+        finally:
+            plan.source.close()
+            tracker.finish(status)
 
 
-def _run(cfg: DictConfig, plan: Plan, tracker) -> Result:
+def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume: ckpt.Checkpoint | None) -> Result:
     started = time.perf_counter()
     cache_dir = Path(cfg.cache_dir)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     stages = OmegaConf.to_container(cfg.stages, resolve=True)
     logger = tracker.lightning_logger()
-    make_stage_trainer = _make_trainer(cfg, logger, max_steps=-1)
     task = plan.task
 
     # Stage 0: the base model (built from config for the tiny preset, cached).
     base = ensure_base_model(model_cfg, task, cache_dir)
-    tokenizer = load_tokenizer(model_cfg.get("tokenizer") or model_cfg.get("sft_path") or base)
+    tokenizer = load_tokenizer(model_cfg.get("tokenizer") or model_cfg.get("sft_path") or base.path)
     # The stages the memory strategy needs (sft and rm, or hydra_sft), each skipped when given or cached.
     needed = plan.memory.stages(plan.reward.needs_reward_model)
-    sft_path, reward_path = run_stages(needed, model_cfg, base, tokenizer, task, stages, cache_dir, make_stage_trainer)
+
+    def stage_trainer(stage: str, **overrides):
+        return _make_trainer(cfg, logger, stage, max_steps=-1, **overrides)
+
+    policy, reward_model = run_stages(needed, model_cfg, base, tokenizer, task, stages, cache_dir, stage_trainer)
+    tracker.log_params({"rlhflab.base_model": base.path, "rlhflab.policy_start": policy.path,
+                        "rlhflab.reward_model": reward_model.path if reward_model else None})
     t_stages = time.perf_counter() - started
 
     # Stage rl.
-    log.info("stage rl: %s, %s memory, %s mode, %d steps", plan.algo.name, plan.memory.name, plan.source.name, cfg.trainer.max_steps)
-    memory = plan.memory.build(sft_path, reward_path, plan.algo.needs_values, tokenizer.pad_token_id, model_cfg["dtype"])
+    done = resume.updates if resume else 0
+    log.info("stage rl: %s, %s memory, %s mode, %d steps%s", plan.algo.name, plan.memory.name, plan.source.name,
+             cfg.trainer.max_steps, f" (from step {done})" if done else "")
+    with fixed_seed(cfg.seed):  # fresh heads (a value head) depend on the seed alone
+        memory = plan.memory.build(policy.path, reward_model and reward_model.path, plan.algo.needs_values,
+                                   tokenizer.pad_token_id, model_cfg["dtype"])
     plan.generator.setup(tokenizer, task.max_new_tokens)
     train_prompts, eval_prompts = task.prompts("train"), task.prompts("eval")
-    module = RLHFModule(memory, plan.algo, plan.reward, plan.source, task, tokenizer, train_prompts, eval_prompts, cfg.rl, cfg.seed)
-    trainer = _make_trainer(cfg, logger)()
-    try:
-        trainer.fit(module)
-    finally:
-        plan.source.close()
+    module = RLHFModule(memory, plan.algo, plan.reward, plan.source, task, tokenizer, train_prompts, eval_prompts, cfg.rl,
+                        cfg.seed, resume)
+    module.run_id = tracker.run_id
+    saver = ckpt.Checkpointer(ckpt.directory(out), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep,
+                              OmegaConf.to_yaml(cfg, resolve=True))
+    remaining = cfg.trainer.max_steps - done
+    if remaining > 0:
+        trainer = _make_trainer(cfg, logger, "rl", callbacks=[saver], max_steps=remaining)
+        with STOP.at_step_boundaries():
+            try:
+                trainer.fit(module)
+            except NonFiniteError as err:
+                last = saver.last or ckpt.newest(ckpt.directory(out))
+                kept = f"the last good checkpoint is {last}" if last else "no checkpoint exists (set checkpoint.every_n_steps)"
+                raise NonFiniteError(f"{err}; {kept}") from None
+            except BaseException as err:
+                # A stop that arrived between steps (Lightning's own SIGTERM check, or while waiting for the
+                # generator) still leaves a checkpoint of the last whole step.
+                saved_here = saver.last is not None and saver.last.name == f"step-{module.updates:08d}"
+                if as_interrupt(err) and not saved_here and module.updates > done and module.can_checkpoint():
+                    saver.save(module)
+                raise
+    else:
+        log.info("resume: the checkpoint is at step %d, the budget %d: nothing left to train", done, cfg.trainer.max_steps)
     t_rl = time.perf_counter() - started - t_stages
 
+    policy_dir = save_policy(module, tokenizer, out / "policy", cfg, tracker)
     before, (_, after, final_kl) = module.eval_history[0][1], module.eval_history[-1]
     metrics = {
         "eval/gold_reward_before": before,
         "eval/gold_reward": after,
         "eval/kl": final_kl,
-        **module.timing_summary(),
+        **(module.timing_summary() if module.step_times else {}),
         "perf/stages_s": t_stages,
         "perf/rl_s": t_rl,
         "perf/total_s": time.perf_counter() - started,
     }
-    already_logged = ("eval/gold_reward", "eval/kl")  # by the module's last evaluation
-    tracker.log_metrics({k: v for k, v in metrics.items() if k not in already_logged}, step=module.updates)
+    summaries = {k: v for k, v in metrics.items() if k not in ("eval/gold_reward", "eval/kl")}  # those have curves
+    tracker.log_metrics(summaries, step=0)  # single values: step 0, so no chart draws them as the end of a curve
     tracker.log_generations(module.generation_rows)
-    tracker.set_tag("perf/mem_method", module.mem_method)
-    log.info(
-        "done: gold reward %.3f -> %.3f after %d RL steps; stages %.0fs, RL %.0fs; MLflow run %s",
-        before, after, module.policy_version, t_stages, t_rl, tracker.run_id,
-    )
-    return Result(metrics, module, tracker.run_id)
+    tracker.set_tag("perf/mem_method", getattr(module, "mem_method", ""))
+    log.info("done: gold reward %.3f -> %.3f after %d RL steps (stages %.0f s, RL %.0f s)", before, after, module.updates, t_stages, t_rl)
+    log.info("policy: %s (AutoModelForCausalLM.from_pretrained loads it)", policy_dir)
+    log.info("mlflow: %s", browse_hint(tracker))
+    return Result(metrics, module, tracker.run_id, out)
+
+
+def save_policy(module: RLHFModule, tokenizer, path: Path, cfg: DictConfig, tracker: MlflowTracker) -> Path:
+    """The trained policy (with LoRA: the adapter, and a merged copy if output.merge_lora) and its tokenizer."""
+    module.memory.save_policy(path, cfg.output.merge_lora)
+    tokenizer.save_pretrained(path)
+    if (path / "merged").is_dir():
+        tokenizer.save_pretrained(path / "merged")
+    if cfg.output.log_policy:
+        tracker.log_artifacts(path, "policy")
+    return path
+
+
+def browse_hint(tracker: MlflowTracker) -> str:
+    uri = redact(tracker.tracking_uri)
+    ui = "" if uri.startswith("http") else f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1, then "
+    return f"run {tracker.run_id}: {ui}{tracker.url()}"
 
 
 def main(cfg: DictConfig) -> float | None:
-    """What `src/train.py` runs: one-line errors for bad input, the swept metric for sweepers."""
+    """What `src/train.py` runs: one-line errors and exit codes, the swept metric for sweepers."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    sweeping = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         result = train(cfg)
-    except ConfigError as err:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+    except RunInterrupted as err:
+        print(f"stopped: {err}; the MLflow run is KILLED. Continue with the same command and resume=auto", file=sys.stderr)
+        sys.exit(err.exit_code)  # a sweep stops too
+    except (ConfigError, StageFailed, NonFiniteError) as err:
+        if sweeping:
             raise  # a sweep records the failed job and goes on
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(2 if isinstance(err, ConfigError) else 1)
     return objective(result.metrics, cfg)
 
 

@@ -87,8 +87,10 @@ class PromptBatches(IterableDataset):
 
 
 def prompt_loader(batches: PromptBatches) -> DataLoader:
-    """The stream as a DataLoader (batches are made by the stream itself)."""
-    return DataLoader(batches, batch_size=None)
+    """The stream as a DataLoader (batches are made by the stream itself). Its own generator: creating
+    an iterator draws a base seed, which from the global generator would shift every later draw of a
+    resumed run (it creates one more iterator than an uninterrupted run) by one."""
+    return DataLoader(batches, batch_size=None, generator=torch.Generator().manual_seed(0))
 
 
 def tensor_loader(*tensors: torch.Tensor, batch_size: int, seed: int, shuffle: bool = True) -> DataLoader:

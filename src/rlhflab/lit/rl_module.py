@@ -11,13 +11,18 @@ import torch
 from rlhflab.algos import functional as F
 from rlhflab.algos.carriers import Experience, Scored
 from rlhflab.algos.registry import Algorithm
+from rlhflab.errors import ConfigError, NonFiniteError
 from rlhflab.contracts import MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.lit.data import PromptBatches, encode_prompts, prompt_loader
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
 from rlhflab.rewards import score_rollout
+from rlhflab.lit.checkpoint import Checkpoint
+from rlhflab.rng import fixed_seed, rng_state, set_rng_state
 from rlhflab.rollout.batch import Rollout
 
 log = logging.getLogger(__name__)
+
+FLAT_STEPS_WARNING = 10
 
 
 class RLHFModule(L.LightningModule):
@@ -30,7 +35,7 @@ class RLHFModule(L.LightningModule):
     """
 
     def __init__(self, memory: MemoryStrategy, algo: Algorithm, reward: Reward, source: RolloutSource, task: Task, tokenizer,
-                 train_prompts: list[str], eval_prompts: list[str], rl_cfg, seed: int) -> None:
+                 train_prompts: list[str], eval_prompts: list[str], rl_cfg, seed: int, resume: Checkpoint | None = None) -> None:
         super().__init__()
         self.memory = memory
         self.algo = algo
@@ -52,17 +57,71 @@ class RLHFModule(L.LightningModule):
         self.generation_rows: list[dict] = []
         self.step_times: list[tuple[int, float, float, float]] = []  # (samples, gen busy, train busy, step) seconds
         self.constants_logged = False
+        self.resume = resume
+        self.skipped_batches = 0  # rl.on_nonfinite=skip_batch
+        self.flat_steps = 0  # consecutive steps in which every completion scored the same (no learning signal)
+        self.progress: dict[str, float] = {}  # what the progress bar shows
+        self.consistent = True  # False while a batch's updates are under way (no checkpoint can be taken then)
+        self.run_id: str | None = None  # the MLflow run, kept by checkpoints so that a resume continues it
 
-    def prompt_batches(self) -> PromptBatches:
-        """The prompt stream from the next batch to train on (the async generator iterates its own copy)."""
-        return PromptBatches(self.train_query, self.cfg.prompts_per_step, self.seed, start=self.policy_version)
+    def prompt_batches(self, start: int | None = None) -> PromptBatches:
+        """The prompt stream from batch `start` (default: the next to train on)."""
+        return PromptBatches(self.train_query, self.cfg.prompts_per_step, self.seed,
+                             start=self.policy_version if start is None else start)
 
     def train_dataloader(self):
         return prompt_loader(self.prompt_batches())
 
     def on_fit_start(self) -> None:
         self.activations = ActivationMeter(p for m in self.memory.trainable_modules() for p in m.parameters())
-        self.source.start(self.memory.generation_model, self.prompt_batches(), self.train_prompts, self.algo, self.seed)
+        if self.resume is not None:
+            self.restore(self.resume)
+        else:
+            torch.manual_seed(self.seed)  # the mini-batch orders: from the seed, whatever ran before in the process
+        # The generator continues after the batches a checkpoint kept, with the weights of this version.
+        first = self.policy_version + len(self.source.pending)
+        self.source.start(self.memory.generation_model, self.prompt_batches(first), self.train_prompts, self.algo, self.seed,
+                          self.policy_version)
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def _trainable_tensors(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.memory.named_parameters() if p.requires_grad}
+
+    def can_checkpoint(self) -> bool:
+        return self.consistent and self.source.can_checkpoint(self.policy_version)
+
+    def checkpoint_state(self) -> tuple[dict, dict, dict]:
+        """(trainable tensors, optimizer state, everything else) to continue exactly from here."""
+        state = {
+            "updates": self.updates,
+            "policy_version": self.policy_version,
+            "rng": rng_state(),
+            "eval_history": [list(e) for e in self.eval_history],
+            "generation_rows": self.generation_rows,
+            "step_times": [list(t) for t in self.step_times],
+            "skipped_batches": self.skipped_batches,
+            "source": self.source.checkpoint_state(self.policy_version),
+            "run_id": self.run_id,
+        }
+        return self._trainable_tensors(), self.optimizers().optimizer.state_dict(), state
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        params = self._trainable_tensors()
+        if set(params) != set(checkpoint.tensors):
+            raise ConfigError(f"resume: {checkpoint.path} holds other trainable tensors than this run builds; resume with the same settings")
+        with torch.no_grad():
+            for name, tensor in checkpoint.tensors.items():
+                params[name].copy_(tensor)
+        self.optimizers().optimizer.load_state_dict(checkpoint.optimizer)
+        state = checkpoint.state
+        self.updates, self.policy_version = state["updates"], state["policy_version"]
+        self.eval_history = [tuple(e) for e in state["eval_history"]]
+        self.generation_rows = state["generation_rows"]
+        self.step_times = [tuple(t) for t in state["step_times"]]
+        self.skipped_batches = state["skipped_batches"]
+        self.source.restore(state["source"])
+        set_rng_state(state["rng"])
 
     def configure_optimizers(self):
         groups = [{"params": self.memory.policy_parameters(), "lr": self.cfg.lr}]
@@ -85,6 +144,8 @@ class RLHFModule(L.LightningModule):
             # 2. score (a completion that never ends gets the EOS penalty instead, greedy baselines too)
             scores, baseline = score_rollout(self.reward, self.memory, self.task, rollout, self.tokenizer.eos_token_id,
                                              self.cfg.eos_penalty, self.algo.needs_greedy_baseline)
+            if not self._finite(scores, "the rewards (train/reward)") or (baseline is not None and not self._finite(baseline, "the greedy baseline's rewards")):
+                return self._skip(rollout)
             # 3. where the ratios start (the source's off-policy correction), reference log-probs, values
             old_logprobs, is_weights, metrics = self.source.old_policy(rollout, lambda: self._logprobs(rollout))
             ref_logprobs = self.memory.reference_logprobs(rollout.query, rollout.response, self.temperature) * mask
@@ -93,10 +154,16 @@ class RLHFModule(L.LightningModule):
         targets, algo_metrics = self.algo.prepare(Scored(scores, old_logprobs, ref_logprobs, mask, values, baseline))
         experience = Experience(rollout.query, rollout.response, mask, old_logprobs, ref_logprobs, targets, is_weights)
         # 6. updates: epochs x mini-batches of whole prompt groups
-        metrics = metrics | algo_metrics | self._update(experience)
+        self.consistent = False
+        updates = self._update(experience)
+        if updates is None:
+            return self._skip(rollout)
+        metrics = metrics | algo_metrics | updates
+        self._watch_signal(scores, metrics)
         self.policy_version += 1
         t_sync = time.perf_counter()
         self.source.after_update(self.memory.generation_model, self.policy_version)
+        self.consistent = True
         t_step = time.perf_counter() - t0
         t_sync = time.perf_counter() - t_sync
         # 7. log
@@ -105,11 +172,39 @@ class RLHFModule(L.LightningModule):
         if self.cfg.eval_every and self.policy_version % self.cfg.eval_every == 0:
             self.evaluate()
 
+    def _finite(self, value: torch.Tensor, what: str) -> bool:
+        """True if every element is finite; otherwise stop the run (rl.on_nonfinite=stop) or say so and
+        let the caller skip the batch (skip_batch). Checked before any optimizer step, so the weights stay good."""
+        if bool(torch.isfinite(value).all()):
+            return True
+        where = f"RL step {self.updates + 1} (rollout batch {self.policy_version})"
+        if self.cfg.on_nonfinite == "stop":
+            raise NonFiniteError(f"{what} not finite at {where}; stopped before any update with it")
+        log.warning("%s not finite at %s: batch skipped (rl.on_nonfinite=skip_batch)", what, where)
+        return False
+
+    def _skip(self, rollout: Rollout) -> None:
+        """A batch given up on (non-finite values): the weights do not change, the stream goes on."""
+        self.skipped_batches += 1
+        self.policy_version += 1
+        self.source.after_update(self.memory.generation_model, self.policy_version)
+        self.consistent = True
+        self._log_step({"train/skipped_batches": self.skipped_batches})
+
+    def _watch_signal(self, scores: torch.Tensor, metrics: dict) -> None:
+        """Warn once when every completion has scored the same for a while: nothing is being learned,
+        typically a collapsed policy (e.g. a learning rate far too high)."""
+        self.flat_steps = self.flat_steps + 1 if float(scores.std()) == 0.0 else 0
+        if self.flat_steps == FLAT_STEPS_WARNING:
+            log.warning("every completion has scored %.3f for %d steps: no learning signal (train/kl %.2f); "
+                        "the policy may have collapsed; lower rl.lr", float(scores[0]), FLAT_STEPS_WARNING, float(metrics["train/kl"]))
+
     def _logprobs(self, rollout: Rollout) -> torch.Tensor:
         """(n, R) the current policy's log-probs of the rollout's responses, 0 on padding."""
         return self.memory.policy_logprobs(rollout.query, rollout.response, self.temperature) * rollout.response_mask
 
-    def _update(self, experience: Experience) -> dict:
+    def _update(self, experience: Experience) -> dict | None:
+        """The optimizer steps on one batch -> mean metrics, or None when a non-finite value stopped them."""
         opt = self.optimizers()
         k = self.algo.samples_per_prompt
         n = len(experience)
@@ -125,10 +220,17 @@ class RLHFModule(L.LightningModule):
                     logprobs = self.memory.policy_logprobs(batch.query, batch.response, self.temperature) * batch.response_mask
                     values = self.memory.values(batch.query, batch.response) if self.algo.needs_values else None
                     loss, m = self.algo.loss(logprobs, values, batch)
+                if not self._finite(loss, "train/loss"):
+                    return None
                 opt.zero_grad(set_to_none=True)
                 self.manual_backward(loss)
                 self.activations.reset()
-                self.clip_gradients(opt, gradient_clip_val=self.cfg.max_grad_norm, gradient_clip_algorithm="norm")
+                if self.cfg.max_grad_norm:
+                    self.clip_gradients(opt, gradient_clip_val=self.cfg.max_grad_norm, gradient_clip_algorithm="norm")
+                grads = [p.grad for g in opt.optimizer.param_groups for p in g["params"] if p.grad is not None]
+                if not self._finite(torch.nn.utils.get_total_norm(grads), "the gradient norm"):
+                    opt.zero_grad(set_to_none=True)
+                    return None
                 opt.step()
                 self.updates += 1
                 m["train/loss"] = loss.detach()
@@ -187,15 +289,18 @@ class RLHFModule(L.LightningModule):
 
     def _log_step(self, metrics: dict) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
-        for key in ("train/reward", "train/kl"):  # the progress bar's
-            self.log(key, metrics[key], prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
+        reward = "reward" if not self.reward.needs_reward_model else "rm_score"  # a standardised reward-model score
+        for label, key in ((reward, "train/reward"), ("kl", "train/kl"), ("staleness", "rollout/staleness")):
+            if key in metrics and (key != "rollout/staleness" or self.source.name != "sync"):
+                self.progress[label] = metrics[key]
         if self.logger is not None:
             self.logger.log_metrics(metrics, step=self.updates)
 
     # ---- evaluation ----------------------------------------------------------------------
 
     def on_train_start(self) -> None:
-        self.evaluate()
+        if not self.eval_history:  # a resumed run has its evaluations so far
+            self.evaluate()
 
     def on_train_end(self) -> None:
         if not self.eval_history or self.eval_history[-1][0] != self.policy_version:
@@ -204,8 +309,7 @@ class RLHFModule(L.LightningModule):
     @torch.no_grad()
     def evaluate(self) -> float:
         """Gold reward of sampled completions on held-out prompts (same seed every time)."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.cfg.eval_seed)
+        with fixed_seed(self.cfg.eval_seed):
             rollout: Rollout = self.source.eval_generator.generate(
                 self.memory.generation_model, self.eval_query.to(self.device), self.eval_prompts,
                 self.cfg.eval_samples_per_prompt, self.policy_version,
@@ -215,6 +319,7 @@ class RLHFModule(L.LightningModule):
         kl = F.masked_sum(rollout.logprobs - ref * rollout.response_mask, rollout.response_mask, dim=1)
         value = float(gold.mean())
         self.eval_history.append((self.policy_version, value, float(kl.mean())))
+        self.progress = {"gold": value, **{k: v for k, v in self.progress.items() if k != "gold"}}
         metrics = {"eval/gold_reward": value, "eval/kl": float(kl.mean()), "eval/eos_rate": float(rollout.has_eos(self.tokenizer.eos_token_id).float().mean())}
         if self.logger is not None:
             self.logger.log_metrics(metrics, step=self.updates)

@@ -7,8 +7,15 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from rlhflab.errors import NonFiniteError
 from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
+
+
+def require_finite(loss: torch.Tensor, stage: str, key: str, step: int, lr_key: str) -> None:
+    """Stop the stage (nothing cached) on a NaN or Inf loss, naming the step and the quantity."""
+    if not torch.isfinite(loss):
+        raise NonFiniteError(f"stage {stage}: {key} is {loss.item()} at step {step}; nothing was cached. Lower {lr_key} and run again")
 
 
 class SFTModule(L.LightningModule):
@@ -30,6 +37,7 @@ class SFTModule(L.LightningModule):
         input_ids, attention_mask, labels = batch
         with self.activations.track():
             loss = self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        require_finite(loss, "sft", "sft/loss", self.global_step, "stages.sft.lr")
         self.log("sft/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
@@ -63,6 +71,7 @@ class RewardModule(L.LightningModule):
         chosen, rejected = batch
         margin = self.score(chosen) - self.score(rejected)
         loss = -F.logsigmoid(margin).mean()
+        require_finite(loss, "rm", "rm/loss", self.global_step, "stages.rm.lr")
         self.log("rm/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         self.log("rm/accuracy", (margin > 0).float().mean(), prog_bar=True, on_step=True, on_epoch=False)
         return loss
@@ -105,6 +114,7 @@ class HydraSFTModule(L.LightningModule):
         margin = scores[0] - scores[1]
         rm_loss = -F.logsigmoid(margin).mean()
         loss = sft_loss + self.reward_loss_weight * rm_loss
+        require_finite(loss, "hydra_sft", "hydra_sft/loss", self.global_step, "stages.sft.lr or stages.rm.lr")
         # The same keys as stages sft and rm, so their curves compare across memory strategies.
         self.log_dict(
             {"sft/loss": sft_loss, "rm/loss": rm_loss, "rm/accuracy": (margin > 0).float().mean(), "hydra_sft/loss": loss},

@@ -7,6 +7,8 @@ their outputs (`build`); it never runs a stage itself.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -31,6 +33,11 @@ class MemoryStrategy(nn.Module):
 
     def check(self, model_cfg, task, need_reward: bool) -> None:
         """Raise ConfigError for settings this strategy cannot run with (called before any model loads)."""
+
+    def save_policy(self, path: Path, merge: bool) -> None:
+        """Write the trained policy where `from_pretrained` loads it (the tokenizer is the caller's);
+        with adapters, the adapter, and with `merge` also a merged copy in path/merged."""
+        raise NotImplementedError
 
     def trainable(self, model: nn.Module, **checkpoint_kwargs) -> nn.Module:
         """Ready a model whose weights RL trains: no dropout (the rollout pass and the update pass must

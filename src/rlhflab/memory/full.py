@@ -49,6 +49,9 @@ class FullMemory(MemoryStrategy):
     def generation_model(self) -> nn.Module:
         return self.policy
 
+    def save_policy(self, path, merge: bool) -> None:
+        self.policy.save_pretrained(path)
+
     def policy_logprobs(self, query, response, temperature: float) -> torch.Tensor:
         """(n, P), (n, R) -> (n, R) log-probs of the response under the trained policy (with grad)."""
         return self._logprobs(self.policy, query, response, temperature)

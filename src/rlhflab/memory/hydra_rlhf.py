@@ -22,7 +22,10 @@ serves both for a batch.
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -34,6 +37,7 @@ from rlhflab.memory.lora import DEFAULT_TARGETS, lora_config, trainable_paramete
 from rlhflab.models.build import DTYPES, freeze, load_causal_lm, module_name, read_reward_norm
 from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
 from rlhflab.rollout.batch import join, token_logprobs
+from rlhflab.rollout.weights import save_policy_checkpoint
 
 POLICY, VALUE = "policy", "value"  # adapter names
 
@@ -169,6 +173,15 @@ class HydraRLHFMemory(MemoryStrategy):
     @property
     def generation_model(self) -> nn.Module:
         return self.lm  # the policy adapter is active outside the forwards below
+
+    def save_policy(self, path, merge: bool) -> None:
+        """The policy adapter alone (its base is the stage hydra_sft model); with `merge`, a merged copy in path/merged."""
+        path = Path(path)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            self.lm.save_pretrained(tmp, selected_adapters=[POLICY], save_embedding_layers=False)
+            shutil.move(str(Path(tmp) / POLICY), str(path))  # peft puts a non-default adapter in a subdirectory
+        if merge:
+            save_policy_checkpoint(self.lm, path / "merged")
 
     def policy_logprobs(self, query, response, temperature: float) -> torch.Tensor:
         """(n, P), (n, R) -> (n, R) log-probs of the response under the policy adapter (with grad)."""

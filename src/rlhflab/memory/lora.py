@@ -14,8 +14,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from pathlib import Path
+
 from rlhflab.memory.full import FullMemory
 from rlhflab.models.build import load_causal_lm, load_value_model
+from rlhflab.rollout.weights import save_policy_checkpoint
 
 # Every linear layer of Llama and GPT-NeoX blocks, and the LM head (lm_head / embed_out); names a
 # model lacks are skipped. The head matters: the final norm bounds the trunk's output, so adapters
@@ -79,6 +82,13 @@ class LoraMemory(FullMemory):
             config = lora_config(**self.lora, task_type=TaskType.TOKEN_CLS, modules_to_save=VALUE_HEAD_NAMES)
             self.value_model = get_peft_model(backbone, config)
         return self
+
+    def save_policy(self, path, merge: bool) -> None:
+        """The adapter (its base is the SFT policy it was trained on); with `merge`, a merged copy in path/merged."""
+        # The LM head's adapter is a LoRA pair: the frozen head itself need not be copied.
+        self.policy.save_pretrained(path, save_embedding_layers=False)
+        if merge:
+            save_policy_checkpoint(self.policy, Path(path) / "merged")
 
     @torch.no_grad()
     def reference_logprobs(self, query, response, temperature: float) -> torch.Tensor:

@@ -8,16 +8,14 @@ same `from_pretrained` code a real preset uses.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from rlhflab.errors import ConfigError
+from rlhflab.models.cache import Saved, cached, config_key
+from rlhflab.rng import fixed_seed
 
 log = logging.getLogger(__name__)
 
@@ -28,39 +26,36 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 REWARD_NORM_FILE = "rlhflab_reward_norm.json"
 
 
-def config_key(*parts: Any) -> str:
-    """A short stable hash of JSON-able parts, used to name cache entries."""
-    blob = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def ensure_base_model(model_cfg: dict, task, cache_dir: Path) -> Path | str:
-    """Return a `from_pretrained` path for the base policy, building the tiny one if needed."""
+def ensure_base_model(model_cfg: dict, task, cache_dir: Path) -> Saved:
+    """The base policy: a `from_pretrained` name, or the tiny one built from `model.arch` (cached)."""
     if model_cfg.get("name_or_path"):
-        return model_cfg["name_or_path"]
+        return Saved(model_cfg["name_or_path"], f"pretrained:{model_cfg['name_or_path']}")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = task.build_tokenizer()
     arch = dict(model_cfg["arch"])
-    path = cache_dir / "models" / f"{model_cfg['name']}-{config_key(arch, tokenizer.get_vocab())}"
-    if (path / "config.json").is_file():
-        log.info("model: reusing the built %s model at %s", model_cfg["name"], path)
-        return path
-    model_type = arch.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        **arch,
-    )
-    torch.manual_seed(model_cfg.get("init_seed", 0))
-    model = AutoModelForCausalLM.from_config(config)
-    save_atomically(path, model, tokenizer)
-    n = sum(p.numel() for p in model.parameters())
-    log.info("model: built %s (%s, %.2fM params) and saved it to %s", model_cfg["name"], model_type, n / 1e6, path)
-    return path
+    seed = model_cfg["init_seed"]
+    key = config_key(arch, tokenizer.get_vocab(), seed)
+
+    def build(tmp: Path) -> None:
+        model_type = arch.pop("model_type")
+        config = AutoConfig.for_model(
+            model_type,
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            **arch,
+        )
+        with fixed_seed(seed):  # the weights depend on model.init_seed alone
+            model = AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        n = sum(p.numel() for p in model.parameters())
+        log.info("model: built %s (%s, %.2fM params, init seed %d)", model_cfg["name"], model_type, n / 1e6, seed)
+
+    path = cached(cache_dir, "models", model_cfg["name"], key, "model", build)
+    return Saved(path, f"model:{path.name}")
 
 
 def load_tokenizer(name_or_path):
@@ -124,17 +119,6 @@ def load_value_model(name_or_path, dtype: str = "float32", pad_token_id: int | N
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return without_dropout(model)
-
-
-def save_atomically(path: Path, *objects, files: dict[str, str] | None = None) -> None:
-    """save_pretrained every object (and write `files`) into `path`, visible only once complete."""
-    tmp = path.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
-    for obj in objects:
-        obj.save_pretrained(tmp)
-    for name, text in (files or {}).items():
-        (tmp / name).write_text(text)
-    tmp.rename(path)
 
 
 def module_name(model, module) -> str:

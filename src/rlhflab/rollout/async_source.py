@@ -16,6 +16,7 @@ traceback; closing (or the learner dying) ends it.
 from __future__ import annotations
 
 import copy
+import ctypes
 import logging
 import os
 import pickle
@@ -28,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rlhflab.errors import ConfigError
+from rlhflab.interrupts import STOP
 from rlhflab.rollout.batch import Rollout
 from rlhflab.rollout.sources import SyncSource, seeded
 
@@ -73,16 +75,28 @@ def pin_cuda_device(device: str) -> str:
     return "cuda:0"
 
 
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when its parent dies, however it dies (kill -9 included):
+    a generator outliving its learner would block forever writing rollouts nobody reads."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the loops below still notice within a poll interval
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
 def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
-                    weights_q, out_q, parent):
+                    weights_q, out_q, parent, start_version):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle; it then stops us
+    die_with_parent(parent)
     torch.set_num_threads(threads)
     if device is not None:
         device = pin_cuda_device(device)
         model.to(device)
     samples_per_prompt, greedy = algo_needs
     params = dict(model.named_parameters())
-    version = 0
+    version = start_version  # the weights the process started with
     try:
         for query, index, batch in batches:  # the learner's stream, from the learner's first batch
             j = int(batch)
@@ -92,6 +106,7 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
                     msg = weights_q.get(timeout=POLL_S)
                 except queue.Empty:
                     if os.getppid() != parent:
+                        out_q.cancel_join_thread()  # nobody will read what is queued: exit without flushing it
                         return  # the learner is gone
                     continue
                 if msg is None:
@@ -157,7 +172,8 @@ class AsyncSource(SyncSource):
     def max_staleness(self) -> int:
         return self.staleness + self.sync_every - 1
 
-    def start(self, model, batches, train_prompts, algo, seed: int) -> None:
+    def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0) -> None:
+        """Start the generator on `batches` (after any pending ones) with the learner's weights, `version`."""
         ctx = mp.get_context(self.start_method)
         self.weights_q, self.out_q = ctx.Queue(), ctx.Queue()
         torch.set_num_threads(self.learner_threads)
@@ -166,13 +182,14 @@ class AsyncSource(SyncSource):
         gen_model = model if self.start_method == "fork" else copy.deepcopy(model).to("cpu")
         args = (self.generator, gen_model, batches, train_prompts, (algo.samples_per_prompt, algo.needs_greedy_baseline),
                 seed, self.staleness, self.sync_every, self.generator_threads, self.device, self.weights_q, self.out_q,
-                os.getpid())
+                os.getpid(), version)
         self.proc = ctx.Process(target=_generator_main, args=args, daemon=True, name="rlhflab-generator")
         self.proc.start()
         log.info("mode async: generator process %d started (staleness %d, weights every %d updates, threads %d+%d)",
                  self.proc.pid, self.staleness, self.sync_every, self.generator_threads, self.learner_threads)
 
-    def get(self, model, query, prompts, version: int, algo, batch: int) -> Rollout:
+    def _receive(self) -> Rollout:
+        """The generator's next rollout; fails fast if it crashed or died, stops if a stop was asked for."""
         while True:
             try:
                 kind, payload = self.out_q.get(timeout=POLL_S)
@@ -180,16 +197,45 @@ class AsyncSource(SyncSource):
             except queue.Empty:
                 if not self.proc.is_alive():
                     raise GeneratorCrashed(f"generator process died (exit code {self.proc.exitcode}) without a traceback")
+                STOP.check()
         if kind == "error":
             raise GeneratorCrashed(f"generator process failed:\n{payload}")
-        rollout: Rollout = pickle.loads(payload)
+        return pickle.loads(payload)
+
+    def get(self, model, query, prompts, version: int, algo, batch: int) -> Rollout:
+        # Kept as pending until its update is done: a stop before then checkpoints it with the others.
+        if not self.pending:
+            self.pending.append(self._receive())
+        rollout = self.pending[0]
         if rollout.extras["batch"] != batch or rollout.prompts[:: algo.samples_per_prompt] != prompts:
             raise RuntimeError(f"generator sent batch {rollout.extras['batch']} for batch {batch}: prompt streams diverged")
         if version - rollout.version > self.max_staleness:
             raise RuntimeError(f"rollout of version {rollout.version} at learner version {version}: staler than {self.max_staleness}")
         return rollout
 
+    def can_checkpoint(self, version: int) -> bool:
+        """A resumed generator starts from the checkpoint's weights, which are a pushed version only
+        every sync_every updates."""
+        return version % self.sync_every == 0
+
+    def checkpoint_state(self, version: int) -> dict:
+        """After update `version`: the rollouts the generator made with older weights (they cannot be
+        remade from the checkpoint's), taken from the queue into `pending` as needed."""
+        owed = []
+        j = version
+        while required_version(j, self.staleness, self.sync_every) < version:
+            owed.append(j)
+            j += 1
+        while len(self.pending) < len(owed):
+            self.pending.append(self._receive())
+        return {"pending": [r.state() for r in self.pending[: len(owed)]]}
+
+    def restore(self, state: dict) -> None:
+        self.pending = [Rollout.from_state(r) for r in state["pending"]]
+
     def after_update(self, model, version: int) -> None:
+        if self.pending and self.pending[0].extras["batch"] == version - 1:
+            self.pending.pop(0)  # batch version-1 is trained on
         if version % self.sync_every == 0:
             self.weights_q.put((version, trainable_state(model)))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -37,6 +37,14 @@ class Rollout:
     def baseline_has_eos(self, eos_token_id: int) -> torch.Tensor:
         """(n // k,) bool: did each greedy completion end with EOS."""
         return ends(self.baseline_response, eos_token_id)
+
+    def state(self) -> dict:
+        """Plain types (tensors, lists, numbers, strings) that torch.load(weights_only=True) reads back."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Rollout":
+        return cls(**state)
 
     def with_version(self, version: int) -> "Rollout":
         return replace(self, version=version)

@@ -7,21 +7,15 @@ so the LightningModule never knows how fresh a batch is.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
-import torch
-
 from rlhflab.contracts import Generator, OffPolicyCorrection
 from rlhflab.rollout.batch import Rollout
+from rlhflab.rng import fixed_seed
 from rlhflab.rollout.off_policy import Behaviour
 
 
-@contextmanager
 def seeded(seed: int, batch: int):
     """Sampling noise that depends only on (seed, batch index): sync and async draw the same samples."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed * 1_000_003 + batch)
-        yield
+    return fixed_seed(seed * 1_000_003 + batch)
 
 
 class SyncSource:
@@ -35,13 +29,14 @@ class SyncSource:
         self.generator = generator
         self.correction = correction or Behaviour()
         self.seed = 0
+        self.pending: list[Rollout] = []  # rollouts made ahead of their step and kept by a checkpoint (async)
 
     @property
     def eval_generator(self) -> Generator:
         """What the learner samples evaluation completions with."""
         return self.generator
 
-    def start(self, model, batches, train_prompts, algo, seed: int) -> None:
+    def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0) -> None:
         self.seed = seed
 
     def get(self, model, query, prompts: list[str], version: int, algo, batch: int) -> Rollout:
@@ -56,6 +51,16 @@ class SyncSource:
         the learner's log-probs before the update, computed only when the correction needs them."""
         recomputed = recompute() if self.correction.needs_recompute else None
         return self.correction(rollout.logprobs, recomputed, rollout.response_mask)
+
+    def can_checkpoint(self, version: int) -> bool:
+        return True
+
+    def checkpoint_state(self, version: int) -> dict:
+        """Sync mode owes nothing: every batch is made from the current weights."""
+        return {}
+
+    def restore(self, state: dict) -> None:
+        pass
 
     def after_update(self, model, version: int) -> None:
         """Sync mode generates from the live policy: no weights to push."""

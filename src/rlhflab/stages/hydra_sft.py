@@ -19,9 +19,11 @@ from lightning.pytorch.utilities import CombinedLoader
 
 from rlhflab.lit.data import encode_completions, tensor_loader
 from rlhflab.lit.stage_modules import HydraSFTModule
-from rlhflab.models.build import REWARD_NORM_FILE, config_key, load_causal_lm, save_atomically
+from rlhflab.models.build import REWARD_NORM_FILE, load_causal_lm
+from rlhflab.models.cache import Saved, cached, config_key
 from rlhflab.models.heads import ScalarHead
-from rlhflab.stages.supervised import log_reward_report, pair_tensors, reward_report
+from rlhflab.rng import fixed_seed
+from rlhflab.stages.supervised import accept_reward_report, pair_tensors, reward_report, vocab_key
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ def _stage_data(tokenizer, prompts, responses, pairs, stages: dict):
     return CombinedLoader(loaders, mode="max_size_cycle"), (chosen[-held_out:], rejected[-held_out:]), demos[0]
 
 
-def run_hydra_sft(start_path, tokenizer, task, stages: dict, dtype: str, cache_dir: Path, make_trainer) -> Path:
+def run_hydra_sft(start: Saved, tokenizer, task, stages: dict, dtype: str, cache_dir: Path, make_trainer) -> Saved:
     """Train (or load from the cache) the two-headed model; returns its save_pretrained directory.
 
     Epochs: the larger of stages.sft.epochs and stages.rm.epochs; learning
@@ -51,22 +53,24 @@ def run_hydra_sft(start_path, tokenizer, task, stages: dict, dtype: str, cache_d
     reward_loss_weight = stages["hydra_sft"]["reward_loss_weight"]
     prompts, responses = (list(x) for x in zip(*task.demonstrations()))
     pairs = task.preference_pairs()
-    # The data itself is hashed: any task setting that changes it (sizes, word lists) makes a new entry.
-    key = config_key(str(start_path), task.name, stages["sft"], stages["rm"], reward_loss_weight, prompts, responses, pairs)
-    out = Path(cache_dir) / "stages" / f"hydra_sft-{key}"
-    if (out / "config.json").is_file():
-        log.info("stage hydra_sft: cached, loading %s", out)
-        return out
-    loader, held_out, demo_ids = _stage_data(tokenizer, prompts, responses, pairs, stages)
-    log.info("stage hydra_sft: training on %d demonstrations and %d preference pairs (%d held out) -> %s",
-             len(prompts), len(pairs) - len(held_out[0]), len(held_out[0]), out)
-    causal_lm = load_causal_lm(start_path, dtype)
-    head = ScalarHead(causal_lm.config.hidden_size, dtype=causal_lm.dtype)
-    module = HydraSFTModule(causal_lm, head, tokenizer.pad_token_id, stages["sft"]["lr"], stages["rm"]["lr"], reward_loss_weight)
-    trainer = make_trainer(max_epochs=max(stages["sft"]["epochs"], stages["rm"]["epochs"]))
-    trainer.fit(module, loader)
+    # The data itself is hashed: any task setting that changes it (sizes, word lists, seeds) makes a new entry.
+    key = config_key(start.identity, vocab_key(tokenizer), task.name, stages["sft"], stages["rm"], reward_loss_weight,
+                     prompts, responses, pairs, dtype)
 
-    norm = reward_report(module, held_out, demo_ids, task, prompts, responses)
-    log_reward_report("hydra_sft", norm, trainer)
-    save_atomically(out, causal_lm, tokenizer, head, files={REWARD_NORM_FILE: json.dumps(norm, indent=2)})
-    return out
+    def build(tmp: Path) -> None:
+        loader, held_out, demo_ids = _stage_data(tokenizer, prompts, responses, pairs, stages)
+        log.info("stage hydra_sft: training on %d demonstrations and %d preference pairs (%d held out)",
+                 len(prompts), len(pairs) - len(held_out[0]), len(held_out[0]))
+        with fixed_seed(stages["sft"]["seed"]):
+            causal_lm = load_causal_lm(start.path, dtype)
+            head = ScalarHead(causal_lm.config.hidden_size, dtype=causal_lm.dtype)
+            module = HydraSFTModule(causal_lm, head, tokenizer.pad_token_id, stages["sft"]["lr"], stages["rm"]["lr"], reward_loss_weight)
+            trainer = make_trainer("hydra_sft", max_epochs=max(stages["sft"]["epochs"], stages["rm"]["epochs"]))
+            trainer.fit(module, loader)
+        norm = reward_report(module, held_out, demo_ids, task, prompts, responses)
+        accept_reward_report("hydra_sft", norm, trainer, "stages.rm.lr")
+        for saved in (causal_lm, tokenizer, head):
+            saved.save_pretrained(tmp)
+        (tmp / REWARD_NORM_FILE).write_text(json.dumps(norm, indent=2))
+
+    return Saved(cached(cache_dir, "stages", "hydra_sft", key, "stage hydra_sft", build), f"hydra_sft-{key}")

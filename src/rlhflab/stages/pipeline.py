@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from rlhflab.models.cache import Saved
 from rlhflab.models.heads import has_reward_head
 from rlhflab.stages.hydra_sft import run_hydra_sft
 from rlhflab.stages.supervised import run_rm, run_sft
@@ -17,24 +18,30 @@ from rlhflab.stages.supervised import run_rm, run_sft
 log = logging.getLogger(__name__)
 
 
-def run_stages(names: tuple[str, ...], model_cfg: dict, base, tokenizer, task, stages_cfg: dict, cache_dir: Path, make_trainer):
-    """-> (policy path, reward path or None) for `memory.build`."""
+def given(path: str | None) -> Saved | None:
+    """A model the config names (model.sft_path, model.reward_model_path): its name is its identity."""
+    return Saved(path, f"given:{path}") if path else None
+
+
+def run_stages(names: tuple[str, ...], model_cfg: dict, base: Saved, tokenizer, task, stages_cfg: dict, cache_dir: Path,
+               make_trainer) -> tuple[Saved, Saved | None]:
+    """-> (policy, reward model or None) for `memory.build`."""
     dtype = model_cfg["dtype"]
-    sft_path = model_cfg.get("sft_path")
+    sft = given(model_cfg.get("sft_path"))
     if "hydra_sft" in names:
-        if sft_path and has_reward_head(sft_path):
-            log.info("stage hydra_sft: skipped, model.sft_path=%s already carries a reward head", sft_path)
-            return sft_path, sft_path
-        path = run_hydra_sft(sft_path or base, tokenizer, task, stages_cfg, dtype, cache_dir, make_trainer)
-        return path, path
-    if sft_path:
-        log.info("stage sft: skipped, using model.sft_path=%s", sft_path)
+        if sft and has_reward_head(sft.path):
+            log.info("stage hydra_sft: skipped, model.sft_path=%s already carries a reward head", sft)
+            return sft, sft
+        trunk = run_hydra_sft(sft or base, tokenizer, task, stages_cfg, dtype, cache_dir, make_trainer)
+        return trunk, trunk
+    if sft:
+        log.info("stage sft: skipped, using model.sft_path=%s", sft)
     else:
-        sft_path = run_sft(base, tokenizer, task, stages_cfg["sft"], dtype, cache_dir, make_trainer)
+        sft = run_sft(base, tokenizer, task, stages_cfg["sft"], dtype, cache_dir, make_trainer)
     if "rm" not in names:
         log.info("stage rm: skipped, the reward needs no reward model")
-        return sft_path, None
+        return sft, None
     if model_cfg.get("reward_model_path"):
         log.info("stage rm: skipped, using model.reward_model_path=%s", model_cfg["reward_model_path"])
-        return sft_path, model_cfg["reward_model_path"]
-    return sft_path, run_rm(sft_path, tokenizer, task, stages_cfg["rm"], dtype, cache_dir, make_trainer)
+        return sft, given(model_cfg["reward_model_path"])
+    return sft, run_rm(sft, tokenizer, task, stages_cfg["rm"], dtype, cache_dir, make_trainer)

@@ -1,49 +1,59 @@
-"""Stages `sft` and `rm`: supervised fine-tuning and a reward model, each cached.
+"""Stages `sft` and `rm`: supervised fine-tuning and a reward model, each cached (rlhflab.models.cache).
 
-Each stage's output is a `save_pretrained` directory under
-`<cache_dir>/stages/`, named by a hash of everything that determines it, so a
-second run with the same settings loads it instead of training again.
+An entry's key covers the identity of its input model, the task's data itself, the
+stage's settings and seed, and the tokenizer's vocabulary. A stage whose result is
+unusable (a non-finite loss, reward-model statistics that are not finite, or a
+held-out accuracy at chance) stops the run in one line and is not cached.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
 
+from rlhflab.errors import StageFailed
 from rlhflab.lit.data import encode_completions, tensor_loader
 from rlhflab.lit.stage_modules import RewardModule, SFTModule
-from rlhflab.models.build import REWARD_NORM_FILE, config_key, load_causal_lm, load_reward_model, save_atomically
+from rlhflab.models.build import REWARD_NORM_FILE, load_causal_lm, load_reward_model
+from rlhflab.models.cache import Saved, cached, config_key
+from rlhflab.rng import fixed_seed
 
 log = logging.getLogger(__name__)
 
+# Below this many held-out pairs an accuracy near 0.5 may be noise, so only non-finite statistics fail the stage.
+MIN_PAIRS_TO_JUDGE = 50
+CHANCE = 0.55
 
-def _cached(kind: str, cache_dir: Path, *identity) -> tuple[Path, bool]:
-    path = cache_dir / "stages" / f"{kind}-{config_key(*identity)}"
-    return path, (path / "config.json").is_file()
+
+def vocab_key(tokenizer) -> str:
+    return config_key(tokenizer.get_vocab())
 
 
-def run_sft(base_path, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir: Path, make_trainer) -> Path:
+def run_sft(base: Saved, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir: Path, make_trainer) -> Saved:
     """Supervised fine-tuning of the base model on the task's demonstrations."""
     prompts, responses = (list(x) for x in zip(*task.demonstrations()))
-    # The data itself is hashed: any task setting that changes it (sizes, word lists) makes a new entry.
-    out, done = _cached("sft", cache_dir, str(base_path), task.name, prompts, responses, stage_cfg)
-    if done:
-        log.info("stage sft: cached, loading %s", out)
-        return out
-    log.info("stage sft: training on %d demonstrations -> %s", len(prompts), out)
-    model = load_causal_lm(base_path, dtype)
-    data = encode_completions(tokenizer, prompts, responses)
-    loader = tensor_loader(*data, batch_size=stage_cfg["batch_size"], seed=stage_cfg["seed"])
-    make_trainer(max_epochs=stage_cfg["epochs"]).fit(SFTModule(model, stage_cfg["lr"]), loader)
-    save_atomically(out, model, tokenizer)
-    return out
+    # The data itself is hashed: any task setting that changes it (sizes, word lists, seeds) makes a new entry.
+    key = config_key(base.identity, vocab_key(tokenizer), task.name, prompts, responses, stage_cfg, dtype)
+
+    def build(tmp: Path) -> None:
+        log.info("stage sft: training on %d demonstrations", len(prompts))
+        with fixed_seed(stage_cfg["seed"]):
+            model = load_causal_lm(base.path, dtype)
+            data = encode_completions(tokenizer, prompts, responses)
+            loader = tensor_loader(*data, batch_size=stage_cfg["batch_size"], seed=stage_cfg["seed"])
+            make_trainer("sft", max_epochs=stage_cfg["epochs"]).fit(SFTModule(model, stage_cfg["lr"]), loader)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return Saved(cached(cache_dir, "stages", "sft", key, "stage sft", build), f"sft-{key}")
 
 
 @torch.no_grad()
-def score_all(module: RewardModule, input_ids: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
+def score_all(module, input_ids: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
     module.eval()
     return torch.cat([module.score(input_ids[i : i + batch_size]) for i in range(0, len(input_ids), batch_size)])
 
@@ -68,16 +78,24 @@ def reward_report(module, held_out, demo_ids, task, prompts, responses) -> dict:
     demo_scores = score_all(module, demo_ids)
     gold = task.gold_reward(prompts, responses)
     corr = float(torch.corrcoef(torch.stack([demo_scores, gold]))[0, 1])
-    return {"mean": float(demo_scores.mean()), "std": float(demo_scores.std()), "held_out_accuracy": accuracy, "gold_correlation": corr}
+    return {"mean": float(demo_scores.mean()), "std": float(demo_scores.std()), "held_out_accuracy": accuracy,
+            "gold_correlation": corr, "held_out_pairs": len(held_out[0])}
 
 
-def log_reward_report(stage: str, norm: dict, trainer) -> None:
+def accept_reward_report(stage: str, norm: dict, trainer, lr_key: str) -> None:
+    """Log the report, and refuse (StageFailed, nothing cached) a reward model that is unusable."""
     log.info("stage %s: held-out pair accuracy %.3f, correlation with gold %.3f", stage, norm["held_out_accuracy"], norm["gold_correlation"])
     if trainer.logger is not None:
         trainer.logger.log_metrics({"rm/held_out_accuracy": norm["held_out_accuracy"], "rm/gold_correlation": norm["gold_correlation"]})
+    if not all(math.isfinite(norm[k]) for k in ("mean", "std")) or norm["std"] == 0:
+        raise StageFailed(f"stage {stage}: its reward model's scores are {'constant' if norm['std'] == 0 else 'not finite'} "
+                          f"(mean {norm['mean']}, std {norm['std']}); not cached. Lower {lr_key} and run again")
+    if norm["held_out_pairs"] >= MIN_PAIRS_TO_JUDGE and norm["held_out_accuracy"] < CHANCE:
+        raise StageFailed(f"stage {stage}: held-out pair accuracy {norm['held_out_accuracy']:.3f} on {norm['held_out_pairs']} pairs "
+                          f"is chance level; not cached. Lower {lr_key}, train longer, or give more preference pairs")
 
 
-def run_rm(sft_path, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir: Path, make_trainer) -> Path:
+def run_rm(sft: Saved, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir: Path, make_trainer) -> Saved:
     """A reward model (the SFT backbone plus a scalar head) trained on gold-labelled preference pairs.
 
     Also stores the mean/std of its scores on demonstrations: the RL stage
@@ -86,21 +104,23 @@ def run_rm(sft_path, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir: Pa
     """
     pairs = task.preference_pairs()
     prompts, responses = (list(x) for x in zip(*task.demonstrations()))  # where score statistics are measured
-    out, done = _cached("rm", cache_dir, str(sft_path), task.name, pairs, prompts, responses, stage_cfg)
-    if done:
-        log.info("stage rm: cached, loading %s", out)
-        return out
-    held_out = max(1, int(len(pairs) * stage_cfg["held_out_fraction"]))
-    log.info("stage rm: training on %d preference pairs (%d held out) -> %s", len(pairs) - held_out, held_out, out)
-    model = load_reward_model(sft_path, dtype, tokenizer.pad_token_id)
-    chosen, rejected = pair_tensors(tokenizer, pairs)
-    module = RewardModule(model, stage_cfg["lr"])
-    loader = tensor_loader(chosen[:-held_out], rejected[:-held_out], batch_size=stage_cfg["batch_size"], seed=stage_cfg["seed"])
-    trainer = make_trainer(max_epochs=stage_cfg["epochs"])
-    trainer.fit(module, loader)
+    key = config_key(sft.identity, vocab_key(tokenizer), task.name, pairs, prompts, responses, stage_cfg, dtype)
 
-    demo_ids = encode_completions(tokenizer, prompts, responses)[0]
-    norm = reward_report(module, (chosen[-held_out:], rejected[-held_out:]), demo_ids, task, prompts, responses)
-    log_reward_report("rm", norm, trainer)
-    save_atomically(out, model, tokenizer, files={REWARD_NORM_FILE: json.dumps(norm, indent=2)})
-    return out
+    def build(tmp: Path) -> None:
+        held_out = max(1, int(len(pairs) * stage_cfg["held_out_fraction"]))
+        log.info("stage rm: training on %d preference pairs (%d held out)", len(pairs) - held_out, held_out)
+        with fixed_seed(stage_cfg["seed"]):  # the fresh score head too: the same model for the same key
+            model = load_reward_model(sft.path, dtype, tokenizer.pad_token_id)
+            chosen, rejected = pair_tensors(tokenizer, pairs)
+            module = RewardModule(model, stage_cfg["lr"])
+            loader = tensor_loader(chosen[:-held_out], rejected[:-held_out], batch_size=stage_cfg["batch_size"], seed=stage_cfg["seed"])
+            trainer = make_trainer("rm", max_epochs=stage_cfg["epochs"])
+            trainer.fit(module, loader)
+        demo_ids = encode_completions(tokenizer, prompts, responses)[0]
+        norm = reward_report(module, (chosen[-held_out:], rejected[-held_out:]), demo_ids, task, prompts, responses)
+        accept_reward_report("rm", norm, trainer, "stages.rm.lr")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / REWARD_NORM_FILE).write_text(json.dumps(norm, indent=2))
+
+    return Saved(cached(cache_dir, "stages", "rm", key, "stage rm", build), f"rm-{key}")

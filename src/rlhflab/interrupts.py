@@ -1,0 +1,79 @@
+"""SIGINT and SIGTERM: stop at the next safe point, or at once.
+
+While the RL loop runs (`at_step_boundaries()`), a first signal only sets a flag: the
+loop finishes its step, writes a checkpoint and raises RunInterrupted. Anywhere else
+(loading, a training stage) the signal raises RunInterrupted at once, and so does a
+second signal. Lightning composes its own SIGTERM handler with ours; the SIGTERMException
+it raises (a SystemExit with no code, which would report success) is converted too.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from contextlib import contextmanager
+
+from rlhflab.errors import RunInterrupted
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequest:
+    """The process-wide record of a stop request."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.polling = False
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None or not self.polling:
+            self.signum = signum
+            raise RunInterrupted(signum)
+        self.signum = signum
+        log.warning("%s received: stopping after this step with a checkpoint (send it again to stop at once)",
+                    signal.Signals(signum).name)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def check(self) -> None:
+        """Raise RunInterrupted if a stop was asked for."""
+        if self.signum is not None:
+            raise RunInterrupted(self.signum)
+
+    @contextmanager
+    def installed(self):
+        """Handle SIGINT and SIGTERM for the block (the main thread only), then restore the old handlers."""
+        self.signum, self.polling = None, False
+        previous = {s: signal.getsignal(s) for s in SIGNALS}
+        for s in SIGNALS:
+            signal.signal(s, self._handle)
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    @contextmanager
+    def at_step_boundaries(self):
+        """Within the block a first signal waits for the loop's next `check()`."""
+        self.polling = True
+        try:
+            yield
+        finally:
+            self.polling = False
+
+
+STOP = StopRequest()
+
+
+def as_interrupt(err: BaseException) -> RunInterrupted | None:
+    """The RunInterrupted that `err` stands for (Lightning's SIGTERMException), or None."""
+    if isinstance(err, RunInterrupted):
+        return err
+    if type(err).__name__ == "SIGTERMException":
+        return RunInterrupted(signal.SIGTERM)
+    return None

@@ -1,0 +1,157 @@
+"""Checkpoints of the RL stage: everything needed to continue exactly where a run stopped.
+
+`<output.dir>/checkpoints/step-00000100/` holds
+  trainable.safetensors  the trainable tensors (the whole policy, or only adapters and heads)
+  optimizer.pt           the optimizer's state
+  state.pt               counters, every RNG state, the evaluation history, the async generator's
+                         pending rollouts and their versions, the MLflow run id
+  config.yaml            the resolved config, so a resume can refuse a different one
+  rlhflab_manifest.json  sizes and hashes: a damaged checkpoint is reported, not loaded
+Weights are safetensors; the rest is read with torch.load(weights_only=True). A checkpoint is
+written to a temporary directory and renamed, and only the newest `checkpoint.keep` stay.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlhflab.errors import ConfigError
+from rlhflab.interrupts import STOP
+from rlhflab.models.cache import damage, write_manifest
+from rlhflab.tracking import flatten
+
+log = logging.getLogger(__name__)
+
+WEIGHTS, OPTIMIZER, STATE, CONFIG = "trainable.safetensors", "optimizer.pt", "state.pt", "config.yaml"
+# What may differ between a checkpoint's config and the resuming run's.
+MAY_DIFFER = ("trainer.max_steps", "trainer.enable_progress_bar", "trainer.log_every_n_steps", "logger.", "checkpoint.",
+              "resume", "output.", "cache_dir")
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    tensors: dict[str, torch.Tensor]
+    optimizer: dict
+    state: dict
+    config: str
+
+    @property
+    def updates(self) -> int:
+        return self.state["updates"]
+
+
+def directory(output_dir: Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def write(root: Path, updates: int, tensors: dict, optimizer: dict, state: dict, config_yaml: str, keep: int) -> Path:
+    """Write one checkpoint atomically and drop all but the newest `keep`."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{updates:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".step-", dir=root))
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS))
+        torch.save(optimizer, tmp / OPTIMIZER)
+        torch.save(state, tmp / STATE)
+        (tmp / CONFIG).write_text(config_yaml)
+        write_manifest(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def newest(root: Path) -> Path | None:
+    """The newest whole checkpoint under `root` (a damaged one is named and passed over)."""
+    for path in sorted(root.glob("step-*"), reverse=True):
+        problem = damage(path)
+        if problem is None:
+            return path
+        log.warning("checkpoint %s is damaged (%s); trying an older one", path, problem)
+    return None
+
+
+def read(path: Path) -> Checkpoint:
+    from safetensors.torch import load_file
+
+    problem = damage(path)
+    if problem:
+        raise ConfigError(f"resume: '{path}' is not a whole checkpoint ({problem}); give another, or resume=auto for the newest whole one")
+    return Checkpoint(path, load_file(str(path / WEIGHTS)), torch.load(path / OPTIMIZER, weights_only=True),
+                      torch.load(path / STATE, weights_only=True), (path / CONFIG).read_text())
+
+
+def differences(saved_yaml: str, cfg: DictConfig) -> list[str]:
+    """`key: old -> new` for every setting that differs and may not (see MAY_DIFFER)."""
+    old = flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml), resolve=True))
+    new = flatten(OmegaConf.to_container(cfg, resolve=True))
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and not k.startswith(MAY_DIFFER))
+    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in keys]
+
+
+def find(resume: str | None, output_dir: Path, cfg: DictConfig) -> Checkpoint | None:
+    """The checkpoint `resume` names (auto: the newest in output_dir), checked against the config."""
+    if not resume:
+        return None
+    if resume == "auto":
+        path = newest(directory(output_dir))
+        if path is None:
+            log.info("resume=auto: no checkpoint in %s; starting a new run", directory(output_dir))
+            return None
+    else:
+        path = Path(resume).expanduser()
+        if not path.is_dir():
+            raise ConfigError(f"resume: no checkpoint directory '{resume}'; give a checkpoints/step-* directory, or resume=auto")
+    checkpoint = read(path)
+    changed = differences(checkpoint.config, cfg)
+    if changed:
+        raise ConfigError(f"resume: {path} was made with other settings ({'; '.join(changed)}); run with the same settings "
+                          "(only trainer.max_steps and logging keys may change) or start a new run in another output.dir")
+    log.info("resume: continuing from %s (RL step %d)", path, checkpoint.updates)
+    return checkpoint
+
+
+class Checkpointer(L.Callback):
+    """Writes a checkpoint every `every_n_steps` optimizer updates (at the next batch boundary the
+    rollout source can resume from exactly) and when a stop was asked for, then honours the stop."""
+
+    def __init__(self, root: Path, every_n_steps: int | None, keep: int, config_yaml: str) -> None:
+        self.root = root
+        self.every = every_n_steps
+        self.keep = keep
+        self.config_yaml = config_yaml
+        self.last: Path | None = None
+        self.next_at: int | None = None
+
+    def on_train_start(self, trainer, module) -> None:
+        if self.every:
+            self.next_at = (module.updates // self.every + 1) * self.every
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        due = self.next_at is not None and module.updates >= self.next_at
+        if (due or STOP.requested) and module.can_checkpoint():
+            self.save(module)
+            if due:
+                self.next_at = (module.updates // self.every + 1) * self.every
+        STOP.check()
+
+    def save(self, module) -> Path:
+        tensors, optimizer, state = module.checkpoint_state()
+        self.last = write(self.root, module.updates, tensors, optimizer, state, self.config_yaml, self.keep)
+        log.info("checkpoint: %s", self.last)
+        return self.last

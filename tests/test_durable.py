@@ -1,0 +1,351 @@
+"""Durable runs (issue 12): the saved policy, exact resume, interruptions, non-finite values, the stage cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from conftest import SHRINK, cli_run, wait_for
+from test_sweep import mlflow_server  # noqa: F401  (a fixture: `mlflow server` on a free local port)
+from rlhflab.algos.registry import RLOO
+from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, StageFailed
+from rlhflab.models.build import ensure_base_model
+from rlhflab.rewards import RuleReward
+from rlhflab.train import train
+
+
+def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def run_id_of(out: Path) -> str:
+    return json.loads((out / "mlflow_run.json").read_text())["run_id"]
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+# ---- the trained policy is kept ------------------------------------------------------------
+
+@pytest.mark.parametrize("memory", ["full", "lora", "hydra"])
+def test_saved_policy_loads_with_from_pretrained_and_generates(make_cfg, memory):
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_cfg(f"memory={memory}", "trainer.max_steps=2", "output.merge_lora=true")
+    result = train(cfg)
+    path = result.output_dir / "policy"
+    policy = AutoModelForCausalLM.from_pretrained(path).eval()
+    module = result.module
+    query = module.eval_query[:4]
+    with torch.no_grad():
+        ids = torch.cat([query, torch.full((4, 1), module.tokenizer.eos_token_id)], dim=1)
+        expected = module.memory.generation_model(input_ids=ids).logits
+        torch.testing.assert_close(policy(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+        out = policy.generate(input_ids=query, attention_mask=(query != module.tokenizer.pad_token_id).long(),
+                              max_new_tokens=3, do_sample=False, pad_token_id=module.tokenizer.pad_token_id)
+    assert query.shape[1] < out.shape[1] <= query.shape[1] + 3  # it generates (greedy may end at once with EOS)
+    if memory != "full":
+        assert (path / "adapter_config.json").is_file()
+        merged = AutoModelForCausalLM.from_pretrained(path / "merged").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
+    client = MlflowClient(cfg.logger.tracking_uri)
+    logged = {a.path for a in client.list_artifacts(result.run_id, "policy")}
+    assert "policy/tokenizer.json" in logged and any(p.endswith(".safetensors") for p in logged)
+
+
+# ---- exact resume -----------------------------------------------------------------------------
+
+RUN = [*SHRINK, "trainer.max_steps=12", "checkpoint.every_n_steps=4", "rl.prompts_per_step=8"]
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_is_bit_identical_and_logs_each_step_once(tmp_path, stage_cache):
+    """Killed with SIGKILL once a checkpoint exists, then `resume=auto`: the same final weights as an
+    uninterrupted run, one MLflow run, and every step of its history exactly once."""
+    env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    with cli_run([*RUN, f"output.dir={whole}"], tmp_path, env) as proc:
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()[-4000:]
+    with cli_run([*RUN, f"output.dir={cut}"], tmp_path, env) as proc:
+        wait_for(lambda: (cut / "checkpoints" / "step-00000008").is_dir(), 300, "the step-8 checkpoint", proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    first_run = run_id_of(cut)
+    with cli_run([*RUN, f"output.dir={cut}", "resume=auto"], tmp_path, env) as proc:
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()[-4000:]
+        out = proc.stdout.read()
+    assert "resume: continuing from" in out and "step-00000008" in out
+    assert run_id_of(cut) == first_run
+    a, b = tensors(whole / "policy"), tensors(cut / "policy")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    uri = env["MLFLOW_TRACKING_URI"]
+    steps = [s for s, _ in history(uri, first_run, "train/reward")]
+    assert steps == list(range(1, 13))
+    assert [v for _, v in history(uri, first_run, "train/reward")] == [v for _, v in history(uri, run_id_of(whole), "train/reward")]
+    client = MlflowClient(uri)
+    assert client.get_run(first_run).info.status == "FINISHED"
+    assert len(client.search_runs([client.get_run(first_run).info.experiment_id])) == 2  # whole + cut, no third
+
+
+class StopAt:
+    """A Lightning callback that sends SIGINT to this process after RL step `n` (as Ctrl-C would)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, module) -> None:
+        if module.updates == self.n:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_async_resume_loses_and_repeats_no_batch_and_keeps_staleness_exact(make_cfg, tmp_path, monkeypatch):
+    """Stopped at step 6 (SIGINT: a checkpoint holds the generator's rollouts made by older weights),
+    then resumed: the staleness history is exactly that of an uninterrupted run, and so are the weights."""
+    from rlhflab.lit import rl_module
+
+    args = ["mode=async", "staleness=2", "trainer.max_steps=12", "rl.prompts_per_step=8"]
+    whole = train(make_cfg(*args, f"output.dir={tmp_path}/whole"))
+    stop = StopAt(6)
+    original = rl_module.RLHFModule._log_step
+
+    def log_and_maybe_stop(self, metrics):
+        original(self, metrics)
+        stop(self)
+
+    monkeypatch.setattr(rl_module.RLHFModule, "_log_step", log_and_maybe_stop)
+    cut_cfg = make_cfg(*args, f"output.dir={tmp_path}/cut")
+    with pytest.raises(RunInterrupted):
+        train(cut_cfg)
+    monkeypatch.setattr(rl_module.RLHFModule, "_log_step", original)
+    checkpoint = tmp_path / "cut" / "checkpoints" / "step-00000006"
+    assert checkpoint.is_dir()
+    state = torch.load(checkpoint / "state.pt", weights_only=True)
+    assert [r["extras"]["batch"] for r in state["source"]["pending"]] == [6, 7]  # made with versions 4 and 5
+    resumed = train(make_cfg(*args, f"output.dir={tmp_path}/cut", "resume=auto"))
+    uri = cut_cfg.logger.tracking_uri
+    assert resumed.run_id == run_id_of(tmp_path / "cut")
+    staleness = history(uri, resumed.run_id, "rollout/staleness")
+    assert staleness == [(i + 1, float(min(i, 2))) for i in range(12)]
+    a, b = whole.module.memory.policy.state_dict(), resumed.module.memory.policy.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert MlflowClient(uri).get_run(resumed.run_id).info.status == "FINISHED"
+
+
+def test_resume_refuses_a_different_config_naming_the_keys(make_cfg, tmp_path):
+    train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={tmp_path}/run"))
+    with pytest.raises(ConfigError, match=r"^resume: .*\(rl.lr: 0.001 -> 0.0003\)"):
+        train(make_cfg("trainer.max_steps=4", "rl.lr=3e-4", "resume=auto", f"output.dir={tmp_path}/run"))
+    more = train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={tmp_path}/run"))  # max_steps may change
+    assert more.module.updates == 4
+
+
+# ---- interruptions ---------------------------------------------------------------------------
+
+def burner():
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_under_load_stops_within_seconds_killed_with_checkpoint(tmp_path, stage_cache, sig, code):
+    """A second CPU-heavy process runs meanwhile. The async run stops in under 30 s, its MLflow run is
+    KILLED, a checkpoint is left, the exit code says which signal, and no process is left behind."""
+    env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    out = tmp_path / "run"
+    load = burner()
+    try:
+        with cli_run([*SHRINK, "mode=async", "trainer.max_steps=100000", f"output.dir={out}", f"hydra.run.dir={out}"],
+                     tmp_path, env) as proc:
+            wait_for(lambda: "eval after 0 RL steps" in (out / "train.log").read_text() if (out / "train.log").exists() else False,
+                     300, "the RL stage", proc)
+            children = psutil.Process(proc.pid).children(recursive=True)
+            sent = time.monotonic()
+            os.kill(proc.pid, sig)
+            rc = proc.wait(timeout=60)
+            took = time.monotonic() - sent
+            output = proc.stdout.read()
+    finally:
+        load.kill()
+        load.wait()
+    assert rc == code, output[-3000:]
+    assert took < 30, took
+    assert list((out / "checkpoints").glob("step-*")), output[-3000:]
+    assert MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id_of(out)).info.status == "KILLED"
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert "Traceback" not in output
+
+
+# ---- non-finite values ----------------------------------------------------------------------
+
+class NaNReward(RuleReward):
+    """The gold rule, NaN on the training batches numbered in `bad` (1-based; evaluation does not
+    score when rl.log_generations=0)."""
+
+    bad: set[int] = set()
+    calls = 0
+
+    def score(self, memory, task, rollout):
+        type(self).calls += 1
+        scores = super().score(memory, task, rollout)
+        return scores * float("nan") if type(self).calls in self.bad else scores
+
+
+def nan_reward(*bad: int) -> list[str]:
+    NaNReward.bad, NaNReward.calls = set(bad), 0
+    return ["reward=rule", "reward._target_=test_durable.NaNReward", "rl.log_generations=0"]
+
+
+class NaNLossRLOO(RLOO):
+    """RLOO whose loss turns NaN at its third update."""
+
+    updates = 0
+
+    def loss(self, logprobs, values, batch):
+        type(self).updates += 1
+        loss, metrics = super().loss(logprobs, values, batch)
+        return (loss * float("nan") if type(self).updates >= 3 else loss), metrics
+
+
+def test_nan_reward_stops_naming_step_and_quantity_and_keeps_the_checkpoint(make_cfg):
+    cfg = make_cfg(*nan_reward(4, 5, 6, 7, 8), "trainer.max_steps=8", "checkpoint.every_n_steps=2")
+    with pytest.raises(NonFiniteError) as err:
+        train(cfg)
+    message = str(err.value)
+    assert message.startswith("the rewards (train/reward) not finite at RL step 4") and "\n" not in message
+    assert "the last good checkpoint is" in message and message.endswith("step-00000002")
+    client = MlflowClient(cfg.logger.tracking_uri)
+    assert client.search_runs([client.get_experiment_by_name("rlhflab").experiment_id])[0].info.status == "FAILED"
+
+
+def test_nan_loss_stops_before_the_update(make_cfg):
+    NaNLossRLOO.updates = 0
+    with pytest.raises(NonFiniteError, match=r"^train/loss not finite at RL step 3"):
+        train(make_cfg("algo._target_=test_durable.NaNLossRLOO", "trainer.max_steps=6"))
+
+
+def test_skip_batch_goes_on_past_a_non_finite_batch(make_cfg):
+    cfg = make_cfg(*nan_reward(3), "trainer.max_steps=4", "rl.on_nonfinite=skip_batch")
+    result = train(cfg)
+    assert (result.module.updates, result.module.skipped_batches, result.module.policy_version) == (4, 1, 5)
+    skipped = history(cfg.logger.tracking_uri, result.run_id, "train/skipped_batches")
+    assert skipped == [(2, 1.0)]  # logged at the step it happened after
+
+
+# ---- the stage cache --------------------------------------------------------------------------
+
+def test_damaged_cached_weights_are_reported_and_rebuilt(make_cfg, tmp_path, caplog):
+    cache = tmp_path / "cache"
+    train(make_cfg("trainer.max_steps=1", f"cache_dir={cache}"))
+    (entry,) = (cache / "stages").glob("sft-*")
+    (entry / "model.safetensors").write_bytes(b"")  # zero-length
+    with caplog.at_level(logging.WARNING):
+        result = train(make_cfg("trainer.max_steps=1", f"cache_dir={cache}"))
+    assert f"the cached entry {entry} is damaged (model.safetensors is 0 bytes" in caplog.text and "rebuilding" in caplog.text
+    assert result.module.updates == 1 and (entry / "model.safetensors").stat().st_size > 0
+
+
+def test_a_broken_reward_model_is_not_cached(make_cfg, tmp_path):
+    cache = tmp_path / "cache"
+    with pytest.raises((StageFailed, NonFiniteError), match=r"^stage rm: .*(not cached|nothing was cached)"):
+        train(make_cfg("trainer.max_steps=1", f"cache_dir={cache}", "stages.rm.lr=1e6"))
+    assert not [p for p in (cache / "stages").glob("rm-*") if not p.name.startswith(".")]
+
+
+def test_cache_keys_cover_seeds_and_not_the_cache_location(make_cfg, tmp_path, caplog):
+    cfg = make_cfg()
+    from omegaconf import OmegaConf
+
+    from rlhflab.config import validate
+
+    task = validate(cfg).task
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    seed0 = ensure_base_model(model, task, tmp_path / "a")
+    seed7 = ensure_base_model(model | {"init_seed": 7}, task, tmp_path / "a")
+    assert seed0.path != seed7.path
+    assert not torch.equal(tensors(Path(seed0.path))["lm_head.weight"], tensors(Path(seed7.path))["lm_head.weight"])
+    train(make_cfg("trainer.max_steps=1", f"cache_dir={tmp_path}/a"))
+    copy = tmp_path / "copied"
+    shutil.copytree(tmp_path / "a", copy)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        train(make_cfg("trainer.max_steps=1", f"cache_dir={copy}"))
+    assert "model: cached" in caplog.text and "stage sft: cached" in caplog.text and "stage rm: cached" in caplog.text
+
+
+@pytest.mark.slow
+def test_two_runs_started_at_once_on_a_fresh_cache_and_database_both_finish(tmp_path):
+    env = {"RLHFLAB_CACHE": str(tmp_path / "cache"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    args = [*SHRINK, "trainer.max_steps=2"]
+    with cli_run([*args, f"output.dir={tmp_path}/a"], tmp_path, env) as a, cli_run([*args, f"output.dir={tmp_path}/b"], tmp_path, env) as b:
+        codes = a.wait(timeout=400), b.wait(timeout=400)
+        outputs = a.stdout.read(), b.stdout.read()
+    assert codes == (0, 0), outputs[0][-2000:] + outputs[1][-2000:]
+    assert sum("another run is building" in o for o in outputs) >= 1  # one waited for the other's stage
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("rlhflab").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]
+
+
+# ---- bad model directories, hub ids, credentials ----------------------------------------------
+
+def test_damaged_model_directories_are_one_line_before_anything_loads(tmp_path, capsys):
+    from rlhflab.cli import preflight
+
+    bad_json, truncated = tmp_path / "bad_json", tmp_path / "truncated"
+    for d in (bad_json, truncated):
+        d.mkdir()
+    (bad_json / "config.json").write_text("{not json")
+    (truncated / "config.json").write_text("{}")
+    (truncated / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    for path, problem in ((bad_json, "config.json is not valid JSON"), (truncated, "model.safetensors is truncated")):
+        with pytest.raises(SystemExit) as exit:
+            preflight([f"model.sft_path={path}"])
+        assert exit.value.code == 2
+        line = capsys.readouterr().err.strip()
+        assert line.startswith(f"error: model.sft_path: '{path}' is not an intact saved model ({problem}") and "\n" not in line
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_an_unknown_hub_id_is_one_line_and_creates_no_run(make_cfg, tmp_path, monkeypatch, offline):
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = make_cfg("model.name_or_path=nobody/no-such-model", "model.arch=null")
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"^model.name_or_path: 'nobody/no-such-model' is not in the local Hugging Face cache"):
+        train(cfg)
+    assert time.monotonic() - started < 30  # not a minute of retries
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.slow
+def test_credentials_never_reach_params_artifacts_or_logs(mlflow_server, tmp_path, stage_cache):
+    """A tracking URI with a password (here against a real `mlflow server`, which ignores it) is redacted
+    in the params, the config.yaml artifact, the tags, the log and mlflow_run.json."""
+    secret = mlflow_server.replace("http://", "http://alice:s3cr3t-token@")
+    out = tmp_path / "run"
+    env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": secret, "NO_PROXY": "127.0.0.1,localhost"}
+    with cli_run([*SHRINK, "trainer.max_steps=1", f"output.dir={out}", f"hydra.run.dir={out}"], tmp_path, env) as proc:
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()[-3000:]
+        console = proc.stdout.read()
+    client = MlflowClient(mlflow_server)
+    run = client.get_run(run_id_of(out))
+    texts = {"params": json.dumps(run.data.params), "tags": json.dumps(run.data.tags), "console": console,
+             "train.log": (out / "train.log").read_text(), "mlflow_run.json": (out / "mlflow_run.json").read_text(),
+             "config.yaml": Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))).read_text()}
+    assert [name for name, text in texts.items() if "s3cr3t" in text] == []
+    assert run.data.params["logger.tracking_uri"].startswith("http://alice:***@127.0.0.1")
