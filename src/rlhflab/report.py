@@ -4,7 +4,8 @@
 
 Everything goes to `out_dir` (default reports/<parent run name>/) and is logged as
 artifacts of the parent run under `report/`. A plot whose metrics no child has
-is skipped, and the Markdown says so.
+is skipped, and the Markdown says so. Plots name runs by the overrides the sweep
+varied and never average runs into one line, point or bar (report_plots draws them).
 """
 
 from __future__ import annotations
@@ -13,22 +14,37 @@ import argparse
 import math
 import os
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhflab.naming import SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OVERRIDES_TAG, SWEEP_TAG
+from rlhflab import report_plots as plots
+from rlhflab.naming import (
+    NOT_IN_NAMES,
+    SWEEP_BEST_RUN_NAME_TAG,
+    SWEEP_JOB_TAG,
+    SWEEP_METRIC_TAG,
+    SWEEP_OVERRIDES_TAG,
+    SWEEP_TAG,
+)
+from rlhflab.report_plots import Bar, Curve, Panel, Point
 
-GOLD, EVAL_KL, TRAIN_KL = "eval/gold_reward", "eval/kl", "train/kl"
+GOLD, EVAL_KL, TRAIN_KL, TRAIN_REWARD = "eval/gold_reward", "eval/kl", "train/kl", "train/reward"
 THROUGHPUT, PEAK_MEM, TOTAL_S = "perf/mean_samples_per_s", "perf/peak_mem_mb", "perf/total_s"
 RL_S, OVERLAP = "perf/rl_s", "perf/mean_overlap_eff"
 DEFAULTS = {"sweep": None, "tracking_uri": None, "out_dir": None, "log_artifacts": "true", "baseline": None}
+# Axis names. train/reward is what the run optimised: a reward model's standardised score (reward=model)
+# or the task rule's value (reward=rule); keyed by the run's `reward` tag.
+GOLD_AXIS, STEP_AXIS = "gold reward (eval)", "RL step (optimizer updates)"
+TIME_AXIS = "wall-clock since the first evaluation (s)"
+REWARD_AXIS = {"model": "reward-model score (standardised)", "rule": "reward"}
 
 
 @dataclass
 class Report:
     out_dir: Path
     files: list[Path] = field(default_factory=list)
+    captions: dict[str, str] = field(default_factory=dict)  # file name -> what the plot shows, for summary.md
     skipped: list[str] = field(default_factory=list)  # one line per plot left out, with the reason
 
 
@@ -58,6 +74,12 @@ def child_runs(client, parent) -> list:
     )
 
 
+def _label(run) -> str:
+    """`<run name> #<job>`: a run in the table, or where the sweep varied nothing."""
+    job = run.data.tags.get(SWEEP_JOB_TAG)
+    return run.info.run_name + (f" #{job}" if job is not None else "")
+
+
 # ---- the table ----------------------------------------------------------------------------
 
 
@@ -73,9 +95,8 @@ def summary_rows(runs) -> list[dict]:
     rows = []
     for run in runs:
         tags, metrics = run.data.tags, run.data.metrics
-        job = tags.get(SWEEP_JOB_TAG)
         rows.append({
-            "run": run.info.run_name + (f" #{job}" if job is not None else ""),
+            "run": _label(run),
             "status": run.info.status,
             **{k: tags.get(k, "") for k in ("algo", "memory", "mode", "staleness")},
             "gold": metrics.get(GOLD),
@@ -118,9 +139,13 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _by_time(client, run, key: str) -> list:
+    return sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.timestamp, m.step))
+
+
 def rl_seconds_to_gold(client, run, target: float) -> float | None:
     """Seconds from the first evaluation (the start of RL) until eval/gold_reward first reaches `target`."""
-    history = sorted(client.get_metric_history(run.info.run_id, GOLD), key=lambda m: (m.timestamp, m.step))
+    history = _by_time(client, run, GOLD)
     for m in history:
         if m.value >= target:
             return (m.timestamp - history[0].timestamp) / 1000
@@ -139,49 +164,7 @@ def compare_to_baseline(client, runs, rows, baseline_runs) -> None:
         row["t_target"] = rl_seconds_to_gold(client, run, b.data.metrics[GOLD])
 
 
-# ---- the plots ----------------------------------------------------------------------------
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; no display on a server
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _label(run) -> str:
-    job = run.data.tags.get(SWEEP_JOB_TAG)
-    return run.info.run_name + (f" #{job}" if job is not None else "")
-
-
-def plot_gold_vs_time(client, runs, path: Path) -> bool:
-    """eval/gold_reward history against seconds since each child started (stages sft/rm included)."""
-    curves = []
-    for run in runs:
-        history = sorted(client.get_metric_history(run.info.run_id, GOLD), key=lambda m: (m.timestamp, m.step))
-        if history:
-            t = [(m.timestamp - run.info.start_time) / 1000 for m in history]
-            curves.append((_label(run), t, [m.value for m in history]))
-    if not curves:
-        return False
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, t, v in curves:
-        ax.plot(t, v, marker="o", label=label)
-    ax.set(xlabel="wall-clock since run start (s)", ylabel="gold reward (eval)", title="Gold reward vs wall-clock")
-    return _finish(fig, ax, path)
-
-
-def _finish(fig, ax, path: Path) -> bool:
-    """Legend, grid, save, close: the same for every line and scatter plot."""
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
-    return True
+# ---- the plots: what each shows (report_plots draws) ---------------------------------------
 
 
 def _short(override: str) -> str:
@@ -190,72 +173,164 @@ def _short(override: str) -> str:
     return f"{key.rsplit('.', 1)[-1]}={value}"
 
 
-def plot_frontier(runs, path: Path) -> bool:
-    """Final gold reward vs final KL, one point per child coloured by algo: the reward/KL trade-off."""
-    varied = varied_overrides(runs)
-    by_algo: dict[str, list] = defaultdict(list)
+def run_labels(runs, baseline_ids=frozenset()) -> dict[str, str]:
+    """Per run id, its name in legends: what the sweep varied, short keys (`algo=rloo lr=0.001`), leaving out
+    where things are logged; else its run name and job. Unique: a repeated name gets the run id's start."""
+    varied, labels = varied_overrides(runs), {}
     for run in runs:
-        if GOLD in run.data.metrics and EVAL_KL in run.data.metrics:
-            # Name a point by what the sweep varied besides the algo (e.g. algo.kl_coef=0.1), else by its run.
-            note = " ".join(_short(o) for o in varied[run.info.run_id].split() if not o.startswith("algo=")) or _label(run)
-            by_algo[run.data.tags.get("algo", "?")].append((run.data.metrics[EVAL_KL], run.data.metrics[GOLD], note))
+        rid = run.info.run_id
+        label = " ".join(_short(o) for o in varied[rid].split() if not o.lstrip("+~").startswith(NOT_IN_NAMES))
+        label = (label or _label(run)) + (" (baseline)" if rid in baseline_ids else "")
+        labels[rid] = label if label not in labels.values() else f"{label} [{rid[:6]}]"
+    return labels
+
+
+def _without(label: str, *keys: str) -> str:
+    """A run's label less the `key=value` parts a plot already shows (by colour or by group)."""
+    return " ".join(t for t in label.split() if t.partition("=")[0] not in keys)
+
+
+def step_curves(client, runs, labels, key: str) -> list[Curve]:
+    """`key` per run against the RL step it was logged at."""
+    curves = []
+    for run in runs:
+        history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp))
+        if history:
+            curves.append(Curve(labels[run.info.run_id], [m.step for m in history], [m.value for m in history]))
+    return curves
+
+
+def time_curves(client, runs, labels, key: str) -> list[Curve]:
+    """`key` per run against seconds since its first value (for eval/gold_reward: the evaluation before RL)."""
+    curves = []
+    for run in runs:
+        history = _by_time(client, run, key)
+        if history:
+            t = [(m.timestamp - history[0].timestamp) / 1000 for m in history]
+            curves.append(Curve(labels[run.info.run_id], t, [m.value for m in history]))
+    return curves
+
+
+def gold_vs_step(client, runs, labels, path: Path) -> str | None:
+    curves = step_curves(client, runs, labels, GOLD)
+    if not curves:
+        return None
+    fig = plots.lines([Panel(GOLD_AXIS, curves)], STEP_AXIS, "Gold reward vs RL step", list(labels.values()))
+    plots.save(fig, path)
+    return "gold reward at each evaluation against RL step (optimizer updates), one line per run"
+
+
+def gold_vs_time(client, runs, labels, path: Path) -> str | None:
+    curves = time_curves(client, runs, labels, GOLD)
+    if not curves:
+        return None
+    fig = plots.lines([Panel(GOLD_AXIS, curves)], TIME_AXIS, "Gold reward vs wall-clock", list(labels.values()))
+    plots.save(fig, path)
+    return "gold reward at each evaluation against wall-clock seconds since the run's first evaluation " \
+           "(the start of RL; stages sft/rm left out), one line per run"
+
+
+def reward_panels(client, runs, labels) -> list[Panel]:
+    """train/reward, one panel per `reward` tag: a reward model's standardised score and a rule's value
+    are different scales, so they do not share an axis."""
+    kinds: dict[str, list] = defaultdict(list)
+    for run in runs:
+        kinds[run.data.tags.get("reward", "?")].append(run)
+    return [Panel(REWARD_AXIS.get(kind, "reward"), step_curves(client, of_kind, labels, TRAIN_REWARD),
+                  TRAIN_REWARD + (f" (reward={kind})" if len(kinds) > 1 else "")) for kind, of_kind in kinds.items()]
+
+
+def training_curves(client, runs, labels, path: Path) -> str | None:
+    rewards = [p for p in reward_panels(client, runs, labels) if p.curves]
+    kl = Panel("KL to reference (nats)", step_curves(client, runs, labels, TRAIN_KL), TRAIN_KL)
+    panels = rewards + [kl] * bool(kl.curves)
+    if not panels:
+        return None
+    plots.save(plots.lines(panels, STEP_AXIS, "Training curves", list(labels.values())), path)
+    scales = " or ".join(p.ylabel for p in rewards) + (", a panel each" if len(rewards) > 1 else "")
+    shown = [f"{TRAIN_REWARD} (as {scales})"] * bool(rewards) + [TRAIN_KL] * bool(kl.curves)
+    return f"{' and '.join(shown)} against RL step, one line per run"
+
+
+def frontier(runs, labels, path: Path) -> str | None:
+    """Final gold reward vs final KL, one point per child coloured by algo: the reward/KL trade-off."""
+    by_algo: dict[str, list[Point]] = defaultdict(list)
+    for run in runs:
+        m = run.data.metrics
+        if GOLD in m and EVAL_KL in m:
+            # Name a point by what the sweep varied besides the algo (e.g. kl_coef=0.1), else by its run.
+            note = _without(labels[run.info.run_id], "algo") or _label(run)
+            by_algo[run.data.tags.get("algo", "?")].append(Point(m[EVAL_KL], m[GOLD], note))
     if not by_algo:
-        return False
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for algo, points in by_algo.items():
-        ax.scatter([p[0] for p in points], [p[1] for p in points], label=algo)
-        for kl, gold, note in points:
-            ax.annotate(note, (kl, gold), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set(xlabel="KL to reference (eval, nats)", ylabel="gold reward (eval)", title="Gold reward vs KL")
-    ax.margins(x=0.2, y=0.08)  # room for the labels of the outermost points
-    return _finish(fig, ax, path)
+        return None
+    fig = plots.scatter(by_algo, "KL to reference (eval, nats)", GOLD_AXIS, "Gold reward vs KL", legend_title="algo")
+    plots.save(fig, path)
+    return "final gold reward against final KL, one point per run, coloured by algo, labelled by its other overrides"
 
 
-def plot_bars(rows: list[dict], key: str, ylabel: str, path: Path) -> bool:
-    """Mean of a final metric per algo x memory (several staleness values or seeds average out)."""
-    groups: dict[str, list[float]] = defaultdict(list)
-    for row in rows:
-        if row[key] is not None and not math.isnan(row[key]):
-            groups[f"{row['algo']}\n{row['memory']}"].append(row[key])
-    if not groups:
-        return False
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(groups) + 2), 4))
-    names = list(groups)
-    ax.bar(names, [sum(v) / len(v) for v in groups.values()], color="tab:blue")
-    ax.set(ylabel=ylabel, title=f"{ylabel} per algo x memory")
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+def _group(row: dict) -> str:
+    return f"{row['algo']}\n{row['memory']}"
+
+
+def bar_groups(runs, rows, labels, key: str) -> tuple[list[Bar], str]:
+    """One bar per run that has `key`, grouped by algo x memory: nothing is averaged. Where a group holds
+    several runs (the sweep varied something else too), each bar is labelled with that run's other varied
+    overrides, and the note (for the title and summary.md) says how many share a group and what tells them apart."""
+    items = [(run, row) for run, row in zip(runs, rows) if row[key] is not None and not math.isnan(row[key])]
+    crowd = max(Counter(_group(row) for _, row in items).values(), default=0)
+    if crowd <= 1:
+        return [Bar(_group(row), "", row[key]) for _, row in items], ""
+    bars = [Bar(_group(row), _without(labels[run.info.run_id], "algo", "memory") or row["run"], row[key])
+            for run, row in items]
+    keys = sorted({t.partition("=")[0] for b in bars for t in b.label.split() if "=" in t}) or ["run"]
+    return bars, f"one bar per run, up to {crowd} runs per algo x memory, told apart by {', '.join(keys)}"
+
+
+def bar_chart(runs, rows, labels, key: str, ylabel: str, path: Path) -> str | None:
+    bars, note = bar_groups(runs, rows, labels, key)
+    if not bars:
+        return None
+    title = f"{ylabel} per algo x memory" + (f"\n{note}" if note else "")
+    plots.save(plots.bars(bars, ylabel, title, legend_title="other overrides" if note else None), path)
+    return f"final {ylabel} per algo x memory" + (f": {note}" if note else ", one run each")
 
 
 # ---- putting it together ------------------------------------------------------------------
 
 
-def write_report(client, parent, out_dir: Path, baseline=None) -> Report:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = Report(out_dir)
+def gather(client, parent, baseline=None) -> tuple[list, list[dict], dict[str, str]]:
+    """The children (then the baseline's), their table rows, their legend names."""
     runs = child_runs(client, parent)
     rows = summary_rows(runs)
+    base_runs = []
     if baseline is not None:
         base_runs = child_runs(client, baseline)
         compare_to_baseline(client, runs, rows, base_runs)
-        rows += summary_rows(base_runs)
-        for row in rows[len(runs):]:
+        base_rows = summary_rows(base_runs)
+        for row in base_rows:
             row["run"] += " (baseline)"
-        runs = runs + base_runs
-    plots = [
-        ("gold_vs_time.png", GOLD, lambda p: plot_gold_vs_time(client, runs, p)),
-        ("gold_vs_kl.png", f"{GOLD} and {EVAL_KL}", lambda p: plot_frontier(runs, p)),
-        ("peak_mem.png", PEAK_MEM, lambda p: plot_bars(rows, "peak_mem_mb", "peak memory (MB)", p)),
-        ("samples_per_s.png", THROUGHPUT, lambda p: plot_bars(rows, "samples_per_s", "samples/s", p)),
+        rows += base_rows
+    runs = runs + base_runs
+    return runs, rows, run_labels(runs, {r.info.run_id for r in base_runs})
+
+
+def write_report(client, parent, out_dir: Path, baseline=None) -> Report:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = Report(out_dir)
+    runs, rows, labels = gather(client, parent, baseline)
+    figures = [  # (file, what it needs, draw: returns its caption, or None where no run has what it needs)
+        ("gold_vs_step.png", GOLD, lambda p: gold_vs_step(client, runs, labels, p)),
+        ("gold_vs_time.png", GOLD, lambda p: gold_vs_time(client, runs, labels, p)),
+        ("train_curves.png", f"{TRAIN_REWARD} or {TRAIN_KL}", lambda p: training_curves(client, runs, labels, p)),
+        ("gold_vs_kl.png", f"{GOLD} and {EVAL_KL}", lambda p: frontier(runs, labels, p)),
+        ("peak_mem.png", PEAK_MEM, lambda p: bar_chart(runs, rows, labels, "peak_mem_mb", "peak memory (MB)", p)),
+        ("samples_per_s.png", THROUGHPUT, lambda p: bar_chart(runs, rows, labels, "samples_per_s", "samples/s", p)),
     ]
-    for name, needs, plot in plots:
-        if plot(out_dir / name):
+    for name, needs, draw in figures:
+        caption = draw(out_dir / name)
+        if caption:
             report.files.append(out_dir / name)
+            report.captions[name] = caption
         else:
             report.skipped.append(f"{name}: skipped, no child run has {needs}")
     md = out_dir / "summary.md"
@@ -279,8 +354,9 @@ def _markdown(client, parent, runs, rows, report: Report) -> str:
         best = parent.data.metrics.get(f"best/{metric}")
         lines.append(f"- best {metric}: {_cell(best, '.4f')} ({tags[SWEEP_BEST_RUN_NAME_TAG]})")
     lines += ["", "KL is the final eval/kl (train/kl where a run has no eval/kl).", "", markdown_table(rows), ""]
-    lines += [f"![{p.stem}]({p.name})" for p in report.files]
-    lines += [f"- {s}" for s in report.skipped]
+    lines += ["## Plots", ""] + [f"- `{name}`: {caption}" for name, caption in report.captions.items()]
+    lines += [f"- {s}" for s in report.skipped] + [""]
+    lines += [f"![{Path(name).stem}]({name})" for name in report.captions]
     return "\n".join(lines) + "\n"
 
 
