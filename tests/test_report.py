@@ -1,0 +1,162 @@
+"""The sweep report on fake MLflow data (no training): how runs are named and grouped in the plots,
+that nothing is averaged silently, and that every label stays inside its axes."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from rlhflab import report_plots as plots
+from rlhflab.naming import SWEEP_JOB_TAG, SWEEP_OVERRIDES_TAG
+from rlhflab.report import bar_groups, run_labels, summary_rows, time_curves, write_report
+
+STEPS, EVAL_EVERY = 40, 10
+
+
+def fake_run(job: int, overrides: str, tags: dict[str, str], gold: float, kl: float, start_ms: int = 0):
+    """A finished child as MlflowClient.search_runs returns it, with curves for its FakeClient."""
+    tags = {"memory": "full", "mode": "sync", "staleness": "0", "reward": "model", **tags,
+            SWEEP_JOB_TAG: str(job), SWEEP_OVERRIDES_TAG: overrides}
+    metrics = {"eval/gold_reward": gold, "eval/kl": kl, "train/kl": kl, "perf/mean_samples_per_s": 100.0 + 50 * job,
+               "perf/peak_mem_mb": 20.0 + job, "perf/rl_s": 30.0, "perf/total_s": 40.0}
+    info = SimpleNamespace(run_id=f"{job:032x}", run_name=f"{tags['algo']}-{tags['memory']}-{tags['mode']}",
+                           status="FINISHED", start_time=start_ms)
+    run = SimpleNamespace(info=info, data=SimpleNamespace(tags=tags, metrics=metrics, params={}))
+    pace = 1000 * (1 + job % 3)  # ms per RL step: the runs differ in speed
+    point = lambda v, s: SimpleNamespace(value=v, step=s, timestamp=start_ms + 10_000 + s * pace)  # noqa: E731
+    run.history = {
+        "eval/gold_reward": [point(gold * s / STEPS, s) for s in range(0, STEPS + 1, EVAL_EVERY)],
+        "train/reward": [point(math.log1p(s) * (1 + job / 10), s) for s in range(1, STEPS + 1)],
+        "train/kl": [point(kl * s / STEPS, s) for s in range(1, STEPS + 1)],
+    }
+    return run
+
+
+class FakeClient:
+    """The MlflowClient calls the report makes, over a parent and its children in memory."""
+
+    tracking_uri = "sqlite:///fake.db"
+
+    def __init__(self, children):
+        self.children = children
+
+    def search_runs(self, experiment_ids, query, order_by=None, max_results=None):
+        return self.children
+
+    def get_metric_history(self, run_id, key):
+        return next(r for r in self.children if r.info.run_id == run_id).history.get(key, [])
+
+
+def fake_parent(overrides: str):
+    info = SimpleNamespace(run_id="f" * 32, run_name="sweep_fake", experiment_id="0", status="FINISHED")
+    return SimpleNamespace(info=info, data=SimpleNamespace(tags={SWEEP_OVERRIDES_TAG: overrides}, metrics={}))
+
+
+def staleness_sweep(lrs=("0.001",)):
+    """algo=rloo,ppo mode=async staleness=1,2 rl.lr=<lrs>: several runs per algo x memory."""
+    runs = []
+    for job, (algo, staleness, lr) in enumerate(itertools.product(("rloo", "ppo"), ("1", "2"), lrs)):
+        overrides = f"algo={algo} mode=async staleness={staleness} rl.lr={lr} trainer.enable_progress_bar=false"
+        runs.append(fake_run(job, overrides, {"algo": algo, "mode": "async", "staleness": staleness},
+                             gold=0.3 + 0.1 * job, kl=1.0 + job))
+    return runs
+
+
+def test_runs_are_named_by_what_the_sweep_varied_with_short_keys():
+    labels = run_labels(staleness_sweep(lrs=("0.001", "0.01")))
+    assert list(labels.values())[:2] == ["algo=rloo staleness=1 lr=0.001", "algo=rloo staleness=1 lr=0.01"]
+    assert len(set(labels.values())) == len(labels)
+
+
+def test_several_runs_per_bar_group_get_one_labelled_bar_each_never_a_mean():
+    runs = staleness_sweep(lrs=("0.001", "0.01"))
+    rows = summary_rows(runs)
+    bars, note = bar_groups(runs, rows, run_labels(runs), "samples_per_s")
+    assert len(bars) == len(runs) == 8  # one bar per run, none averaged away
+    assert [b.value for b in bars] == [r["samples_per_s"] for r in rows]
+    rloo = [b.label for b in bars if b.group == "rloo\nfull"]
+    assert rloo == ["staleness=1 lr=0.001", "staleness=1 lr=0.01", "staleness=2 lr=0.001", "staleness=2 lr=0.01"]
+    assert note == "one bar per run, up to 4 runs per algo x memory, told apart by lr, staleness"
+
+
+def test_one_run_per_bar_group_gets_a_plain_bar():
+    runs = [fake_run(i, f"algo={a}", {"algo": a}, 0.5, 1.0) for i, a in enumerate(("rloo", "ppo", "grpo"))]
+    bars, note = bar_groups(runs, summary_rows(runs), run_labels(runs), "peak_mem_mb")
+    assert note == ""
+    assert [(b.group, b.label) for b in bars] == [("rloo\nfull", ""), ("ppo\nfull", ""), ("grpo\nfull", "")]
+
+
+def test_report_on_fake_runs_says_how_bars_group_and_lists_every_plot(tmp_path):
+    runs = staleness_sweep(lrs=("0.001", "0.01"))
+    runs[-1].data.tags["reward"] = "rule"  # one run optimised the rule: its own train/reward panel
+    client = FakeClient(runs)
+    report = write_report(client, fake_parent("mode=async"), tmp_path)
+    names = ["summary.md", "gold_vs_step.png", "gold_vs_time.png", "train_curves.png", "gold_vs_kl.png",
+             "peak_mem.png", "samples_per_s.png"]
+    assert [p.name for p in report.files] == names and not report.skipped
+    assert all(p.stat().st_size > 0 for p in report.files)
+    md = (tmp_path / "summary.md").read_text()
+    assert md.count("one bar per run, up to 4 runs per algo x memory, told apart by lr, staleness") == 2
+    assert "(as reward-model score (standardised) or reward, a panel each)" in report.captions["train_curves.png"]
+    for name in names[1:]:
+        assert f"- `{name}`: " in md and f"]({name})" in md
+    assert sum(line.startswith("| ") for line in md.splitlines()) == 1 + len(runs)
+
+
+def test_time_axis_starts_at_each_runs_first_evaluation():
+    runs = staleness_sweep()
+    curves = time_curves(FakeClient(runs), runs, run_labels(runs), "eval/gold_reward")
+    assert [c.x[0] for c in curves] == [0.0] * len(runs)
+    assert curves[1].x[-1] == 2 * curves[0].x[-1]  # job 1 steps at half job 0's pace
+
+
+# ---- every label inside the frame -----------------------------------------------------------
+
+
+def _outside(fig, texts, ax) -> list[str]:
+    """The texts whose drawn extent leaves the axes."""
+    fig.canvas.draw()
+    box = ax.get_window_extent()
+    out = []
+    for t in texts:
+        e = t.get_window_extent()
+        if e.x0 < box.x0 - 0.5 or e.x1 > box.x1 + 0.5 or e.y0 < box.y0 - 0.5 or e.y1 > box.y1 + 0.5:
+            out.append(t.get_text())
+    return out
+
+
+def test_point_labels_stay_inside_the_axes():
+    corners = [plots.Point(x, y, "staleness=4 lr=0.001 kl_coef=0.3 seed=7") for x in (0.0, 10.0) for y in (0.0, 1.0)]
+    groups = {"rloo": corners, "ppo": [plots.Point(5.0, 0.5, "middle")]}
+    fig = plots.scatter(groups, "KL", "gold", "frontier")
+    ax = fig.axes[0]
+    assert _outside(fig, ax.texts, ax) == []
+    plots.pyplot().close(fig)
+
+
+@pytest.mark.parametrize("n", [3, 12])
+def test_bar_values_stay_inside_the_axes(n):
+    bars = [plots.Bar(f"g{i % 3}", f"staleness={i}" if n > 3 else "", 10.0 ** (i % 4)) for i in range(n)]
+    fig = plots.bars(bars, "samples/s", "title")
+    ax = fig.axes[0]
+    labels = [t for t in ax.texts if t.get_text()]
+    assert len(labels) == n and _outside(fig, labels, ax) == []
+    plots.pyplot().close(fig)
+
+
+def test_legend_of_many_runs_sits_outside_the_axes_and_in_the_file(tmp_path):
+    curves = [plots.Curve(f"lr={i}", [0, 1, 2], [0, i, 2 * i]) for i in range(25)]
+    fig = plots.lines([plots.Panel("gold", curves)], "step", "title")
+    fig.canvas.draw()
+    ax, legend = fig.axes[0], fig.axes[0].get_legend()
+    assert len(legend.get_texts()) == 25
+    assert legend.get_window_extent().x0 >= ax.get_window_extent().x1  # right of the curves, not over them
+    right = legend.get_window_extent().x1 - fig.bbox.x0  # pixels at the figure's dpi
+    dpi = fig.dpi
+    plots.save(fig, tmp_path / "lines.png")
+    from PIL import Image
+
+    assert Image.open(tmp_path / "lines.png").size[0] >= right / dpi * 120  # the saved file holds the whole legend
