@@ -142,13 +142,21 @@ def test_report_writes_plots_and_table_and_logs_them_to_the_parent(sqlite_sweep,
     parent, children = sweep_runs(client)
     result = report([f"sweep={parent.info.run_name}", f"tracking_uri={sqlite_sweep.uri}", f"out_dir={tmp_path}/report"])
     names = {p.name for p in result.files}
-    assert {"summary.md", "gold_vs_time.png", "gold_vs_kl.png", "samples_per_s.png"} <= names
+    plots = {"gold_vs_step.png", "gold_vs_time.png", "train_curves.png", "gold_vs_kl.png", "samples_per_s.png"}
+    assert {"summary.md"} | plots <= names
     assert ("peak_mem.png" in names) != any(s.startswith("peak_mem.png: skipped") for s in result.skipped)
     for path in result.files:
         assert path.stat().st_size > 0
-    table = [line for line in (tmp_path / "report" / "summary.md").read_text().splitlines() if line.startswith("| ")]
+    summary = (tmp_path / "report" / "summary.md").read_text()
+    table = [line for line in summary.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(children)  # header + one row per child
     assert sum("FAILED" in row for row in table) == 2
+    for name in names - {"summary.md"}:  # each plot listed with what it shows, and shown
+        assert f"- `{name}`: " in summary and f"]({name})" in summary
+    # Both finished runs scored with the reward model: the training curves say so.
+    assert "reward-model score (standardised)" in result.captions["train_curves.png"]
+    # One finished run per algo x memory: plain bars, none averaged, none needing a label.
+    assert result.captions["samples_per_s.png"].endswith("one run each")
     logged = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
     assert {f"report/{n}" for n in names} == logged
 
