@@ -10,7 +10,7 @@ from rlhflab.algos import functional as F
 from rlhflab.algos.carriers import Experience, Scored, Targets
 from rlhflab.algos.registry import ALGORITHMS, GRPO, PPO, RLOO, DrGRPO, OnlineDPO, ReinforcePP, ReMax
 from rlhflab.errors import ConfigError
-from rlhflab.rewards import RuleReward, score_rollout
+from rlhflab.rewards.builtin import RuleReward, score_rollout
 from rlhflab.rollout.batch import Rollout
 from rlhflab.tasks.sentiment import SentimentTask
 

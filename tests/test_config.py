@@ -23,7 +23,13 @@ def vllm_unavailable() -> str | None:
 
 
 # Options that only make sense with a partner option.
-PARTNERS = {("task", "tldr"): ["model=pythia1b_tldr"]}
+EXAMPLE = ROOT / "examples" / "reverse"
+PARTNERS = {
+    ("task", "tldr"): ["model=pythia1b_tldr"],
+    ("task", "prompts"): [f"task.path={EXAMPLE}/train.jsonl", f"task.demonstrations_path={EXAMPLE}/demos.jsonl",
+                          "reward=function", f"reward.fn={EXAMPLE}/reward.py:exact"],
+    ("reward", "function"): [f"reward.fn={EXAMPLE}/reward.py:exact"],
+}
 if vllm_build() == "cpu":  # its attention wants a head size of 32 or more
     PARTNERS[("generator", "vllm")] = ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads=2"]
 GROUPS = ["task", "model", "algo", "reward", "memory", "mode", "off_policy", "generator", "trainer", "logger"]

@@ -23,7 +23,7 @@ from test_sweep import mlflow_server  # noqa: F401  (a fixture: `mlflow server` 
 from rlhflab.algos.registry import RLOO
 from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, StageFailed
 from rlhflab.models.build import ensure_base_model
-from rlhflab.rewards import RuleReward
+from rlhflab.rewards.builtin import RuleReward
 from rlhflab.train import train
 
 

@@ -134,13 +134,14 @@ def _random_adapters(memory, seed: int = 0) -> None:
 def test_gradient_checkpointing_gives_the_same_gradients(make_cfg, strategy):
     """Policy then value forward, one backward: under hydra the recomputation must use the adapter
     each forward ran with, although the active adapter switched in between."""
-    memory = train(make_cfg(f"memory={strategy.name}", "algo=ppo", "trainer.max_steps=1")).module.memory
+    result = train(make_cfg(f"memory={strategy.name}", "algo=ppo", "trainer.max_steps=1"))
+    memory = result.module.memory
     path = sft_weights_path(memory)
     reward_path = memory.reward_model.name_or_path if strategy is LoraMemory else path  # hydra: the head sits with the LM
     q, r = torch.randint(4, 40, (4, 6)), torch.randint(4, 40, (4, 5))
     grads = []
     for checkpointing in (False, True):
-        m = strategy(gradient_checkpointing=checkpointing).build(path, reward_path, True, memory.pad_token_id)
+        m = strategy(gradient_checkpointing=checkpointing).build(path, reward_path, True, result.module.tokenizer)
         _random_adapters(m)
         loss = m.policy_logprobs(q, r, 1.0).sum() + m.values(q, r).square().sum()
         loss.backward()

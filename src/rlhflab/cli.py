@@ -84,7 +84,11 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
             group, option = found.groups()
             options = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
             return f"{group}={option}: no such option; choose one of {', '.join(options)}"
-    cause = err.__cause__ or err
+    cause = err
+    while cause.__cause__ is not None or cause.__context__ is not None:  # the innermost error names the key
+        if getattr(cause, "full_key", None):
+            break
+        cause = cause.__cause__ or cause.__context__
     key = getattr(cause, "full_key", None)
     message = str(getattr(cause, "msg", None) or cause).strip().splitlines()[0]
     converted = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", message)

@@ -24,9 +24,14 @@ class Task(Protocol):
     name: str
     num_train_prompts: int
     max_new_tokens: int  # the response budget in tokens
+    has_gold: bool  # gold_reward exists; without it, evaluation reports the training reward and says so
+
+    def setup(self, tokenizer: Any) -> dict[str, int]:
+        """Bind the policy's tokenizer before prompts() (chat templates, prompt-length limits);
+        returns counts worth logging (e.g. prompts dropped or truncated), {} if none."""
 
     def prompts(self, split: str) -> list[str]:
-        """Prompt texts of `split` ('train' or 'eval')."""
+        """Prompt texts of `split` ('train' or 'eval'), as the policy reads them."""
 
     def demonstrations(self) -> list[tuple[str, str]] | None:
         """(prompt, response) pairs for stage sft; None when the task has none."""
@@ -34,8 +39,13 @@ class Task(Protocol):
     def preference_pairs(self) -> list[tuple[str, str, str]] | None:
         """(prompt, chosen, rejected) triples for stage rm; None when the task has none."""
 
-    def gold_reward(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        """(n,) the task's own judgement of each response, for evaluation."""
+    def gold_reward(self, prompts: list[str], responses: list[str], split: str = "eval", rows: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        """(n,) the task's own judgement of each response (rows: their prompts' dataset rows)."""
+
+    def reward_inputs(self, split: str, rows: torch.Tensor | None, prompts: list[str], completions: list[str]
+                      ) -> tuple[list, list, dict[str, list]]:
+        """What a reward function receives (TRL's signature): (prompts, completions, the rows' other columns)."""
 
     def build_tokenizer(self) -> Any:
         """A tokenizer for a model built from config (no pretrained tokenizer)."""
@@ -147,7 +157,7 @@ class MemoryStrategy(Protocol):
     def check(self, model_cfg: Any, task: Task, need_reward: bool) -> None:
         """Raise ConfigError for settings this strategy cannot run with (before any model loads)."""
 
-    def build(self, policy_path: Any, reward_path: Any, need_values: bool, pad_token_id: int, dtype: str) -> "MemoryStrategy":
+    def build(self, policy_path: Any, reward_path: Any, need_values: bool, tokenizer: Any, dtype: str) -> "MemoryStrategy":
         """Load the models from the stages' outputs; reward_path None: no reward model (rule reward)."""
 
     @property
@@ -163,8 +173,10 @@ class MemoryStrategy(Protocol):
     def values(self, query: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
         """(n, R) value estimates, with grad (algorithms with a critic)."""
 
-    def scores(self, query: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
-        """(n,) standardised reward-model scores of whole completions."""
+    def scores(self, query: torch.Tensor, response: torch.Tensor, prompts: list[str] | None = None,
+               completions: list[str] | None = None) -> torch.Tensor:
+        """(n,) standardised reward-model scores of whole completions (the texts serve a reward model
+        whose tokenizer differs from the policy's)."""
 
     def policy_parameters(self) -> list[nn.Parameter]:
         """What the policy's optimizer group trains."""

@@ -13,6 +13,10 @@ class NonFiniteError(RuntimeError):
     """A NaN or Inf in a loss, reward, reward-model output or gradient; the message names the step and quantity."""
 
 
+class RewardError(RuntimeError):
+    """A reward function raised, returned the wrong number of values, or a non-finite one (named with its row)."""
+
+
 class RunInterrupted(BaseException):
     """SIGINT or SIGTERM asked the run to stop. A BaseException, like KeyboardInterrupt, so that no
     `except Exception` on the way up swallows it; unlike KeyboardInterrupt, Lightning re-raises it."""

@@ -12,7 +12,7 @@ A test keeps every schema's fields equal to its `_target_`'s parameters.
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
@@ -22,15 +22,17 @@ from rlhflab.models.checks import check_pretrained
 KL_KINDS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 DTYPES = ("float32", "bfloat16", "float16")
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
 def setting(default: Any = MISSING, *, ge=None, gt=None, le=None, lt=None, choices=None, example=None, why=None,
-            file=None, model=False):
+            file=None, model=False, data=False):
     """A dataclass field whose value `check` keeps in range (ge/gt/le/lt) or in `choices`;
     `example` is the value the fix suggests, `why` a reason the error gives. `file`: the value
-    is a path that must exist (the text is the fix); `model`: a local path must be a saved model."""
+    is a path that must exist (the text is the fix); `model`: a local path must be a saved model;
+    `data`: a path with a data file's suffix must exist (anything else may be a hub dataset)."""
     meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, example=example, why=why, file=file,
-                                  model=model or None).items() if v is not None}
+                                  model=model or None, data=data or None).items() if v is not None}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: default, metadata=meta)
     return field(default=default, metadata=meta)
@@ -134,6 +136,30 @@ class SentimentTask:
 
 
 @dataclass
+class PromptsTask:
+    _target_: str = "rlhflab.tasks.files.PromptsTask"
+    path: str = setting(data=True)
+    split: str = MISSING
+    prompt_field: str = MISSING
+    eval_path: Optional[str] = setting(data=True)
+    eval_split: Optional[str] = MISSING
+    eval_fraction: float = setting(gt=0, lt=1)
+    num_eval_prompts: int = setting(ge=1)
+    chat_template: bool = MISSING
+    max_prompt_tokens: int = setting(ge=1)
+    overlong: str = setting(choices=("drop", "truncate"))
+    demonstrations_path: Optional[str] = setting(data=True)
+    completion_field: str = MISSING
+    preferences_path: Optional[str] = setting(data=True)
+    chosen_field: str = MISSING
+    rejected_field: str = MISSING
+    max_new_tokens: int = setting(ge=1)
+    gold_fn: Optional[str] = MISSING
+    tokenizer: str = setting(choices=("word", "char"))
+    seed: int = setting(ge=0)
+
+
+@dataclass
 class HubPromptTask:
     _target_: str = "rlhflab.tasks.hub.HubPromptTask"
     dataset: str = MISSING
@@ -224,6 +250,13 @@ class Reward:
 
 
 @dataclass
+class FunctionReward(Reward):
+    fn: Optional[str] = MISSING
+    fns: List[str] = MISSING
+    weights: Optional[List[float]] = MISSING
+
+
+@dataclass
 class FullMemory:
     _target_: str = "rlhflab.memory.full.FullMemory"
     gradient_checkpointing: bool = MISSING
@@ -310,11 +343,11 @@ class MlflowLogger:
 
 # The option files and the schema each starts from (conf/<group>/<option>.yaml -> schema/<group>/<name>).
 SCHEMAS: dict[str, dict[str, type]] = {
-    "task": {"sentiment": SentimentTask, "tldr": HubPromptTask},
+    "task": {"sentiment": SentimentTask, "tldr": HubPromptTask, "prompts": PromptsTask},
     "model": {"model": Model},
     "algo": {"rloo": RLOO, "remax": WholeCompletionReinforce, "reinforce_pp": ReinforcePP,
              "grpo": GRPO, "dr_grpo": GRPO, "ppo": PPO, "online_dpo": OnlineDPO},
-    "reward": {"reward": Reward},
+    "reward": {"reward": Reward, "function": FunctionReward},
     "memory": {"full": FullMemory, "lora": LoraMemory, "hydra": LoraMemory},
     "mode": {"sync": SyncMode, "async": AsyncMode},
     "off_policy": {"plain": OffPolicy, "tis": TruncatedIS, "decoupled": Decoupled},
@@ -356,6 +389,8 @@ def _check_value(key: str, value: Any, meta: dict) -> None:
         raise SettingError(key, f"no such file '{value}'; {meta['file']}")
     if "model" in meta:
         check_pretrained(key, value)
+    if "data" in meta and Path(value).suffix in DATA_SUFFIXES and not Path(value).expanduser().is_file():
+        raise SettingError(key, f"no such file '{value}'; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
     why = f" ({meta['why']})" if "why" in meta else ""
     if "choices" in meta and value not in meta["choices"]:
         options = ", ".join(map(str, meta["choices"]))

@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.config import Plan, validate
-from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, StageFailed
+from rlhflab.errors import ConfigError, NonFiniteError, RewardError, RunInterrupted, StageFailed
 from rlhflab.interrupts import STOP, as_interrupt
 from rlhflab.lit import checkpoint as ckpt
 from rlhflab.lit.progress import StageProgressBar
@@ -113,6 +113,12 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     # Stage 0: the base model (built from config for the tiny preset, cached).
     base = ensure_base_model(model_cfg, task, cache_dir)
     tokenizer = load_tokenizer(model_cfg.get("tokenizer") or model_cfg.get("sft_path") or base.path)
+    counts = task.setup(tokenizer)  # chat templates and prompt budgets need the tokenizer
+    if counts:
+        tracker.log_metrics(counts, step=0)
+    if task.num_train_prompts < cfg.rl.prompts_per_step:
+        raise ConfigError(f"rl.prompts_per_step={cfg.rl.prompts_per_step}: only {task.num_train_prompts} training prompts "
+                          "remain; lower it, or keep more prompts (task.max_prompt_tokens, task.overlong=truncate)")
     # The stages the memory strategy needs (sft and rm, or hydra_sft), each skipped when given or cached.
     needed = plan.memory.stages(plan.reward.needs_reward_model)
 
@@ -129,8 +135,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     log.info("stage rl: %s, %s memory, %s mode, %d steps%s", plan.algo.name, plan.memory.name, plan.source.name,
              cfg.trainer.max_steps, f" (from step {done})" if done else "")
     with fixed_seed(cfg.seed):  # fresh heads (a value head) depend on the seed alone
-        memory = plan.memory.build(policy.path, reward_model and reward_model.path, plan.algo.needs_values,
-                                   tokenizer.pad_token_id, model_cfg["dtype"])
+        memory = plan.memory.build(policy.path, reward_model and reward_model.path, plan.algo.needs_values, tokenizer,
+                                   model_cfg["dtype"])
     plan.generator.setup(tokenizer, task.max_new_tokens)
     train_prompts, eval_prompts = task.prompts("train"), task.prompts("eval")
     module = RLHFModule(memory, plan.algo, plan.reward, plan.source, task, tokenizer, train_prompts, eval_prompts, cfg.rl,
@@ -161,20 +167,22 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
 
     policy_dir = save_policy(module, tokenizer, out / "policy", cfg, tracker)
     before, (_, after, final_kl) = module.eval_history[0][1], module.eval_history[-1]
+    judged = "eval/gold_reward" if task.has_gold else "eval/reward"
     metrics = {
-        "eval/gold_reward_before": before,
-        "eval/gold_reward": after,
+        f"{judged}_before": before,
+        judged: after,
         "eval/kl": final_kl,
         **(module.timing_summary() if module.step_times else {}),
         "perf/stages_s": t_stages,
         "perf/rl_s": t_rl,
         "perf/total_s": time.perf_counter() - started,
     }
-    summaries = {k: v for k, v in metrics.items() if k not in ("eval/gold_reward", "eval/kl")}  # those have curves
+    summaries = {k: v for k, v in metrics.items() if k not in (judged, "eval/kl")}  # those have curves
     tracker.log_metrics(summaries, step=0)  # single values: step 0, so no chart draws them as the end of a curve
     tracker.log_generations(module.generation_rows)
     tracker.set_tag("perf/mem_method", getattr(module, "mem_method", ""))
-    log.info("done: gold reward %.3f -> %.3f after %d RL steps (stages %.0f s, RL %.0f s)", before, after, module.updates, t_stages, t_rl)
+    judge = "gold reward" if task.has_gold else "reward (no task.gold_fn)"
+    log.info("done: %s %.3f -> %.3f after %d RL steps (stages %.0f s, RL %.0f s)", judge, before, after, module.updates, t_stages, t_rl)
     log.info("policy: %s (AutoModelForCausalLM.from_pretrained loads it)", policy_dir)
     log.info("mlflow: %s", browse_hint(tracker))
     return Result(metrics, module, tracker.run_id, out)
@@ -208,7 +216,7 @@ def main(cfg: DictConfig) -> float | None:
     except RunInterrupted as err:
         print(f"stopped: {err}; the MLflow run is KILLED. Continue with the same command and resume=auto", file=sys.stderr)
         sys.exit(err.exit_code)  # a sweep stops too
-    except (ConfigError, StageFailed, NonFiniteError) as err:
+    except (ConfigError, StageFailed, NonFiniteError, RewardError) as err:
         if sweeping:
             raise  # a sweep records the failed job and goes on
         print(f"error: {err}", file=sys.stderr)
@@ -219,7 +227,7 @@ def main(cfg: DictConfig) -> float | None:
 def objective(metrics: dict[str, float], cfg: DictConfig) -> float | None:
     """What a sweeper optimises: `optimized_metric`, less `kl_penalty` per nat of final eval/kl
     above `kl_budget` when a budget is set (Optuna has no constraints, so the budget is a penalty)."""
-    value = metrics.get(cfg.get("optimized_metric") or "eval/gold_reward")
+    value = metrics.get(cfg.get("optimized_metric") or "eval/gold_reward", metrics.get("eval/reward"))
     budget = cfg.get("kl_budget")
     if value is None or budget is None:
         return value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import lightning as L
 import torch
@@ -15,7 +16,7 @@ from rlhflab.errors import ConfigError, NonFiniteError
 from rlhflab.contracts import MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.lit.data import PromptBatches, encode_prompts, prompt_loader
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
-from rlhflab.rewards import score_rollout
+from rlhflab.rewards.builtin import score_rollout
 from rlhflab.lit.checkpoint import Checkpoint
 from rlhflab.rng import fixed_seed, rng_state, set_rng_state
 from rlhflab.rollout.batch import Rollout
@@ -137,7 +138,8 @@ class RLHFModule(L.LightningModule):
         query, index, batch_id = batch
         prompts = [self.train_prompts[i] for i in index.tolist()]
         rollout = self.source.get(self.memory.generation_model, query, prompts, self.policy_version, self.algo, int(batch_id))
-        rollout = rollout.to(self.device)
+        k = self.algo.samples_per_prompt
+        rollout = replace(rollout, rows=index.repeat_interleave(k), split="train").to(self.device)
         t_gen = time.perf_counter() - t0
         mask = rollout.response_mask
         with torch.no_grad():
@@ -146,6 +148,7 @@ class RLHFModule(L.LightningModule):
                                              self.cfg.eos_penalty, self.algo.needs_greedy_baseline)
             if not self._finite(scores, "the rewards (train/reward)") or (baseline is not None and not self._finite(baseline, "the greedy baseline's rewards")):
                 return self._skip(rollout)
+            reward_parts = dict(getattr(self.reward, "components", {}))  # reward=function: train/reward/<name>
             # 3. where the ratios start (the source's off-policy correction), reference log-probs, values
             old_logprobs, is_weights, metrics = self.source.old_policy(rollout, lambda: self._logprobs(rollout))
             ref_logprobs = self.memory.reference_logprobs(rollout.query, rollout.response, self.temperature) * mask
@@ -158,7 +161,7 @@ class RLHFModule(L.LightningModule):
         updates = self._update(experience)
         if updates is None:
             return self._skip(rollout)
-        metrics = metrics | algo_metrics | updates
+        metrics = metrics | algo_metrics | updates | reward_parts
         self._watch_signal(scores, metrics)
         self.policy_version += 1
         t_sync = time.perf_counter()
@@ -308,23 +311,27 @@ class RLHFModule(L.LightningModule):
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Gold reward of sampled completions on held-out prompts (same seed every time)."""
+        """The task's gold reward of sampled completions on held-out prompts (same seed every time); a
+        task without a gold judgement reports the training reward on them instead (eval/reward)."""
+        k = self.cfg.eval_samples_per_prompt
         with fixed_seed(self.cfg.eval_seed):
             rollout: Rollout = self.source.eval_generator.generate(
-                self.memory.generation_model, self.eval_query.to(self.device), self.eval_prompts,
-                self.cfg.eval_samples_per_prompt, self.policy_version,
+                self.memory.generation_model, self.eval_query.to(self.device), self.eval_prompts, k, self.policy_version,
             )
-        gold = self.task.gold_reward(rollout.prompts, rollout.texts)
+        rollout = replace(rollout, rows=torch.arange(len(self.eval_prompts)).repeat_interleave(k), split="eval")
+        scores = self.reward.score(self.memory, self.task, rollout) if self.cfg.log_generations or not self.task.has_gold else None
+        gold = self.task.gold_reward(rollout.prompts, rollout.texts, "eval", rollout.rows) if self.task.has_gold else scores
         ref = self.memory.reference_logprobs(rollout.query, rollout.response, self.temperature)
         kl = F.masked_sum(rollout.logprobs - ref * rollout.response_mask, rollout.response_mask, dim=1)
         value = float(gold.mean())
         self.eval_history.append((self.policy_version, value, float(kl.mean())))
         self.progress = {"gold": value, **{k: v for k, v in self.progress.items() if k != "gold"}}
-        metrics = {"eval/gold_reward": value, "eval/kl": float(kl.mean()), "eval/eos_rate": float(rollout.has_eos(self.tokenizer.eos_token_id).float().mean())}
+        judged = "eval/gold_reward" if self.task.has_gold else "eval/reward"
+        metrics = {judged: value, "eval/kl": float(kl.mean()), "eval/eos_rate": float(rollout.has_eos(self.tokenizer.eos_token_id).float().mean())}
         if self.logger is not None:
             self.logger.log_metrics(metrics, step=self.updates)
-        log.info("eval after %d RL steps: gold reward %.3f, KL %.2f", self.policy_version, value, metrics["eval/kl"])
-        scores = self.reward.score(self.memory, self.task, rollout) if self.cfg.log_generations else None
+        what = "gold reward" if self.task.has_gold else "reward (the task has no gold_fn)"
+        log.info("eval after %d RL steps: %s %.3f, KL %.2f", self.policy_version, what, value, metrics["eval/kl"])
         for i in range(min(self.cfg.log_generations, rollout.num_samples)):
             self.generation_rows.append(
                 {"rl_step": self.policy_version, "prompt": rollout.prompts[i], "response": rollout.texts[i],

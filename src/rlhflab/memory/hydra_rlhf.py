@@ -81,11 +81,11 @@ class HydraRLHFMemory(MemoryStrategy):
 
     # ---- building ------------------------------------------------------------------------
 
-    def build(self, policy_path, reward_path, need_values: bool, pad_token_id: int, dtype: str = "float32") -> "HydraRLHFMemory":
+    def build(self, policy_path, reward_path, need_values: bool, tokenizer, dtype: str = "float32") -> "HydraRLHFMemory":
         """Wrap the hydra_sft checkpoint in adapters and load its heads. reward_path None: no reward head (rule reward)."""
         from peft import TaskType, get_peft_model
 
-        self.pad_token_id = pad_token_id
+        self.pad_token_id = tokenizer.pad_token_id
         self.dtype = dtype
         causal_lm = self.trainable(load_causal_lm(policy_path, dtype), context_fn=self._recompute_context)
         lm_head = module_name(causal_lm, causal_lm.get_output_embeddings())
@@ -202,7 +202,7 @@ class HydraRLHFMemory(MemoryStrategy):
         return out[:, query.shape[1] - 1 : -1].float()
 
     @torch.no_grad()
-    def scores(self, query, response) -> torch.Tensor:
+    def scores(self, query, response, prompts=None, completions=None) -> torch.Tensor:
         """(n,) standardised reward-head scores of the whole completion, adapters off."""
         input_ids = torch.cat([query, response], dim=1)
         raw = sequence_scores(self.reward_head, self._frozen_hidden(query, response), input_ids, self.pad_token_id)

@@ -65,20 +65,21 @@ class LoraMemory(FullMemory):
         super().__init__(gradient_checkpointing)
         self.lora = {"r": r, "lora_alpha": lora_alpha, "lora_dropout": lora_dropout, "target_modules": target_modules}
 
-    def build(self, policy_path, reward_path, need_values: bool, pad_token_id: int, dtype: str = "float32") -> "LoraMemory":
+    def build(self, policy_path, reward_path, need_values: bool, tokenizer, dtype: str = "float32") -> "LoraMemory":
         """Load the models this run needs. reward_path None: no reward model (rule reward)."""
         from peft import TaskType, get_peft_model
 
-        self.pad_token_id = pad_token_id
+        self.pad_token_id = tokenizer.pad_token_id
         self.dtype = dtype
         policy = self.trainable(load_causal_lm(policy_path, dtype))
         self.policy = get_peft_model(policy, lora_config(**self.lora, task_type=TaskType.CAUSAL_LM))
-        self.load_reward_model(reward_path)
+        self.load_reward_model(reward_path, tokenizer)
         self.value_model = None
         if need_values:
             # Values start from the reward model when there is one (as in the PPO-RLHF recipes);
             # listing the head in modules_to_save trains it in full and keeps the adapter off it.
-            backbone = self.trainable(load_value_model(reward_path or policy_path, dtype, pad_token_id))
+            start = reward_path if reward_path and self.reward_tokenizer is None else policy_path
+            backbone = self.trainable(load_value_model(start, dtype, self.pad_token_id))
             config = lora_config(**self.lora, task_type=TaskType.TOKEN_CLS, modules_to_save=VALUE_HEAD_NAMES)
             self.value_model = get_peft_model(backbone, config)
         return self

@@ -93,6 +93,34 @@ def read_reward_norm(path) -> tuple[float, float]:
     return 0.0, 1.0
 
 
+def foreign_tokenizer(model_path, tokenizer):
+    """The tokenizer saved with a reward model if its vocabulary differs from the policy's, else None."""
+    from transformers import AutoTokenizer
+
+    try:
+        own = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None  # no tokenizer saved with it: it reads the policy's tokens
+    if own.get_vocab() == tokenizer.get_vocab():
+        return None
+    if own.pad_token is None:
+        own.pad_token = own.eos_token or own.unk_token
+    own.padding_side = "right"
+    return own
+
+
+@torch.no_grad()
+def text_scores(model, tokenizer, prompts: list[str], completions: list[str], batch_size: int = 64) -> torch.Tensor:
+    """(n,) raw scores of a sequence classifier on prompt + completion texts, tokenised its own way."""
+    out = []
+    device = next(model.parameters()).device
+    for i in range(0, len(prompts), batch_size):
+        texts = [p + c for p, c in zip(prompts[i : i + batch_size], completions[i : i + batch_size])]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=True).to(device)
+        out.append(model(**batch).logits.squeeze(-1).float())
+    return torch.cat(out)
+
+
 def freeze(model):
     """Frozen and in eval mode: a reference or reward model."""
     model.requires_grad_(False)

@@ -24,6 +24,8 @@ class Rollout:
     texts: list[str]  # (n,) decoded responses
     baseline_response: torch.Tensor | None = None  # (n // k, R) greedy completion per prompt (ReMax)
     baseline_texts: list[str] | None = None
+    rows: torch.Tensor | None = None  # (n,) the dataset row of each sample's prompt (reward functions read its columns)
+    split: str = "train"  # which split `rows` index
     extras: dict = field(default_factory=dict)
 
     @property

@@ -22,6 +22,7 @@ class HubPromptTask:
     """
 
     name = "hub_prompts"
+    has_gold = True  # the gold reward model
 
     def __init__(self, dataset: str, prompt_key: str = "prompt", train_split: str = "train", eval_split: str = "validation",
                  num_train_prompts: int = 8192, num_eval_prompts: int = 256, max_new_tokens: int = 53,
@@ -66,7 +67,13 @@ class HubPromptTask:
         return tok, model
 
     @torch.no_grad()
-    def gold_reward(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+    def setup(self, tokenizer) -> dict[str, int]:
+        return {}
+
+    def reward_inputs(self, split, rows, prompts, completions):
+        return prompts, completions, {}
+
+    def gold_reward(self, prompts: list[str], responses: list[str], split: str = "eval", rows=None) -> torch.Tensor:
         tok, model = self._gold
         batch = tok([p + r for p, r in zip(prompts, responses)], return_tensors="pt", padding=True)
         return model(**batch.to(model.device)).logits.squeeze(-1).float().cpu()

@@ -72,6 +72,7 @@ class SentimentTask:
     """Prompts, demonstrations, preference pairs and the gold reward of the embedded task."""
 
     name = "sentiment"
+    has_gold = True
 
     def __init__(
         self,
@@ -168,7 +169,14 @@ class SentimentTask:
                 out.append((prompt, a, b) if ra > rb else (prompt, b, a))
         return out
 
-    def gold_reward(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+    def setup(self, tokenizer) -> dict[str, int]:
+        """Its prompts are words of its own tokenizer: nothing to adapt."""
+        return {}
+
+    def reward_inputs(self, split, rows, prompts, completions):
+        return prompts, completions, {}
+
+    def gold_reward(self, prompts: list[str], responses: list[str], split: str = "eval", rows=None) -> torch.Tensor:
         """(#positive - #negative) / response_words for each response text: (n,).
 
         Only the first `response_words` words count, so running past the budget never pays.

@@ -1,0 +1,67 @@
+"""Your own functions named in a config (`package.module:function` or `path/to/file.py:function`),
+and calling them the way TRL calls reward functions."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from rlhflab.errors import ConfigError, RewardError
+
+
+def load_callable(spec: str, key: str) -> Callable:
+    """The function `spec` names; one-line ConfigError naming `key` when it cannot be had."""
+    module_name, sep, attr = str(spec).rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key}: {spec!r} is not 'module:function' or 'path/to/file.py:function'")
+    try:
+        if module_name.endswith(".py") or "/" in module_name:
+            path = Path(module_name).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"{key}: no such file '{path}' (from {spec!r}); give an existing .py file or an importable module")
+            name = f"rlhflab_user_{path.stem}_{abs(hash(str(path.resolve())))}"
+            module = sys.modules.get(name)
+            if module is None:
+                loader_spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(loader_spec)
+                sys.modules[name] = module  # before exec: pickling (a spawned generator) finds it again
+                loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"{key}: cannot import {module_name!r} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+                          "check the name, or give path/to/file.py:function") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}: {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwargs: dict, rows: list[int] | None) -> "torch.Tensor":
+    """fn's values as an (n,) float tensor, or a one-line RewardError naming `name` and the row."""
+    n = len(completions)
+    try:
+        values = fn(prompts=prompts, completions=completions, **kwargs)
+    except Exception as err:
+        raise RewardError(f"reward function {name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+                          f"(on {n} completions; first prompt {str(prompts[0])[:60]!r})") from None
+    try:
+        values = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise RewardError(f"reward function {name} returned {type(values).__name__}, not a list of numbers") from None
+    if len(values) != n:
+        raise RewardError(f"reward function {name} returned {len(values)} values for {n} completions; return one per completion")
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            row = f"dataset row {rows[i]}" if rows is not None else f"completion {i}"
+            raise RewardError(f"reward function {name} returned {v} for {row} (prompt {str(prompts[i])[:60]!r}, "
+                              f"completion {str(completions[i])[:60]!r}); return a finite number")
+    import torch
+
+    return torch.tensor(values, dtype=torch.float32)

@@ -1,0 +1,67 @@
+"""`reward=function`: your own Python functions, with TRL's signature, as the reward.
+
+    def score(prompts: list, completions: list, **kwargs) -> list[float]
+
+`prompts` are the dataset's prompts of the batch (text, or a list of messages for a
+conversational dataset), `completions` the sampled texts (for a conversational dataset,
+`[{"role": "assistant", "content": text}]` each), and `kwargs` the dataset's other
+columns for the same rows (e.g. a reference `answer`). Several functions are summed
+with `reward.weights`, and each one's mean is logged as `train/reward/<name>`. A
+function that raises, returns the wrong number of values, or a NaN stops the run in
+one line naming the function and the row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from rlhflab.callables import call_reward, load_callable
+from rlhflab.contracts import MemoryStrategy, Task
+from rlhflab.errors import ConfigError
+from rlhflab.rollout.batch import Rollout
+
+
+def _name(spec: str) -> str:
+    return str(spec).rpartition(":")[2]
+
+
+class FunctionReward:
+    """Your functions as the reward. fn: one `module:function` or `path/to/file.py:function`;
+    fns: several of them; weights: one per function (default 1 each)."""
+
+    needs_reward_model = False
+
+    def __init__(self, fn: str | None = None, fns: Sequence[str] = (), weights: Sequence[float] | None = None) -> None:
+        specs = ([fn] if fn else []) + list(fns or [])
+        if not specs:
+            raise ConfigError("reward.fn: no reward function; set reward.fn=module:function or reward.fns=[a:f,b:g]")
+        key = "reward.fn" if fn and not fns else "reward.fns"
+        self.functions = [(_name(spec), load_callable(spec, key)) for spec in specs]
+        names = [n for n, _ in self.functions]
+        if len(set(names)) != len(names):  # two files' `score`: tell them apart by position
+            self.functions = [(f"{n}{i}", f) for i, (n, f) in enumerate(self.functions)]
+        self.weights = [1.0] * len(specs) if weights is None else [float(w) for w in weights]
+        if len(self.weights) != len(specs):
+            raise ConfigError(f"reward.weights: {len(self.weights)} weights for {len(specs)} functions; give one per function")
+        self.components: dict[str, float] = {}
+
+    def _score(self, task: Task, split: str, prompts: list[str], texts: list[str], rows: torch.Tensor | None) -> torch.Tensor:
+        prompts, completions, kwargs = task.reward_inputs(split, rows, prompts, texts)
+        total = torch.zeros(len(texts))
+        self.components = {}
+        row_ids = rows.tolist() if rows is not None else None
+        for (name, fn), weight in zip(self.functions, self.weights):
+            values = call_reward(fn, name, prompts, completions, kwargs, row_ids)
+            self.components[f"train/reward/{name}"] = float(values.mean())
+            total += weight * values
+        return total
+
+    def score(self, memory: MemoryStrategy, task: Task, rollout: Rollout) -> torch.Tensor:
+        return self._score(task, rollout.split, rollout.prompts, rollout.texts, rollout.rows)
+
+    def score_baseline(self, memory: MemoryStrategy, task: Task, rollout: Rollout) -> torch.Tensor:
+        k = rollout.num_samples // rollout.baseline_response.shape[0]
+        rows = rollout.rows[::k] if rollout.rows is not None else None
+        return self._score(task, rollout.split, rollout.prompts[::k], rollout.baseline_texts, rows)

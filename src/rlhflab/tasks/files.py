@@ -1,0 +1,229 @@
+"""`task=prompts`: your own prompts, demonstrations and preference pairs, from files or the hub.
+
+Every table is read with `datasets.load_dataset`: a local JSON Lines, JSON, CSV or
+Parquet file, or a hub dataset name with its split. Prompts are text, or a list of
+`{"role", "content"}` messages (conversational, as in TRL), rendered with the tokenizer's
+chat template. A prompt longer than `max_prompt_tokens` is dropped or truncated (its
+start cut, `overlong`), and the counts are logged. The rows' other columns reach the
+reward functions as keyword arguments, and `gold_fn` (same signature) judges held-out
+completions for `eval/gold_reward`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from rlhflab.callables import call_reward, load_callable
+from rlhflab.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+SPECIALS = {"pad": "[PAD]", "eos": "[EOS]", "bos": "[BOS]", "unk": "[UNK]"}
+
+
+def load_table(path: str, split: str, key: str):
+    """A `datasets.Dataset` from a local file (by its suffix) or a hub dataset name; one-line errors naming `key`."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    local = Path(path).expanduser()
+    try:
+        if local.suffix in BUILDERS:
+            if not local.is_file():
+                raise ConfigError(f"{key}: no such file '{path}'; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
+            if local.stat().st_size == 0:
+                raise ConfigError(f"{key}: '{path}' has no rows")
+            table = datasets.load_dataset(BUILDERS[local.suffix], data_files=str(local), split="train")
+        else:
+            table = datasets.load_dataset(path, split=split)
+    except ConfigError:
+        raise
+    except Exception as err:
+        reason = (str(err).splitlines() or [""])[0][:160]
+        raise ConfigError(f"{key}: cannot read '{path}' ({type(err).__name__}{': ' + reason if reason else ''}); "
+                          "check the file (or the hub name and split)") from None
+    if len(table) == 0:
+        raise ConfigError(f"{key}: '{path}' has no rows")
+    return table
+
+
+def _column(table, field: str, key: str, path: str) -> list:
+    if field not in table.column_names:
+        raise ConfigError(f"{key}: no column '{field}' in '{path}'; its columns are {', '.join(table.column_names)}")
+    values = list(table[field])
+    for i, v in enumerate(values):
+        if v is None or (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
+            raise ConfigError(f"{key}: row {i} of '{path}' has no '{field}'; fill it or remove the row")
+    return values
+
+
+def is_conversation(value) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+def _text(value) -> str:
+    """A completion as text: itself, or the content of a conversation's last (assistant) message."""
+    return value[-1]["content"] if is_conversation(value) else value
+
+
+class PromptsTask:
+    """Prompts (and optionally demonstrations and preference pairs) from your files.
+
+    path / split / prompt_field: the prompts; eval_path / eval_split: held-out prompts, else
+    eval_fraction of path is held out; num_eval_prompts: at most this many held out.
+    chat_template: apply the tokenizer's chat template to text prompts (conversations always are).
+    max_prompt_tokens / overlong: the prompt budget, and drop or truncate past it.
+    demonstrations_path (+ completion_field): prompt/completion pairs for stage sft.
+    preferences_path (+ chosen_field, rejected_field): pairs for stage rm (and hydra_sft).
+    max_new_tokens: the response budget. gold_fn: judges held-out completions (eval/gold_reward).
+    tokenizer: for a model built from config (model.name_or_path null): word or char level over the data.
+    """
+
+    name = "prompts"
+
+    def __init__(self, path: str, split: str = "train", prompt_field: str = "prompt", eval_path: str | None = None,
+                 eval_split: str | None = None, eval_fraction: float = 0.1, num_eval_prompts: int = 64,
+                 chat_template: bool = False, max_prompt_tokens: int = 256, overlong: str = "drop",
+                 demonstrations_path: str | None = None, completion_field: str = "completion",
+                 preferences_path: str | None = None, chosen_field: str = "chosen", rejected_field: str = "rejected",
+                 max_new_tokens: int = 64, gold_fn: str | None = None, tokenizer: str = "word", seed: int = 0) -> None:
+        self.prompt_field = prompt_field
+        self.chat_template = chat_template
+        self.max_prompt_tokens = max_prompt_tokens
+        self.overlong = overlong
+        self.max_new_tokens = max_new_tokens
+        self.tokenizer_level = tokenizer
+        train = load_table(path, split, "task.path")
+        _column(train, prompt_field, "task.prompt_field", path)
+        if eval_path:
+            held = load_table(eval_path, eval_split or split, "task.eval_path")
+            _column(held, prompt_field, "task.prompt_field", eval_path)
+        else:
+            order = list(range(len(train)))
+            random.Random(seed).shuffle(order)
+            n = min(num_eval_prompts, max(1, int(len(train) * eval_fraction)))
+            if len(train) - n < 1:
+                raise ConfigError(f"task.eval_fraction: holding out {n} of {len(train)} prompts leaves none to train on; "
+                                  "give task.eval_path or more prompts")
+            held, train = train.select(sorted(order[:n])), train.select(sorted(order[n:]))
+        self.tables = {"train": train, "eval": held.select(range(min(len(held), num_eval_prompts)))}
+        self.num_train_prompts = len(train)
+        self.rows = {s: list(range(len(t))) for s, t in self.tables.items()}  # kept rows (setup may drop some)
+        self.rendered: dict[str, list[str]] = {}
+        self.raw_demos = self._pairs(demonstrations_path, [prompt_field, completion_field], "task.demonstrations_path")
+        self.raw_prefs = self._pairs(preferences_path, [prompt_field, chosen_field, rejected_field], "task.preferences_path")
+        self.demos, self.prefs = self.raw_demos, self.raw_prefs  # rendered by setup()
+        self.gold_fn = load_callable(gold_fn, "task.gold_fn") if gold_fn else None
+        self.has_gold = self.gold_fn is not None
+        self.conversational = is_conversation(train[0][prompt_field])
+
+    def _pairs(self, path: str | None, fields: list[str], key: str) -> list[tuple] | None:
+        if not path:
+            return None
+        table = load_table(path, "train", key)
+        columns = [_column(table, f, key, path) for f in fields]
+        return list(zip(*columns))
+
+    # ---- rendering, against the policy's tokenizer -------------------------------------------
+
+    def setup(self, tokenizer) -> dict[str, int]:
+        """Render prompts (chat template), enforce max_prompt_tokens; returns the counts it logged."""
+        counts = {}
+        for split, table in self.tables.items():
+            kept, texts, dropped, truncated = [], [], 0, 0
+            for row, prompt in enumerate(list(table[self.prompt_field])):
+                text = self._render(prompt, tokenizer)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                if len(ids) > self.max_prompt_tokens:
+                    if self.overlong == "drop":
+                        dropped += 1
+                        continue
+                    text, truncated = tokenizer.decode(ids[-self.max_prompt_tokens :]), truncated + 1  # keep the end
+                kept.append(row)
+                texts.append(text)
+            if not texts:
+                raise ConfigError(f"task.max_prompt_tokens: every {split} prompt is longer than {self.max_prompt_tokens} tokens; "
+                                  "raise it or set task.overlong=truncate")
+            self.rows[split], self.rendered[split] = kept, texts
+            counts |= {f"task/{split}_prompts": len(texts), f"task/{split}_prompts_dropped": dropped,
+                       f"task/{split}_prompts_truncated": truncated}
+            if dropped or truncated:
+                log.warning("task: %d %s prompts longer than task.max_prompt_tokens=%d %s", dropped or truncated, split,
+                            self.max_prompt_tokens, "dropped" if dropped else "truncated (their start cut)")
+        self.num_train_prompts = len(self.rendered["train"])
+        # Demonstrations and preference pairs start from the same rendering as RL prompts.
+        render = lambda pairs: pairs and [(self._render(p, tokenizer), *map(_text, rest)) for p, *rest in pairs]  # noqa: E731
+        self.demos, self.prefs = render(self.raw_demos), render(self.raw_prefs)
+        return counts
+
+    def _render(self, prompt, tokenizer) -> str:
+        if is_conversation(prompt) or self.chat_template:
+            if not getattr(tokenizer, "chat_template", None):
+                raise ConfigError("task.chat_template: the tokenizer has no chat template"
+                                  + (" and the prompts are conversations" if is_conversation(prompt) else "")
+                                  + "; use a model whose tokenizer has one, or plain-text prompts with task.chat_template=false")
+            messages = prompt if is_conversation(prompt) else [{"role": "user", "content": prompt}]
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return prompt
+
+    # ---- what the pipeline reads --------------------------------------------------------------
+
+    def prompts(self, split: str) -> list[str]:
+        if split not in self.rendered:
+            raise RuntimeError("PromptsTask.setup(tokenizer) must run before prompts()")
+        return self.rendered[split]
+
+    def demonstrations(self) -> list[tuple[str, str]] | None:
+        return self.demos
+
+    def preference_pairs(self) -> list[tuple[str, str, str]] | None:
+        return self.prefs
+
+    def reward_inputs(self, split: str, rows, prompts: list[str], completions: list[str]):
+        """The dataset's own prompts (text or messages) and other columns for `rows`, TRL's way."""
+        if rows is None:
+            return prompts, completions, {}
+        table = self.tables[split]
+        index = [self.rows[split][r] for r in rows.tolist()]
+        picked = table.select(index)
+        raw = list(picked[self.prompt_field])
+        if self.conversational:
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        extra = {c: list(picked[c]) for c in table.column_names if c != self.prompt_field}
+        return raw, completions, extra
+
+    def gold_reward(self, prompts: list[str], responses: list[str], split: str = "eval", rows=None) -> torch.Tensor:
+        if self.gold_fn is None:
+            raise RuntimeError("task.gold_fn is null: this task has no gold reward")
+        raw, completions, kwargs = self.reward_inputs(split, rows, prompts, responses)
+        return call_reward(self.gold_fn, "task.gold_fn", raw, completions, kwargs, rows.tolist() if rows is not None else None)
+
+    def build_tokenizer(self):
+        """A tokenizer over the data's words (or characters), for a model built from config."""
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        texts = [p if isinstance(p, str) else " ".join(m["content"] for m in p) for t in self.tables.values()
+                 for p in list(t[self.prompt_field])]
+        for pairs in (self.raw_demos or [], self.raw_prefs or []):
+            texts += [_text(x) for pair in pairs for x in pair[1:]]
+        units = sorted({u for t in texts for u in (t if self.tokenizer_level == "char" else t.split())})
+        vocab = {tok: i for i, tok in enumerate(SPECIALS.values())}
+        for unit in units:
+            vocab.setdefault(unit, len(vocab))
+        backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIALS["unk"]))
+        if self.tokenizer_level == "char":
+            from tokenizers import Regex, decoders
+
+            backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+            backend.decoder = decoders.Fuse()  # characters back together, not joined by spaces
+        else:
+            backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=SPECIALS["pad"], eos_token=SPECIALS["eos"],
+                                       bos_token=SPECIALS["bos"], unk_token=SPECIALS["unk"], padding_side="left")
