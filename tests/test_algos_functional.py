@@ -629,3 +629,38 @@ def test_eos_penalty():
     out = F.eos_penalty(s, torch.tensor([True, False, True]), -1.0)
     assert_close(out, t([0.3, -1.0, -0.2]))
     assert_close(F.eos_penalty(s, torch.tensor([True, False, True]), None), s)
+
+
+# --------------------------------------------------------------------- data parallelism
+@pytest.mark.parametrize("mode", F.LOSS_AGG_MODES)
+def test_ranks_averaged_gradients_equal_the_global_batch_gradient(gen, mode):
+    """Two ranks with unequal token counts: each divides its token sum by the global count over the
+    world size (`tokens`), DDP averages their gradients, and the result is the one-process gradient of
+    the whole mini-batch: a token-weighted (sample-weighted) mean. The mean of each rank's own token mean
+    (rank-weighted) would differ. Sequence modes need nothing: the ranks hold equal numbers of sequences."""
+    old = torch.randn(4, 6, generator=gen, dtype=D)
+    adv = torch.randn(4, generator=gen, dtype=D)
+    mask = ragged_mask([6, 5, 1, 2], 6)  # rank 0 holds rows 0-1 (11 tokens), rank 1 rows 2-3 (3 tokens)
+
+    def grad(rows, tokens=None):
+        lp = old.clone().requires_grad_()
+        F.clipped_policy_loss(lp[rows], old[rows], adv[rows], mask[rows], 0.2, mode, tokens=tokens)[0].backward()
+        return lp.grad
+
+    whole = grad(slice(0, 4))
+    world = 2
+    tokens = float(mask.sum()) / world if mode == "token-mean" else None
+    ddp = (grad(slice(0, 2), tokens) + grad(slice(2, 4), tokens)) / world
+    assert_close(ddp, whole)
+    if mode == "token-mean":
+        rank_weighted = (grad(slice(0, 2)) + grad(slice(2, 4))) / world
+        assert not torch.allclose(rank_weighted, whole)
+
+
+def test_dpo_pairs_normaliser_makes_the_ranks_mean_the_global_mean():
+    pc = t([-1.0, -2.0, -0.5, -3.0]).requires_grad_()
+    pr, rc, rr = t([-3.0, -1.0, -2.0, -1.0]), t([-2.0, -1.0, -1.0, -2.0]), t([-2.5, -1.0, -1.5, -1.0])
+    valid = torch.tensor([True, True, True, False])  # rank 1 has one trained pair, rank 0 two
+    whole, _, _ = F.dpo_loss(pc, pr, rc, rr, 0.1, pair_mask=valid)
+    halves = [F.dpo_loss(pc[s], pr[s], rc[s], rr[s], 0.1, pair_mask=valid[s], pairs=3 / 2)[0] for s in (slice(0, 2), slice(2, 4))]
+    assert (halves[0] + halves[1]).item() / 2 == pytest.approx(whole.item())

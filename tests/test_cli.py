@@ -66,6 +66,15 @@ BAD_VALUES = [
     ("model.sft_path=/no/such/model", "model.sft_path"),
     ("algo=nope", "algo=nope"),
     ("-m algo=rloo,grpo algo.kl_coef=0.1", "algo.kl_coef"),
+    # distributed (issue 11)
+    ("trainer=ddp rl.prompts_per_step=3", "rl.prompts_per_step"),
+    ("trainer=ddp task.num_eval_prompts=1", "task.num_eval_prompts"),
+    ("trainer=fsdp mode=async", "mode=async"),
+    ("trainer=fsdp memory=lora output.merge_lora=true", "output.merge_lora"),
+    ("trainer=fsdp trainer.strategy.data_parallel_size=1", "trainer.strategy.data_parallel_size"),
+    ("trainer=ddp trainer.strategy.process_group_backend=nccl trainer.accelerator=cpu", "trainer.strategy.process_group_backend"),
+    ("mode=async trainer=gpu mode.device=cuda:0", "mode.device"),
+    ("trainer=ddp trainer.accelerator=gpu mode=async mode.device=cuda:1", "mode.device"),
 ]
 
 RUNNER = r'''

@@ -135,7 +135,7 @@ def test_async_resume_loses_and_repeats_no_batch_and_keeps_staleness_exact(make_
     checkpoint = tmp_path / "cut" / "checkpoints" / "step-00000006"
     assert checkpoint.is_dir()
     state = torch.load(checkpoint / "state.pt", weights_only=True)
-    assert [r["extras"]["batch"] for r in state["source"]["pending"]] == [6, 7]  # made with versions 4 and 5
+    assert [r["extras"]["batch"] for r in state["ranks"][0]["source"]["pending"]] == [6, 7]  # made with versions 4 and 5
     resumed = train(make_cfg(*args, f"output.dir={tmp_path}/cut", "resume=auto"))
     uri = cut_cfg.logger.tracking_uri
     assert resumed.run_id == run_id_of(tmp_path / "cut")

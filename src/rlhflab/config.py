@@ -62,7 +62,7 @@ def validate(cfg: DictConfig) -> Plan:
     tracker = _instantiate("logger", cfg.logger)
 
     rl = cfg.rl
-    if task.num_train_prompts < rl.prompts_per_step:
+    if 0 < task.num_train_prompts < rl.prompts_per_step:  # 0: a hub dataset not loaded yet (train() checks again)
         raise ConfigError(
             f"rl.prompts_per_step={rl.prompts_per_step}: larger than the task's {task.num_train_prompts} training prompts; "
             f"lower it or raise task.num_train_prompts"

@@ -57,6 +57,20 @@ class StopRequest:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
+    def take_back(self) -> None:
+        """Handle SIGINT and SIGTERM ourselves again inside a fit: Lightning composes its own SIGTERM
+        handler with ours, and under several ranks it broadcasts from inside that handler, which can
+        meet a rank in the middle of another collective. Lightning restores the old handlers after fit."""
+        for s in SIGNALS:
+            signal.signal(s, self._handle)
+
+    def agreed(self) -> int | None:
+        """The signal any rank received (every rank must call this at the same point), or None."""
+        from rlhflab import distributed
+
+        received = [s for s in distributed.gather(self.signum) if s is not None]
+        return received[0] if received else None
+
     @contextmanager
     def at_step_boundaries(self):
         """Within the block a first signal waits for the loop's next `check()`."""

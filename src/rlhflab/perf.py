@@ -18,15 +18,18 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from rlhflab.models.sharding import local
+
 MB = 2**20
 
 
 def _bytes(tensors) -> int:
+    """Bytes of distinct storages; of a sharded (FSDP) tensor, this rank's shard."""
     seen, total = set(), 0
     for t in tensors:
         if t is None:
             continue
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
@@ -47,9 +50,9 @@ def model_state_bytes(modules: list[nn.Module], optimizer: torch.optim.Optimizer
     return {
         "perf/param_bytes_trainable": _bytes(trainable),
         "perf/param_bytes_frozen": _bytes(frozen),
-        "perf/grad_bytes": sum(p.numel() * p.element_size() for p in trainable),  # gradients exist at the peak
+        "perf/grad_bytes": sum(local(p).numel() * p.element_size() for p in trainable),  # gradients exist at the peak
         "perf/optim_bytes": _bytes(optim),
-        "perf/param_count": sum(p.numel() for p in params),
+        "perf/param_count": sum(p.numel() for p in params),  # the whole model's, sharded or not
     }
 
 
@@ -57,7 +60,7 @@ class ActivationMeter:
     """Peak bytes of tensors autograd saves for backward, between `reset()` calls."""
 
     def __init__(self, parameters) -> None:
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in parameters}
+        self.param_ptrs = {local(p).untyped_storage().data_ptr() for p in parameters}
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0

@@ -323,6 +323,8 @@ class Trainer:
     _target_: str = "lightning.Trainer"
     accelerator: str = MISSING
     devices: Any = MISSING
+    num_nodes: int = setting(ge=1)
+    strategy: Any = MISSING  # a Lightning strategy name, or a node with its _target_
     max_steps: int = setting(ge=1)
     precision: str = setting(choices=("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "64-true"))
     log_every_n_steps: int = setting(ge=1)
@@ -421,6 +423,44 @@ def _walk(node: DictConfig, prefix: str = "") -> None:
             _check_value(name, value, declared[key].metadata)
 
 
+def ranks(trainer: DictConfig) -> int:
+    """Processes a trainer config starts (1 when `devices` is not a count, e.g. auto or a list of one)."""
+    devices = trainer.devices
+    count = len(devices) if isinstance(devices, ListConfig) else devices if isinstance(devices, int) else 1
+    return count * trainer.num_nodes
+
+
+def check_generator_device(cfg: DictConfig) -> None:
+    """mode.device=cuda:N puts each rank's generator on GPU N + its local rank: those must not be training GPUs."""
+    device = OmegaConf.select(cfg, "mode.device")
+    if not device or not str(device).startswith("cuda") or cfg.trainer.accelerator not in ("gpu", "cuda", "auto"):
+        return
+    first = int(str(device).partition(":")[2] or 0)
+    devices = cfg.trainer.devices
+    training = list(devices) if isinstance(devices, ListConfig) else list(range(devices)) if isinstance(devices, int) else [0]
+    generators = list(range(first, first + len(training)))
+    clash = sorted(set(training) & set(generators))
+    if clash:
+        free = max(training) + 1
+        raise SettingError("mode.device", f"{device} gives the generator(s) GPU {', '.join(map(str, generators))}, and "
+                           f"trainer.devices trains on GPU {', '.join(map(str, training))}; set mode.device=cuda:{free}")
+
+
+def check_sharding(cfg: DictConfig) -> None:
+    """trainer=fsdp (ModelParallelStrategy) with what it cannot shard: one line each."""
+    strategy = cfg.trainer.strategy
+    if not (isinstance(strategy, DictConfig) and str(strategy.get("_target_", "")).endswith("ModelParallelStrategy")):
+        return
+    if OmegaConf.get_type(cfg.mode) is AsyncMode:
+        raise SettingError("mode=async", "with trainer=fsdp the policy is sharded over the ranks, and a generator process "
+                           "needs all of it; use trainer=ddp for async runs (or mode=sync)")
+    if issubclass(OmegaConf.get_type(cfg.generator), VLLMGenerator):
+        raise SettingError("generator=vllm", "an inference engine needs the whole policy, which trainer=fsdp shards; "
+                           "use generator=hf with trainer=fsdp, or trainer=ddp")
+    if cfg.output.merge_lora:
+        raise SettingError("output.merge_lora", "not with trainer=fsdp (the adapter is saved; merge it from policy/ after the run)")
+
+
 def check(cfg: DictConfig) -> None:
     """Raise SettingError for the first bad value of a composed config: an undeclared key, a value
     out of range or not among its choices, or a cross-field rule that needs no model."""
@@ -428,6 +468,25 @@ def check(cfg: DictConfig) -> None:
     mode = OmegaConf.get_type(cfg.mode)
     if mode is SyncMode and cfg.staleness != 0:
         raise SettingError("staleness", f"{cfg.staleness}: mode=sync runs with staleness 0; use mode=async for staleness > 0 (or staleness=0)")
+    world = ranks(cfg.trainer)
+    if world > 1 and cfg.rl.prompts_per_step % world:
+        raise SettingError("rl.prompts_per_step", f"{cfg.rl.prompts_per_step} prompts do not split evenly over {world} ranks "
+                           f"(trainer.devices x trainer.num_nodes); make it a multiple of {world}")
+    eval_prompts = OmegaConf.select(cfg, "task.num_eval_prompts")
+    if world > 1 and isinstance(eval_prompts, int) and 0 < eval_prompts < world:
+        raise SettingError("task.num_eval_prompts", f"{eval_prompts} held-out prompts for {world} ranks (each evaluates a share); "
+                           f"set task.num_eval_prompts={world} or more")
+    strategy = cfg.trainer.strategy
+    backend = strategy.get("process_group_backend") if isinstance(strategy, DictConfig) else None
+    shards = strategy.get("data_parallel_size") if isinstance(strategy, DictConfig) else None
+    if isinstance(shards, int) and shards * strategy.get("tensor_parallel_size", 1) != world:
+        raise SettingError("trainer.strategy.data_parallel_size", f"{shards} shards for {world} ranks (trainer.devices x "
+                           f"trainer.num_nodes); set trainer.strategy.data_parallel_size={world}")
+    if backend == "nccl" and cfg.trainer.accelerator == "cpu":
+        raise SettingError("trainer.strategy.process_group_backend", "nccl needs GPUs, and trainer.accelerator=cpu; "
+                           "use gloo (or null to choose by device), or trainer.accelerator=gpu")
+    check_generator_device(cfg)
+    check_sharding(cfg)
     minibatches = cfg.algo.num_minibatches
     if cfg.rl.prompts_per_step % minibatches:
         raise SettingError("rl.prompts_per_step", f"{cfg.rl.prompts_per_step} is not divisible by algo.num_minibatches={minibatches}; "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from rlhflab import distributed
 from rlhflab.config import Plan, validate
 from rlhflab.errors import ConfigError, NonFiniteError, RewardError, RunInterrupted, StageFailed
 from rlhflab.interrupts import STOP, as_interrupt
@@ -65,6 +67,21 @@ def output_dir(cfg: DictConfig) -> Path:
     return path.resolve()
 
 
+def relaunch_as_one_job(cfg: DictConfig, out: Path) -> None:
+    """Lightning starts the other ranks by running this process's command line again. In a sweep job
+    that line is the whole sweep (-m a=1,2 ...): make it this job's overrides, in this job's directory."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    distributed_trainer = str(cfg.trainer.devices) not in ("1", "auto") or cfg.trainer.num_nodes > 1
+    if not (distributed_trainer and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN):
+        return
+    hydra_cfg = HydraConfig.get()
+    sys.argv = [sys.argv[0], *hydra_cfg.overrides.task, f"output.dir={out}"]
+    OmegaConf.set_readonly(hydra_cfg, False)
+    hydra_cfg.run.dir = str(out)  # Lightning passes it on as hydra.run.dir
+
+
 def _make_trainer(cfg: DictConfig, logger, stage: str, callbacks=(), **overrides):
     bar = [StageProgressBar(stage)] if cfg.trainer.enable_progress_bar else []
     return instantiate(cfg.trainer, logger=logger, callbacks=[*bar, *callbacks], **overrides)
@@ -79,13 +96,18 @@ def train(cfg: DictConfig) -> Result:
     if cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))
     torch.manual_seed(cfg.seed)
+    if not distributed.is_main():  # one rank speaks: rank 0
+        for name in ("", "rlhflab", "lightning", "lightning.pytorch", "lightning.fabric"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     out = output_dir(cfg)
     resume = ckpt.find(cfg.resume, out, cfg)
     tracker = plan.tracker
-    with STOP.installed():
-        run_id = tracker.start(cfg, plan.tags, hydra_overrides(), out, resume.state["run_id"] if resume else None)
-        (out / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(tracker.tracking_uri),
-                                                         "experiment": tracker.experiment_name}, indent=1))
+    relaunch_as_one_job(cfg, out)
+    with distributed.one_job(), STOP.installed():
+        if distributed.is_main():  # the other ranks log nothing to MLflow (their tracker has no run)
+            run_id = tracker.start(cfg, plan.tags, hydra_overrides(), out, resume.state["run_id"] if resume else None)
+            (out / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(tracker.tracking_uri),
+                                                             "experiment": tracker.experiment_name}, indent=1))
         status = "FAILED"
         try:
             result = _run(cfg, plan, tracker, out, resume)
@@ -189,8 +211,17 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
 
 
 def save_policy(module: RLHFModule, tokenizer, path: Path, cfg: DictConfig, tracker: MlflowTracker) -> Path:
-    """The trained policy (with LoRA: the adapter, and a merged copy if output.merge_lora) and its tokenizer."""
-    module.memory.save_policy(path, cfg.output.merge_lora)
+    """The trained policy (with LoRA: the adapter, and a merged copy if output.merge_lora) and its tokenizer;
+    rank 0 writes (a sharded policy is gathered first, by every rank)."""
+    state = None
+    if module.sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(module.memory.generation_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not distributed.is_main():
+        return path
+    shutil.rmtree(path, ignore_errors=True)  # a resumed run (or a rerun in the same directory) replaces it
+    module.memory.save_policy(path, cfg.output.merge_lora, state)
     tokenizer.save_pretrained(path)
     if (path / "merged").is_dir():
         tokenizer.save_pretrained(path / "merged")
@@ -202,7 +233,7 @@ def save_policy(module: RLHFModule, tokenizer, path: Path, cfg: DictConfig, trac
 def browse_hint(tracker: MlflowTracker) -> str:
     uri = redact(tracker.tracking_uri)
     ui = "" if uri.startswith("http") else f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1, then "
-    return f"run {tracker.run_id}: {ui}{tracker.url()}"
+    return f"run {tracker.run_id}: {ui}{tracker.url()} (all runs by gold reward: {tracker.url(table=True)})"
 
 
 def main(cfg: DictConfig) -> float | None:

@@ -50,6 +50,10 @@ class Experience:
     ref_logprobs: torch.Tensor  # (n, R) reference log-probs (0 on padding)
     targets: Targets
     is_weights: torch.Tensor | None = None  # (n, R) importance weights of the rollout source's off-policy correction
+    # Under data parallelism: the global count of valid tokens (and of trained pairs) of this mini-batch over the
+    # world size, which a mean divides by so that averaging the ranks' gradients is the global mean. None: local counts.
+    tokens: float | None = None
+    pairs: float | None = None
 
     def __len__(self) -> int:
         return self.response.shape[0]
@@ -57,9 +61,17 @@ class Experience:
     def select(self, index: torch.Tensor) -> "Experience":
         """The samples at `index` (a 1-d long tensor), every tensor field sliced alike."""
         targets = replace(self.targets, **{f.name: _take(getattr(self.targets, f.name), index) for f in fields(Targets)})
-        sliced = {f.name: _take(getattr(self, f.name), index) for f in fields(self) if f.name != "targets"}
+        sliced = {f.name: _take(getattr(self, f.name), index) for f in fields(self) if f.name not in ("targets", "tokens", "pairs")}
         return replace(self, targets=targets, **sliced)
 
 
 def _take(x: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
     return None if x is None else x[index]
+
+
+def counts(batch: Experience) -> dict[str, float]:
+    """What a mean over this mini-batch divides by: its valid tokens and its trained pairs (online DPO)."""
+    out = {"tokens": float(batch.response_mask.bool().sum())}
+    if batch.targets.pair_sign is not None:
+        out["pairs"] = float((batch.targets.pair_sign > 0).sum())
+    return out

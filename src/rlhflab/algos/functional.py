@@ -231,15 +231,21 @@ def gae_advantages(
     return advantages, returns
 
 
-def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str) -> torch.Tensor:
+def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str, tokens: float | None = None) -> torch.Tensor:
     """Aggregate per-token losses ``(b, t)`` into a scalar; see ``LOSS_AGG_MODES``.
 
     Masked positions never count (they may hold inf/NaN).  An empty mask gives 0.
     ``seq-mean-token-sum-norm`` divides every sequence by ``t``, the padded
     response budget, so a sequence's weight does not depend on its length.
+    ``tokens``: what token-mean divides the sum by, instead of this batch's valid
+    tokens. Under data parallelism it is the global count over the world size, so
+    that averaging the ranks' gradients gives the mean over every token of the
+    global batch (not the mean of the ranks' means).
     """
     if mode == "token-mean":
-        return masked_mean(loss_mat, response_mask)
+        if tokens is None:
+            return masked_mean(loss_mat, response_mask)
+        return masked_sum(loss_mat, response_mask) / max(tokens, 1.0)
     per_seq = masked_sum(loss_mat, response_mask, dim=1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / response_mask.bool().sum(dim=1).clamp(min=1).to(per_seq.dtype)
@@ -258,8 +264,9 @@ def clipped_policy_loss(
     clip_eps: float,
     loss_agg: str = "token-mean",
     weights: torch.Tensor | None = None,
+    tokens: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate on token ratios. Returns ``(loss, clipfrac, approx_kl)``, all scalars.
+    """PPO clipped surrogate on token ratios (``tokens``: see ``agg_loss``). Returns ``(loss, clipfrac, approx_kl)``, all scalars.
 
     ``logprobs``, ``old_logprobs``, ``response_mask`` ``(b, t)``; ``advantages`` ``(b, t)`` or
     ``(b,)`` (one per sequence, broadcast to its tokens).  Per token:
@@ -279,7 +286,7 @@ def clipped_policy_loss(
     per_token = torch.maximum(unclipped, clipped)
     if weights is not None:
         per_token = per_token * weights.detach()
-    loss = agg_loss(per_token, response_mask, loss_agg)
+    loss = agg_loss(per_token, response_mask, loss_agg, tokens)
     clipfrac = masked_mean((clipped > unclipped).to(ratio.dtype), response_mask).detach()
     approx_kl = masked_mean(0.5 * log_ratio.detach() ** 2, response_mask)
     return loss, clipfrac, approx_kl
@@ -292,8 +299,9 @@ def clipped_value_loss(
     response_mask: torch.Tensor,
     clip_eps: float,
     loss_agg: str = "token-mean",
+    tokens: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped value loss, all inputs ``(b, t)``. Returns ``(loss, clipfrac)`` scalars.
+    """PPO clipped value loss, all inputs ``(b, t)``. Returns ``(loss, clipfrac)`` scalars (``tokens``: see ``agg_loss``).
 
     ``loss = 0.5 * agg(max((v - R)^2, (v_clip - R)^2))`` with
     ``v_clip = old + clamp(v - old, -eps, eps)``, aggregated by ``loss_agg``.
@@ -301,7 +309,7 @@ def clipped_value_loss(
     old_values, returns = old_values.detach(), returns.detach()
     v_clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
     err, err_clipped = (values - returns) ** 2, (v_clipped - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(err, err_clipped), response_mask, loss_agg)
+    loss = 0.5 * agg_loss(torch.maximum(err, err_clipped), response_mask, loss_agg, tokens)
     clipfrac = masked_mean((err_clipped > err).to(values.dtype), response_mask).detach()
     return loss, clipfrac
 
@@ -330,12 +338,14 @@ def dpo_loss(
     beta: float,
     loss_type: str = "sigmoid",
     pair_mask: torch.Tensor | None = None,
+    pairs: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DPO / IPO loss on sequence log-probs ``(b,)``.
 
     ``logits = (pc - rc) - (pr - rr)``; ``sigmoid``: ``-logsigmoid(beta*logits)``;
     ``ipo``: ``(logits - 1/(2*beta))**2``; mean over the pairs where ``pair_mask`` ``(b,)`` is
-    set (all by default; 0 when none is).  Returns ``(loss, chosen_rewards, rejected_rewards)``
+    set (all by default; 0 when none is), or the masked sum over ``pairs`` (data parallelism,
+    as ``tokens`` in ``agg_loss``).  Returns ``(loss, chosen_rewards, rejected_rewards)``
     with implicit rewards ``beta*(pc - rc)``, ``beta*(pr - rr)`` (``(b,)``, detached).
     """
     chosen_ratio = chosen_logps - ref_chosen_logps
@@ -350,7 +360,7 @@ def dpo_loss(
             f"unknown DPO loss_type {loss_type!r}; valid: {', '.join(DPO_LOSS_TYPES)}"
         )
     mask = torch.ones_like(per_pair, dtype=torch.bool) if pair_mask is None else pair_mask.bool()
-    loss = masked_mean(per_pair, mask)
+    loss = masked_mean(per_pair, mask) if pairs is None else masked_sum(per_pair, mask) / max(pairs, 1.0)
     return loss, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
 
 
@@ -374,10 +384,11 @@ def tied_groups(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def kl_loss(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor, loss_agg: str = "token-mean"
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor, loss_agg: str = "token-mean",
+    tokens: float | None = None,
 ) -> torch.Tensor:
     """GRPO's KL term: the k3 estimator per token ``(b, t)``, aggregated by ``loss_agg`` -> scalar."""
-    return agg_loss(kl_penalty(logprobs, ref_logprobs, "k3"), response_mask, loss_agg)
+    return agg_loss(kl_penalty(logprobs, ref_logprobs, "k3"), response_mask, loss_agg, tokens)
 
 
 def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -71,7 +71,8 @@ class Algorithm:
     def policy_loss(self, logprobs: torch.Tensor, batch: Experience, clip_eps: float):
         """The clipped surrogate every policy-gradient algorithm here shares."""
         loss, clipfrac, approx_kl = F.clipped_policy_loss(
-            logprobs, batch.old_logprobs, batch.targets.advantages, batch.response_mask, clip_eps, self.loss_agg, batch.is_weights
+            logprobs, batch.old_logprobs, batch.targets.advantages, batch.response_mask, clip_eps, self.loss_agg, batch.is_weights,
+            batch.tokens,
         )
         return loss, {"train/pg_loss": loss.detach(), "train/clipfrac": clipfrac, "train/approx_kl": approx_kl}
 
@@ -171,7 +172,7 @@ class GRPO(Algorithm):
 
     def loss(self, logprobs, values, batch):
         pg, metrics = self.policy_loss(logprobs, batch, self.clip_eps)
-        kl = F.kl_loss(logprobs, batch.ref_logprobs, batch.response_mask, self.loss_agg)
+        kl = F.kl_loss(logprobs, batch.ref_logprobs, batch.response_mask, self.loss_agg, batch.tokens)
         return pg + self.kl_loss_coef * kl, metrics | {"train/kl_loss": kl.detach()}
 
 
@@ -212,7 +213,8 @@ class PPO(Algorithm):
     def loss(self, logprobs, values, batch):
         pg, metrics = self.policy_loss(logprobs, batch, self.clip_eps)
         t = batch.targets
-        vf, vf_clipfrac = F.clipped_value_loss(values, t.old_values, t.returns, batch.response_mask, self.value_clip_eps, self.loss_agg)
+        vf, vf_clipfrac = F.clipped_value_loss(values, t.old_values, t.returns, batch.response_mask, self.value_clip_eps, self.loss_agg,
+                                               batch.tokens)
         return pg + self.vf_coef * vf, metrics | {"train/vf_loss": vf.detach(), "train/vf_clipfrac": vf_clipfrac}
 
 
@@ -264,7 +266,7 @@ class OnlineDPO(Algorithm):
         pick = lambda x, i: x.gather(1, i).squeeze(1)  # noqa: E731
         has_pair = sign.ne(0).any(1)
         loss, chosen_rewards, rejected_rewards = F.dpo_loss(
-            pick(seq, c), pick(seq, r), pick(ref, c), pick(ref, r), self.beta, self.loss_type, pair_mask=has_pair
+            pick(seq, c), pick(seq, r), pick(ref, c), pick(ref, r), self.beta, self.loss_type, pair_mask=has_pair, pairs=batch.pairs
         )
         accuracy = F.masked_mean((chosen_rewards > rejected_rewards).to(seq.dtype), has_pair)
         margin = F.masked_mean(chosen_rewards - rejected_rewards, has_pair)

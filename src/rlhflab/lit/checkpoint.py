@@ -23,7 +23,8 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlhflab.errors import ConfigError
+from rlhflab import distributed
+from rlhflab.errors import ConfigError, RunInterrupted
 from rlhflab.interrupts import STOP
 from rlhflab.models.cache import damage, write_manifest
 from rlhflab.tracking import flatten
@@ -144,14 +145,18 @@ class Checkpointer(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         due = self.next_at is not None and module.updates >= self.next_at
-        if (due or STOP.requested) and module.can_checkpoint():
+        stop = STOP.agreed()  # one decision for every rank, whichever got the signal
+        if (due or stop) and module.can_checkpoint():
             self.save(module)
             if due:
                 self.next_at = (module.updates // self.every + 1) * self.every
-        STOP.check()
+        if stop:
+            raise RunInterrupted(stop)
 
-    def save(self, module) -> Path:
+    def save(self, module) -> Path | None:
+        """Every rank gives its state (collective); rank 0 writes the checkpoint."""
         tensors, optimizer, state = module.checkpoint_state()
-        self.last = write(self.root, module.updates, tensors, optimizer, state, self.config_yaml, self.keep)
-        log.info("checkpoint: %s", self.last)
+        if distributed.is_main():
+            self.last = write(self.root, module.updates, tensors, optimizer, state, self.config_yaml, self.keep)
+            log.info("checkpoint: %s", self.last)
         return self.last

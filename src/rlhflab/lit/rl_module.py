@@ -9,15 +9,18 @@ from dataclasses import replace
 import lightning as L
 import torch
 
+from rlhflab import distributed
 from rlhflab.algos import functional as F
-from rlhflab.algos.carriers import Experience, Scored
+from rlhflab.algos.carriers import Experience, Scored, counts
 from rlhflab.algos.registry import Algorithm
 from rlhflab.errors import ConfigError, NonFiniteError
 from rlhflab.contracts import MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.lit.data import PromptBatches, encode_prompts, prompt_loader
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
 from rlhflab.rewards.builtin import score_rollout
+from rlhflab.interrupts import STOP
 from rlhflab.lit.checkpoint import Checkpoint
+from rlhflab.models.sharding import full
 from rlhflab.rng import fixed_seed, rng_state, set_rng_state
 from rlhflab.rollout.batch import Rollout
 
@@ -63,17 +66,30 @@ class RLHFModule(L.LightningModule):
         self.flat_steps = 0  # consecutive steps in which every completion scored the same (no learning signal)
         self.progress: dict[str, float] = {}  # what the progress bar shows
         self.consistent = True  # False while a batch's updates are under way (no checkpoint can be taken then)
+        self.sharded = False  # trainer=fsdp
         self.run_id: str | None = None  # the MLflow run, kept by checkpoints so that a resume continues it
 
     def prompt_batches(self, start: int | None = None) -> PromptBatches:
         """The prompt stream from batch `start` (default: the next to train on)."""
         return PromptBatches(self.train_query, self.cfg.prompts_per_step, self.seed,
-                             start=self.policy_version if start is None else start)
+                             start=self.policy_version if start is None else start,
+                             rank=distributed.rank(), world_size=distributed.world_size())
 
     def train_dataloader(self):
         return prompt_loader(self.prompt_batches())
 
+    def configure_model(self) -> None:
+        """trainer=fsdp: shard every model over the data-parallel ranks (Lightning gives the mesh)."""
+        if self.device_mesh is not None:
+            self.memory.shard(self.device_mesh["data_parallel"])
+            self.sharded = True
+            for generator in {self.source.generator, self.source.eval_generator}:
+                generator.synced = True
+
     def on_fit_start(self) -> None:
+        STOP.take_back()
+        if self.sharded:
+            self.memory.warm_up()
         self.activations = ActivationMeter(p for m in self.memory.trainable_modules() for p in m.parameters())
         if self.resume is not None:
             self.restore(self.resume)
@@ -94,35 +110,54 @@ class RLHFModule(L.LightningModule):
 
     def checkpoint_state(self) -> tuple[dict, dict, dict]:
         """(trainable tensors, optimizer state, everything else) to continue exactly from here."""
+        # What differs between ranks (RNG streams, each generator's pending rollouts), gathered in rank order.
+        ranks = distributed.gather({"rng": rng_state(), "source": self.source.checkpoint_state(self.policy_version)})
         state = {
             "updates": self.updates,
             "policy_version": self.policy_version,
-            "rng": rng_state(),
+            "ranks": ranks,
             "eval_history": [list(e) for e in self.eval_history],
             "generation_rows": self.generation_rows,
             "step_times": [list(t) for t in self.step_times],
             "skipped_batches": self.skipped_batches,
-            "source": self.source.checkpoint_state(self.policy_version),
             "run_id": self.run_id,
         }
-        return self._trainable_tensors(), self.optimizers().optimizer.state_dict(), state
+        tensors = {name: full(p) for name, p in self._trainable_tensors().items()}  # collective when sharded
+        return tensors, self._optimizer_state(), state
+
+    def _optimizer_state(self) -> dict:
+        optimizer = self.optimizers().optimizer
+        if not self.sharded:
+            return optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.memory, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def restore(self, checkpoint: Checkpoint) -> None:
         params = self._trainable_tensors()
         if set(params) != set(checkpoint.tensors):
             raise ConfigError(f"resume: {checkpoint.path} holds other trainable tensors than this run builds; resume with the same settings")
-        with torch.no_grad():
-            for name, tensor in checkpoint.tensors.items():
-                params[name].copy_(tensor)
-        self.optimizers().optimizer.load_state_dict(checkpoint.optimizer)
+        optimizer = self.optimizers().optimizer
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+            whole = StateDictOptions(full_state_dict=True, strict=False)
+            set_model_state_dict(self.memory, checkpoint.tensors, options=whole)
+            set_optimizer_state_dict(self.memory, optimizer, checkpoint.optimizer, options=whole)
+        else:
+            with torch.no_grad():
+                for name, tensor in checkpoint.tensors.items():
+                    params[name].copy_(tensor)
+            optimizer.load_state_dict(checkpoint.optimizer)
         state = checkpoint.state
         self.updates, self.policy_version = state["updates"], state["policy_version"]
         self.eval_history = [tuple(e) for e in state["eval_history"]]
         self.generation_rows = state["generation_rows"]
         self.step_times = [tuple(t) for t in state["step_times"]]
         self.skipped_batches = state["skipped_batches"]
-        self.source.restore(state["source"])
-        set_rng_state(state["rng"])
+        mine = state["ranks"][distributed.rank()]
+        self.source.restore(mine["source"])
+        set_rng_state(mine["rng"])
 
     def configure_optimizers(self):
         groups = [{"params": self.memory.policy_parameters(), "lr": self.cfg.lr}]
@@ -178,7 +213,7 @@ class RLHFModule(L.LightningModule):
     def _finite(self, value: torch.Tensor, what: str) -> bool:
         """True if every element is finite; otherwise stop the run (rl.on_nonfinite=stop) or say so and
         let the caller skip the batch (skip_batch). Checked before any optimizer step, so the weights stay good."""
-        if bool(torch.isfinite(value).all()):
+        if distributed.all_true(bool(torch.isfinite(value).all())):  # every rank decides the same
             return True
         where = f"RL step {self.updates + 1} (rollout batch {self.policy_version})"
         if self.cfg.on_nonfinite == "stop":
@@ -219,6 +254,8 @@ class RLHFModule(L.LightningModule):
             order = torch.randperm(groups).repeat_interleave(k) * k + torch.arange(k).repeat(groups)
             for start in range(0, n, per_mb):
                 batch = experience.select(order[start : start + per_mb].to(experience.response.device))
+                if distributed.world_size() > 1:  # means over the global mini-batch, not the mean of ranks' means
+                    batch = replace(batch, **{k: distributed.total(v) / distributed.world_size() for k, v in counts(batch).items()})
                 with self.activations.track():
                     logprobs = self.memory.policy_logprobs(batch.query, batch.response, self.temperature) * batch.response_mask
                     values = self.memory.values(batch.query, batch.response) if self.algo.needs_values else None
@@ -231,7 +268,7 @@ class RLHFModule(L.LightningModule):
                 if self.cfg.max_grad_norm:
                     self.clip_gradients(opt, gradient_clip_val=self.cfg.max_grad_norm, gradient_clip_algorithm="norm")
                 grads = [p.grad for g in opt.optimizer.param_groups for p in g["params"] if p.grad is not None]
-                if not self._finite(torch.nn.utils.get_total_norm(grads), "the gradient norm"):
+                if not self._finite(full(torch.nn.utils.get_total_norm(grads)), "the gradient norm"):
                     opt.zero_grad(set_to_none=True)
                     return None
                 opt.step()
@@ -245,7 +282,8 @@ class RLHFModule(L.LightningModule):
     def _step_metrics(self, rollout: Rollout, t_gen: float, t_sync: float, t_step: float) -> dict[str, float]:
         gen_busy = rollout.extras.get("gen_busy_s", t_gen)  # async: the generator's own busy time
         train_busy = t_step - t_gen
-        self.step_times.append((rollout.num_samples, gen_busy, train_busy, t_step))
+        samples = rollout.num_samples * distributed.world_size()  # the global batch (the ranks run side by side)
+        self.step_times.append((samples, gen_busy, train_busy, t_step))
         eos = self.tokenizer.eos_token_id
         metrics = {
             "train/response_len": float(rollout.response_mask.sum(1).mean()),
@@ -256,7 +294,7 @@ class RLHFModule(L.LightningModule):
             "perf/wait_s": t_gen,
             "perf/sync_s": t_sync,
             "perf/step_s": t_step,
-            "perf/samples_per_s": rollout.num_samples / t_step,
+            "perf/samples_per_s": samples / t_step,
         }
         if self.source.name != "sync":
             # 1.0 = the step took only as long as the slower side (perfect overlap)
@@ -291,7 +329,8 @@ class RLHFModule(L.LightningModule):
         return {"perf/peak_mem_mb": peak, "perf/activation_peak_mb": self.activations.peak / 2**20}
 
     def _log_step(self, metrics: dict) -> None:
-        metrics = {k: float(v) for k, v in metrics.items()}
+        # The mean over ranks (each rank trained on its share of the batch); rank 0's logger writes it.
+        metrics = distributed.mean({k: float(v) for k, v in metrics.items()})
         reward = "reward" if not self.reward.needs_reward_model else "rm_score"  # a standardised reward-model score
         for label, key in ((reward, "train/reward"), ("kl", "train/kl"), ("staleness", "rollout/staleness")):
             if key in metrics and (key != "rollout/staleness" or self.source.name != "sync"):
@@ -314,25 +353,33 @@ class RLHFModule(L.LightningModule):
         """The task's gold reward of sampled completions on held-out prompts (same seed every time); a
         task without a gold judgement reports the training reward on them instead (eval/reward)."""
         k = self.cfg.eval_samples_per_prompt
-        with fixed_seed(self.cfg.eval_seed):
+        # Each rank evaluates its own share of the held-out prompts; the results are gathered, never computed twice.
+        # Shares differ by at most one prompt when the count does not divide (every prompt is evaluated once).
+        rows = torch.tensor_split(torch.arange(len(self.eval_prompts)), distributed.world_size())[distributed.rank()]
+        with fixed_seed(self.cfg.eval_seed + distributed.rank()):
             rollout: Rollout = self.source.eval_generator.generate(
-                self.memory.generation_model, self.eval_query.to(self.device), self.eval_prompts, k, self.policy_version,
+                self.memory.generation_model, self.eval_query[rows].to(self.device), [self.eval_prompts[i] for i in rows], k,
+                self.policy_version,
             )
-        rollout = replace(rollout, rows=torch.arange(len(self.eval_prompts)).repeat_interleave(k), split="eval")
+        rollout = replace(rollout, rows=rows.repeat_interleave(k), split="eval")
         scores = self.reward.score(self.memory, self.task, rollout) if self.cfg.log_generations or not self.task.has_gold else None
         gold = self.task.gold_reward(rollout.prompts, rollout.texts, "eval", rollout.rows) if self.task.has_gold else scores
         ref = self.memory.reference_logprobs(rollout.query, rollout.response, self.temperature)
         kl = F.masked_sum(rollout.logprobs - ref * rollout.response_mask, rollout.response_mask, dim=1)
-        value = float(gold.mean())
-        self.eval_history.append((self.policy_version, value, float(kl.mean())))
+        eos = rollout.has_eos(self.tokenizer.eos_token_id).float()
+        gathered = distributed.gather((gold.tolist(), kl.tolist(), eos.tolist()))
+        gold_all, kl_all, eos_all = (torch.tensor([v for part in gathered for v in part[i]]) for i in range(3))
+        value = float(gold_all.mean())
+        self.eval_history.append((self.policy_version, value, float(kl_all.mean())))
         self.progress = {"gold": value, **{k: v for k, v in self.progress.items() if k != "gold"}}
         judged = "eval/gold_reward" if self.task.has_gold else "eval/reward"
-        metrics = {judged: value, "eval/kl": float(kl.mean()), "eval/eos_rate": float(rollout.has_eos(self.tokenizer.eos_token_id).float().mean())}
+        metrics = {judged: value, "eval/kl": float(kl_all.mean()), "eval/eos_rate": float(eos_all.mean())}
         if self.logger is not None:
             self.logger.log_metrics(metrics, step=self.updates)
         what = "gold reward" if self.task.has_gold else "reward (the task has no gold_fn)"
-        log.info("eval after %d RL steps: %s %.3f, KL %.2f", self.policy_version, what, value, metrics["eval/kl"])
-        for i in range(min(self.cfg.log_generations, rollout.num_samples)):
+        if distributed.is_main():
+            log.info("eval after %d RL steps: %s %.3f, KL %.2f", self.policy_version, what, value, metrics["eval/kl"])
+        for i in range(min(self.cfg.log_generations, rollout.num_samples) if distributed.is_main() else 0):
             self.generation_rows.append(
                 {"rl_step": self.policy_version, "prompt": rollout.prompts[i], "response": rollout.texts[i],
                  "reward": float(scores[i]), "gold_reward": float(gold[i])}

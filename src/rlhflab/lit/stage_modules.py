@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from rlhflab.errors import NonFiniteError
 from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
+from rlhflab.models.sharding import shard, warm_up
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
 
 
@@ -30,7 +31,12 @@ class SFTModule(L.LightningModule):
         self.model = model
         self.lr = lr
 
+    def configure_model(self) -> None:
+        if self.device_mesh is not None:  # trainer=fsdp
+            shard(self.model, self.device_mesh["data_parallel"])
+
     def on_fit_start(self) -> None:
+        warm_up(self.model)
         self.activations = ActivationMeter(self.model.parameters())
 
     def training_step(self, batch, batch_idx):
@@ -62,6 +68,13 @@ class RewardModule(L.LightningModule):
         super().__init__()
         self.model = model
         self.lr = lr
+
+    def configure_model(self) -> None:
+        if self.device_mesh is not None:  # trainer=fsdp
+            shard(self.model, self.device_mesh["data_parallel"])
+
+    def on_fit_start(self) -> None:
+        warm_up(self.model)
 
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         attention_mask = (input_ids != self.model.config.pad_token_id).long()
@@ -98,6 +111,14 @@ class HydraSFTModule(L.LightningModule):
         self.lm_lr = lm_lr
         self.reward_lr = reward_lr
         self.reward_loss_weight = reward_loss_weight
+
+    def configure_model(self) -> None:
+        if self.device_mesh is not None:  # trainer=fsdp
+            for model in (self.causal_lm, self.reward_head):
+                shard(model, self.device_mesh["data_parallel"])
+
+    def on_fit_start(self) -> None:
+        warm_up(self.causal_lm)
 
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(n, T) right-padded sequences -> (n,) raw reward-head scores."""

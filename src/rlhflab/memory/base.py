@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from rlhflab.models.build import without_dropout
+from rlhflab.models.sharding import shard, warm_up
 from rlhflab.rollout.batch import join, token_logprobs
 
 
@@ -34,10 +35,21 @@ class MemoryStrategy(nn.Module):
     def check(self, model_cfg, task, need_reward: bool) -> None:
         """Raise ConfigError for settings this strategy cannot run with (called before any model loads)."""
 
-    def save_policy(self, path: Path, merge: bool) -> None:
+    def save_policy(self, path: Path, merge: bool, state_dict: dict | None = None) -> None:
         """Write the trained policy where `from_pretrained` loads it (the tokenizer is the caller's);
-        with adapters, the adapter, and with `merge` also a merged copy in path/merged."""
+        with adapters, the adapter, and with `merge` also a merged copy in path/merged. `state_dict`:
+        the generation model's whole state, gathered, when its parameters are sharded (trainer=fsdp)."""
         raise NotImplementedError
+
+    def shard(self, mesh) -> None:
+        """FSDP2 over the data-parallel `mesh`: every model this strategy holds, each on its own."""
+        for model in self.model_modules():
+            shard(model, mesh)
+
+    def warm_up(self) -> None:
+        """After sharding and moving to the device: a first forward through each root (see models.sharding)."""
+        for model in self.model_modules():
+            warm_up(model)
 
     def trainable(self, model: nn.Module, **checkpoint_kwargs) -> nn.Module:
         """Ready a model whose weights RL trains: no dropout (the rollout pass and the update pass must

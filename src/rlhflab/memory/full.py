@@ -57,8 +57,8 @@ class FullMemory(MemoryStrategy):
     def generation_model(self) -> nn.Module:
         return self.policy
 
-    def save_policy(self, path, merge: bool) -> None:
-        self.policy.save_pretrained(path)
+    def save_policy(self, path, merge: bool, state_dict: dict | None = None) -> None:
+        self.policy.save_pretrained(path, state_dict=state_dict)
 
     def policy_logprobs(self, query, response, temperature: float) -> torch.Tensor:
         """(n, P), (n, R) -> (n, R) log-probs of the response under the trained policy (with grad)."""

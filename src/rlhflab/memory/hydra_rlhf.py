@@ -174,11 +174,11 @@ class HydraRLHFMemory(MemoryStrategy):
     def generation_model(self) -> nn.Module:
         return self.lm  # the policy adapter is active outside the forwards below
 
-    def save_policy(self, path, merge: bool) -> None:
+    def save_policy(self, path, merge: bool, state_dict: dict | None = None) -> None:
         """The policy adapter alone (its base is the stage hydra_sft model); with `merge`, a merged copy in path/merged."""
         path = Path(path)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            self.lm.save_pretrained(tmp, selected_adapters=[POLICY], save_embedding_layers=False)
+            self.lm.save_pretrained(tmp, selected_adapters=[POLICY], save_embedding_layers=False, state_dict=state_dict)
             shutil.move(str(Path(tmp) / POLICY), str(path))  # peft puts a non-default adapter in a subdirectory
         if merge:
             save_policy_checkpoint(self.lm, path / "merged")

@@ -84,10 +84,10 @@ class LoraMemory(FullMemory):
             self.value_model = get_peft_model(backbone, config)
         return self
 
-    def save_policy(self, path, merge: bool) -> None:
+    def save_policy(self, path, merge: bool, state_dict: dict | None = None) -> None:
         """The adapter (its base is the SFT policy it was trained on); with `merge`, a merged copy in path/merged."""
         # The LM head's adapter is a LoRA pair: the frozen head itself need not be copied.
-        self.policy.save_pretrained(path, save_embedding_layers=False)
+        self.policy.save_pretrained(path, save_embedding_layers=False, state_dict=state_dict)
         if merge:
             save_policy_checkpoint(self.policy, Path(path) / "merged")
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhflab import distributed
 from rlhflab.models.checks import model_dir_damage
 
 log = logging.getLogger(__name__)
@@ -107,15 +108,31 @@ def locked(path: Path, what: str):
 
 def cached(cache_dir: Path, kind: str, name: str, key: str, what: str, build: Callable[[Path], None]) -> Path:
     """The entry `<cache_dir>/<kind>/<name>-<key>`: loaded when whole, else built by `build(tmp_dir)`
-    (which writes a complete entry into tmp_dir) and renamed into place. `what` names it in the log."""
+    (which writes a complete entry into tmp_dir) and renamed into place. `what` names it in the log.
+
+    With several ranks (Lightning's DDP/FSDP), every rank runs `build` (its training is collective)
+    into a directory of its own, rank 0 alone publishes the entry, and the others wait for it. Rank 0
+    decides hit or miss; before the process group exists (the first stage, whose training starts the
+    other ranks) a launched rank reaches the same decision because rank 0 publishes nothing until
+    that training, which needs it, is over.
+    """
     path = Path(cache_dir).resolve() / kind / f"{name}-{key}"  # absolute: a saved adapter records its base's path
+    if not distributed.is_main():
+        hit = distributed.broadcast(None) if distributed.initialized() else (path.exists() and damage(path) is None)
+        if hit:
+            return path
+        _build_elsewhere(path, build)
+        distributed.barrier()  # rank 0 has published the entry
+        return path
     with locked(path, what):
+        whole = path.exists() and damage(path) is None
+        if distributed.initialized():
+            distributed.broadcast(whole)
+        if whole:
+            log.info("%s: cached, loading %s", what, path)
+            return path
         if path.exists():
-            problem = damage(path)
-            if problem is None:
-                log.info("%s: cached, loading %s", what, path)
-                return path
-            log.warning("%s: the cached entry %s is damaged (%s); rebuilding it", what, path, problem)
+            log.warning("%s: the cached entry %s is damaged (%s); rebuilding it", what, path, damage(path))
             shutil.rmtree(path)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
         try:
@@ -124,4 +141,15 @@ def cached(cache_dir: Path, kind: str, name: str, key: str, what: str, build: Ca
             tmp.rename(path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    distributed.barrier()  # the other ranks (started by build's training) may load it now
     return path
+
+
+def _build_elsewhere(path: Path, build: Callable[[Path], None]) -> None:
+    """Another rank's share of a build: the same training, its own output thrown away."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.rank.", dir=path.parent))
+    try:
+        build(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -24,11 +24,12 @@ class ScalarHead(nn.Linear):
         super().__init__(hidden_size, 1, bias=False, dtype=dtype)
         nn.init.zeros_(self.weight)  # every sequence starts at score 0; training sets the scale
 
-    def save_pretrained(self, path) -> None:
+    def save_pretrained(self, path, state_dict: dict | None = None) -> None:
         from safetensors.torch import save_file
 
+        weight = (state_dict or {"weight": self.weight})["weight"]
         Path(path).mkdir(parents=True, exist_ok=True)
-        save_file({"weight": self.weight.detach().contiguous()}, str(Path(path) / HEAD_FILE))
+        save_file({"weight": weight.detach().contiguous()}, str(Path(path) / HEAD_FILE))
 
     @classmethod
     def from_pretrained(cls, path, dtype: str = "float32") -> "ScalarHead":

@@ -28,8 +28,10 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from rlhflab import distributed
 from rlhflab.errors import ConfigError
 from rlhflab.interrupts import STOP
+from rlhflab.models.sharding import full
 from rlhflab.rollout.batch import Rollout
 from rlhflab.rollout.sources import SyncSource, seeded
 
@@ -51,10 +53,10 @@ def required_version(batch: int, staleness: int, sync_every: int) -> int:
 def trainable_state(model) -> dict[str, torch.Tensor]:
     """The tensors an update changes: what has to travel to the generator.
 
-    Copied to host memory: a CUDA tensor in a queue is an IPC handle that the
-    learner would have to keep alive until the generator has read it.
+    Whole (a sharded parameter is gathered: a collective every rank joins), and copied to host
+    memory: a CUDA tensor in a queue is an IPC handle the learner would have to keep alive.
     """
-    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+    return {n: full(p).detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
 
 
 def pin_cuda_device(device: str) -> str:
@@ -87,7 +89,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
-                    weights_q, out_q, parent, start_version):
+                    weights_q, out_q, parent, start_version, rank):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle; it then stops us
     die_with_parent(parent)
     torch.set_num_threads(threads)
@@ -117,7 +119,7 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
                         params[name].copy_(t)
             prompts = [train_prompts[i] for i in index.tolist()]
             t0 = time.perf_counter()
-            with seeded(seed, j):
+            with seeded(seed, j, rank):
                 rollout = generator.generate(model, query.to(device or "cpu"), prompts, samples_per_prompt, version,
                                              greedy_baseline=greedy).to("cpu")
             rollout.extras["gen_busy_s"] = time.perf_counter() - t0
@@ -180,9 +182,12 @@ class AsyncSource(SyncSource):
         # fork: the child's copy is the parent's memory at fork time (copy on write). spawn pickles
         # the arguments, so hand it a host copy rather than shared handles to the learner's weights.
         gen_model = model if self.start_method == "fork" else copy.deepcopy(model).to("cpu")
+        device = self.device
+        if device and device.startswith("cuda") and distributed.world_size() > 1:  # rank r: GPU N + its local rank
+            device = f"cuda:{int(device.partition(':')[2] or 0) + int(os.environ.get('LOCAL_RANK', 0))}"
         args = (self.generator, gen_model, batches, train_prompts, (algo.samples_per_prompt, algo.needs_greedy_baseline),
-                seed, self.staleness, self.sync_every, self.generator_threads, self.device, self.weights_q, self.out_q,
-                os.getpid(), version)
+                seed, self.staleness, self.sync_every, self.generator_threads, device, self.weights_q, self.out_q,
+                os.getpid(), version, distributed.rank())
         self.proc = ctx.Process(target=_generator_main, args=args, daemon=True, name="rlhflab-generator")
         self.proc.start()
         log.info("mode async: generator process %d started (staleness %d, weights every %d updates, threads %d+%d)",

@@ -19,6 +19,7 @@ class HFGenerator:
     """
 
     needs_spawn = False  # the generator process may be forked
+    synced = False  # set when the model is sharded over ranks: every rank runs the same number of forward steps
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None) -> None:
         if top_k != 0:
@@ -56,6 +57,7 @@ class HFGenerator:
             eos_token_id=self.tokenizer.eos_token_id,
             output_logits=True,
             return_dict_in_generate=True,
+            synced_gpus=self.synced,  # a sharded model's forward is a collective: no rank may stop early
         )
         response = out.sequences[:, query.shape[1] :]
         # generate() stops early once every row has finished: pad to a fixed width.

@@ -7,15 +7,17 @@ so the LightningModule never knows how fresh a batch is.
 
 from __future__ import annotations
 
+from rlhflab import distributed
 from rlhflab.contracts import Generator, OffPolicyCorrection
 from rlhflab.rollout.batch import Rollout
 from rlhflab.rng import fixed_seed
 from rlhflab.rollout.off_policy import Behaviour
 
 
-def seeded(seed: int, batch: int):
-    """Sampling noise that depends only on (seed, batch index): sync and async draw the same samples."""
-    return fixed_seed(seed * 1_000_003 + batch)
+def seeded(seed: int, batch: int, rank: int = 0):
+    """Sampling noise that depends only on (seed, batch index, rank): sync and async draw the same
+    samples, and ranks sampling their shares of one batch draw different noise."""
+    return fixed_seed(seed * 1_000_003 + batch + rank * 100_000_007)
 
 
 class SyncSource:
@@ -29,6 +31,7 @@ class SyncSource:
         self.generator = generator
         self.correction = correction or Behaviour()
         self.seed = 0
+        self.rank = 0
         self.pending: list[Rollout] = []  # rollouts made ahead of their step and kept by a checkpoint (async)
 
     @property
@@ -38,10 +41,11 @@ class SyncSource:
 
     def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0) -> None:
         self.seed = seed
+        self.rank = distributed.rank()
 
     def get(self, model, query, prompts: list[str], version: int, algo, batch: int) -> Rollout:
         """Generate training batch `batch` (its index in the run's prompt stream) with the current weights."""
-        with seeded(self.seed, batch):
+        with seeded(self.seed, batch, self.rank):
             return self.generator.generate(
                 model, query, prompts, algo.samples_per_prompt, version, greedy_baseline=algo.needs_greedy_baseline
             )

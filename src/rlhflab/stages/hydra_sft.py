@@ -22,6 +22,7 @@ from rlhflab.lit.stage_modules import HydraSFTModule
 from rlhflab.models.build import REWARD_NORM_FILE, load_causal_lm
 from rlhflab.models.cache import Saved, cached, config_key
 from rlhflab.models.heads import ScalarHead
+from rlhflab.models.sharding import save_whole
 from rlhflab.rng import fixed_seed
 from rlhflab.stages.supervised import accept_reward_report, pair_tensors, reward_report, vocab_key
 
@@ -69,8 +70,9 @@ def run_hydra_sft(start: Saved, tokenizer, task, stages: dict, dtype: str, cache
             trainer.fit(module, loader)
         norm = reward_report(module, held_out, demo_ids, task, prompts, responses)
         accept_reward_report("hydra_sft", norm, trainer, "stages.rm.lr")
-        for saved in (causal_lm, tokenizer, head):
-            saved.save_pretrained(tmp)
+        save_whole(causal_lm, tmp)
+        save_whole(head, tmp)
+        tokenizer.save_pretrained(tmp)
         (tmp / REWARD_NORM_FILE).write_text(json.dumps(norm, indent=2))
 
     return Saved(cached(cache_dir, "stages", "hydra_sft", key, "stage hydra_sft", build), f"hydra_sft-{key}")

@@ -20,6 +20,7 @@ from rlhflab.lit.data import encode_completions, tensor_loader
 from rlhflab.lit.stage_modules import RewardModule, SFTModule
 from rlhflab.models.build import REWARD_NORM_FILE, load_causal_lm, load_reward_model
 from rlhflab.models.cache import Saved, cached, config_key
+from rlhflab.models.sharding import save_whole
 from rlhflab.rng import fixed_seed
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def run_sft(base: Saved, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir
             data = encode_completions(tokenizer, prompts, responses)
             loader = tensor_loader(*data, batch_size=stage_cfg["batch_size"], seed=stage_cfg["seed"])
             make_trainer("sft", max_epochs=stage_cfg["epochs"]).fit(SFTModule(model, stage_cfg["lr"]), loader)
-        model.save_pretrained(tmp)
+        save_whole(model, tmp)
         tokenizer.save_pretrained(tmp)
 
     return Saved(cached(cache_dir, "stages", "sft", key, "stage sft", build), f"sft-{key}")
@@ -124,7 +125,7 @@ def run_rm(sft: Saved, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir: 
         demo_ids = encode_completions(tokenizer, prompts, responses)[0]
         norm = reward_report(module, (chosen[-held_out:], rejected[-held_out:]), demo_ids, task, prompts, responses)
         accept_reward_report("rm", norm, trainer, "stages.rm.lr")
-        model.save_pretrained(tmp)
+        save_whole(model, tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / REWARD_NORM_FILE).write_text(json.dumps(norm, indent=2))
 

@@ -99,28 +99,45 @@ class PromptsTask:
         self.overlong = overlong
         self.max_new_tokens = max_new_tokens
         self.tokenizer_level = tokenizer
-        train = load_table(path, split, "task.path")
+        self.gold_fn = load_callable(gold_fn, "task.gold_fn") if gold_fn else None
+        self.has_gold = self.gold_fn is not None
+        self.source = dict(path=path, split=split, eval_path=eval_path, eval_split=eval_split, eval_fraction=eval_fraction,
+                           num_eval_prompts=num_eval_prompts, demonstrations_path=demonstrations_path,
+                           completion_field=completion_field, preferences_path=preferences_path, chosen_field=chosen_field,
+                           rejected_field=rejected_field, seed=seed)
+        self.tables = None
+        self.num_train_prompts = 0  # known once loaded
+        self.rendered: dict[str, list[str]] = {}
+        # Local files are read now (a missing field fails before anything loads); hub datasets when the run
+        # needs them (setup), so that a preset validates without downloading.
+        if all(Path(p).expanduser().suffix in BUILDERS for p in (path, eval_path, demonstrations_path, preferences_path) if p):
+            self._load()
+
+    def _load(self) -> None:
+        if self.tables is not None:
+            return
+        src = self.source
+        path, prompt_field = src["path"], self.prompt_field
+        train = load_table(path, src["split"], "task.path")
         _column(train, prompt_field, "task.prompt_field", path)
-        if eval_path:
-            held = load_table(eval_path, eval_split or split, "task.eval_path")
-            _column(held, prompt_field, "task.prompt_field", eval_path)
+        if src["eval_path"]:
+            held = load_table(src["eval_path"], src["eval_split"] or src["split"], "task.eval_path")
+            _column(held, prompt_field, "task.prompt_field", src["eval_path"])
         else:
             order = list(range(len(train)))
-            random.Random(seed).shuffle(order)
-            n = min(num_eval_prompts, max(1, int(len(train) * eval_fraction)))
+            random.Random(src["seed"]).shuffle(order)
+            n = min(src["num_eval_prompts"], max(1, int(len(train) * src["eval_fraction"])))
             if len(train) - n < 1:
                 raise ConfigError(f"task.eval_fraction: holding out {n} of {len(train)} prompts leaves none to train on; "
                                   "give task.eval_path or more prompts")
             held, train = train.select(sorted(order[:n])), train.select(sorted(order[n:]))
-        self.tables = {"train": train, "eval": held.select(range(min(len(held), num_eval_prompts)))}
+        self.tables = {"train": train, "eval": held.select(range(min(len(held), src["num_eval_prompts"])))}
         self.num_train_prompts = len(train)
         self.rows = {s: list(range(len(t))) for s, t in self.tables.items()}  # kept rows (setup may drop some)
-        self.rendered: dict[str, list[str]] = {}
-        self.raw_demos = self._pairs(demonstrations_path, [prompt_field, completion_field], "task.demonstrations_path")
-        self.raw_prefs = self._pairs(preferences_path, [prompt_field, chosen_field, rejected_field], "task.preferences_path")
+        self.raw_demos = self._pairs(src["demonstrations_path"], [prompt_field, src["completion_field"]], "task.demonstrations_path")
+        self.raw_prefs = self._pairs(src["preferences_path"], [prompt_field, src["chosen_field"], src["rejected_field"]],
+                                     "task.preferences_path")
         self.demos, self.prefs = self.raw_demos, self.raw_prefs  # rendered by setup()
-        self.gold_fn = load_callable(gold_fn, "task.gold_fn") if gold_fn else None
-        self.has_gold = self.gold_fn is not None
         self.conversational = is_conversation(train[0][prompt_field])
 
     def _pairs(self, path: str | None, fields: list[str], key: str) -> list[tuple] | None:
@@ -134,6 +151,7 @@ class PromptsTask:
 
     def setup(self, tokenizer) -> dict[str, int]:
         """Render prompts (chat template), enforce max_prompt_tokens; returns the counts it logged."""
+        self._load()
         counts = {}
         for split, table in self.tables.items():
             kept, texts, dropped, truncated = [], [], 0, 0
@@ -180,9 +198,14 @@ class PromptsTask:
         return self.rendered[split]
 
     def demonstrations(self) -> list[tuple[str, str]] | None:
+        """Pairs for stage sft; before a hub dataset is loaded, [] if one is configured (validation's question)."""
+        if self.tables is None:
+            return [] if self.source["demonstrations_path"] else None
         return self.demos
 
     def preference_pairs(self) -> list[tuple[str, str, str]] | None:
+        if self.tables is None:
+            return [] if self.source["preferences_path"] else None
         return self.prefs
 
     def reward_inputs(self, split: str, rows, prompts: list[str], completions: list[str]):
@@ -206,6 +229,7 @@ class PromptsTask:
 
     def build_tokenizer(self):
         """A tokenizer over the data's words (or characters), for a model built from config."""
+        self._load()
         from tokenizers import Tokenizer, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
 

@@ -1,0 +1,90 @@
+"""FSDP2 (`fully_shard`) for the models a run holds, under trainer=fsdp (Lightning's ModelParallelStrategy).
+
+A Hugging Face model is sharded in units: each decoder layer, then the backbone (embeddings and
+final norm), then each head (the LM head, a score or value head), then the model itself as the root
+(under a peft wrapper too: generate() enters the wrapped model, not the wrapper). Every unit that
+rlhflab's code calls on its own (the trunk for Hydra-RLHF's heads, the LM head) is thus an FSDP unit
+that gathers its own parameters. FSDP2 wants the root's forward to run first: `warm_up` does that. Frozen models (reference, reward) are sharded too, so every rank
+holds 1/N of every model. Parameters become DTensors; `local` and `full` read them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlhflab.errors import ConfigError
+
+
+def _hf(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (the model itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def check_shardable(model: nn.Module) -> None:
+    base = _hf(model)
+    head, embed = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
+        raise ConfigError(f"trainer=fsdp: {type(base).__name__} ties its output head to its input embeddings, which rlhflab "
+                          "shards as separate units; use trainer=ddp for this model")
+
+
+def shard(model: nn.Module, mesh) -> nn.Module:
+    """Shard `model` over the data-parallel `mesh` in place (see the module docstring); returns it."""
+    from torch.distributed.fsdp import fully_shard
+
+    base = _hf(model)
+    if not hasattr(base, "base_model") or not hasattr(base.base_model, "layers"):
+        return fully_shard(model, mesh=mesh)  # a small module (a scalar head): one unit
+    check_shardable(model)
+    backbone = base.base_model
+    for layer in backbone.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(backbone, mesh=mesh)
+    for child in base.children():
+        if child is not backbone and any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(base, mesh=mesh)
+    return model
+
+
+@torch.no_grad()
+def warm_up(model: nn.Module) -> None:
+    """One forward through a sharded model's root, on every rank: FSDP2 initialises its units from the
+    root's first forward, and fails if a unit inside ran first on its own (the trunk, the LM head)."""
+    base = _hf(model)
+    if not hasattr(base, "base_model") or not any(is_sharded(p) for p in model.parameters()):
+        return
+    device = next(model.parameters()).device
+    base(input_ids=torch.ones(1, 2, dtype=torch.long, device=device))
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a collective for a sharded one: every rank must call it)."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+def save_whole(model: nn.Module, path) -> None:
+    """`model.save_pretrained(path)`, its sharded parameters gathered first: every rank must call it
+    (the gather is a collective); rank 0 writes."""
+    from rlhflab import distributed
+
+    if not any(is_sharded(p) for p in model.parameters()):
+        model.save_pretrained(path)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if distributed.is_main():
+        model.save_pretrained(path, state_dict=state)
