@@ -64,3 +64,22 @@ def test_bf16_mixed_precision_and_checkpointing_switches_run(make_cfg, memory):
     result = train(cfg)
     assert result.module.trainer.precision == "bf16-mixed"
     assert result.metrics["perf/mean_samples_per_s"] > 0
+
+
+def test_debug_preset_runs_the_whole_pipeline_into_its_own_experiment(tmp_path):
+    """`python src/train.py debug=default`: every stage, evaluations and the saved policy, as a user runs it."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import TRAIN
+
+    env = os.environ | {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "RLHFLAB_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, TRAIN, "debug=default"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("rlhflab-debug").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/gold_reward")] == [0, 2, 4]
+    assert len(list((tmp_path / "outputs" / "debug").glob("*/*/policy/model.safetensors"))) == 1
+    assert "viewStateShareKey=rlhflab-gold" in out.stderr + out.stdout

@@ -10,6 +10,7 @@ is not logged twice.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import time
@@ -24,6 +25,13 @@ from rlhflab.naming import PARENT_RUN_ENV, default_run_name, redact, run_name
 log = logging.getLogger(__name__)
 
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's classic training view, not GenAI's traces and judges
+# The runs table as rlhflab opens it: sorted by the gold reward, its column shown first. MLflow's UI reads a view from
+# an experiment tag `mlflow.sharedViewState.<key>` when the URL names the key (viewStateShareKey), and picks the
+# training (not GenAI) view from the URL's workflowType.
+VIEW_KEY = "rlhflab-gold"
+VIEW_STATE = {"orderByKey": "metrics.`eval/gold_reward`", "orderByAsc": False,
+              "selectedColumns": ["metrics.`eval/gold_reward`", "metrics.`eval/gold_reward_before`", "metrics.`train/kl`",
+                                  "tags.algo", "tags.memory", "tags.mode"]}
 EXPERIMENT_NOTE = ("RLHF runs from rlhflab (python src/train.py). Each run holds its stages (sft, rm) and RL; "
                    "eval/gold_reward is the task's own judgement of held-out completions.")
 
@@ -110,8 +118,11 @@ class MlflowTracker:
         client = self.client
         experiment = client.get_experiment_by_name(self.experiment_name)
         if experiment is not None:
+            if f"mlflow.sharedViewState.{VIEW_KEY}" not in experiment.tags:  # made by an older rlhflab, or by hand
+                client.set_experiment_tag(experiment.experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}", json.dumps(VIEW_STATE))
             return experiment.experiment_id
-        tags = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": EXPERIMENT_NOTE}
+        tags = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": EXPERIMENT_NOTE,
+                f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(VIEW_STATE)}
         try:
             return client.create_experiment(self.experiment_name, tags=tags)
         except Exception:  # another process created it first
@@ -177,6 +188,8 @@ class MlflowTracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
         from mlflow.entities import Metric
+        if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
+            return
 
         now = int(time.time() * 1000)
         rows = [Metric(k, float(v), now, step) for k, v in metrics.items() if step > self.logged_steps.get(k, -1)]
@@ -186,6 +199,8 @@ class MlflowTracker:
     def log_params(self, params: dict[str, str]) -> None:
         """Params not logged yet (a resumed run keeps the values it started with)."""
         from mlflow.entities import Param
+        if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
+            return
 
         have = self.client.get_run(self.run_id).data.params
         new = [Param(k, redact(str(v))[:6000]) for k, v in params.items() if k not in have]
@@ -194,24 +209,34 @@ class MlflowTracker:
 
     def log_generations(self, rows: list[dict]) -> None:
         """A table (MLflow's table artifact) of sampled completions with their rewards."""
+        if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
+            return
         if not rows:
             return
         table = {key: [row[key] for row in rows] for key in rows[0]}
         self.client.log_table(self.run_id, data=table, artifact_file="generations.json")
 
     def log_artifacts(self, path: Path, artifact_path: str) -> None:
+        if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
+            return
         self.client.log_artifacts(self.run_id, str(path), artifact_path)
 
     def set_tag(self, key: str, value: str) -> None:
+        if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
+            return
         self.client.set_tag(self.run_id, key, redact(str(value)))
 
-    def url(self) -> str | None:
-        """The run's page in an MLflow UI served from this tracking URI (default port)."""
+    def url(self, table: bool = False) -> str | None:
+        """The run's page in an MLflow UI served from this tracking URI (default port), in the training
+        view; `table`: the experiment's runs table sorted by gold reward instead."""
         if self.run_id is None:
             return None
         experiment_id = self.client.get_run(self.run_id).info.experiment_id
         base = self.tracking_uri if self.tracking_uri.startswith("http") else "http://127.0.0.1:5000"
-        return f"{redact(base.rstrip('/'))}/#/experiments/{experiment_id}/runs/{self.run_id}"
+        page = f"{redact(base.rstrip('/'))}/#/experiments/{experiment_id}"
+        if table:
+            return f"{page}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
+        return f"{page}/runs/{self.run_id}?workflowType=machine_learning"
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the run with `status` (FINISHED, FAILED, KILLED); safe to call twice."""
