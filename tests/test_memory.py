@@ -68,18 +68,33 @@ def test_strategy_trains_the_policy_and_keeps_the_reference_exact(make_cfg, stra
 
 
 def test_lora_and_hydra_hold_one_policy_backbone(make_cfg):
-    """PPO holds policy, reference, reward and value: full keeps 4 backbones, lora 3 (the reference
-    is the policy with its adapter off), hydra 1 (every role reads the same trunk)."""
+    """PPO holds policy, reference, reward and value: full keeps 4 backbones, lora 2 (the reference
+    is the policy with its adapter off, the reward model the critic with its adapter off), hydra 1
+    (every role reads the same trunk)."""
     memories = {s: train(make_cfg(f"memory={s}", "algo=ppo", "trainer.max_steps=1")).module.memory for s in STRATEGIES}
-    assert {s: backbone_copies(m) for s, m in memories.items()} == {"full": 4, "lora": 3, "hydra": 1}
+    assert {s: backbone_copies(m) for s, m in memories.items()} == {"full": 4, "lora": 2, "hydra": 1}
     backbone = param_bytes([memories["full"].reference])
     size = {s: param_bytes(m.model_modules()) for s, m in memories.items()}
-    # lora drops the reference copy and adds adapters (and the value head's trainable copy: a few bytes).
-    assert size["full"] - size["lora"] == pytest.approx(backbone - adapter_bytes(memories["lora"]), rel=0.01)
+    # lora drops the reference and reward backbones and adds adapters (and the heads' copies: a few bytes).
+    dropped = param_bytes([memories["full"].reference, memories["full"].reward_model]) - param_bytes([memories["lora"].reward_head])
+    assert size["full"] - size["lora"] == pytest.approx(dropped - adapter_bytes(memories["lora"]), rel=0.01)
     # hydra: one backbone, two adapters and two scalar heads.
     assert size["hydra"] == pytest.approx(backbone + adapter_bytes(memories["hydra"]), rel=0.01)
     trainable = {s: model_state_bytes(m.model_modules(), None)["perf/param_bytes_trainable"] for s, m in memories.items()}
     assert trainable["lora"] < trainable["full"] / 2 and trainable["hydra"] < trainable["full"] / 2
+
+
+def test_lora_ppo_reward_is_the_critic_backbone_with_its_adapter_off(make_cfg):
+    """memory=lora with PPO scores with the critic's backbone (adapter off) and the reward model's head:
+    the same scores as the separate reward model of memory=full, also after the critic has trained."""
+    lora = train(make_cfg("memory=lora", "algo=ppo", "trainer.max_steps=2")).module
+    full = train(make_cfg("memory=full", "algo=ppo", "trainer.max_steps=1")).module.memory
+    assert lora.memory.reward_model is None and lora.memory.reward_head is not None
+    rollout = eval_rollout(lora)
+    q, r = rollout.query, rollout.response
+    assert any(p.grad is not None and p.abs().sum() > 0 for n, p in lora.memory.value_model.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        torch.testing.assert_close(lora.memory.scores(q, r), full.scores(q, r), rtol=1e-5, atol=1e-5)
 
 
 def test_hydra_scores_are_the_stage_reward_head_on_the_shared_trunk(make_cfg, caplog):
@@ -137,7 +152,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(make_cfg, strategy):
     result = train(make_cfg(f"memory={strategy.name}", "algo=ppo", "trainer.max_steps=1"))
     memory = result.module.memory
     path = sft_weights_path(memory)
-    reward_path = memory.reward_model.name_or_path if strategy is LoraMemory else path  # hydra: the head sits with the LM
+    # lora: the critic is built from the reward model (they share its backbone); hydra: the head sits with the LM
+    reward_path = memory.value_model.get_base_model().name_or_path if strategy is LoraMemory else path
     q, r = torch.randint(4, 40, (4, 6)), torch.randint(4, 40, (4, 5))
     grads = []
     for checkpointing in (False, True):

@@ -2,9 +2,11 @@
 
 One copy of the policy weights serves two roles (TRL's `disable_adapter()`
 reference): the adapter on is the trained policy, the adapter off is the
-starting SFT policy, bit for bit. Everything else is as in `full` (whose
-methods it inherits): the reward model is separate and frozen; PPO's value model (initialised from the reward model) trains its
-own adapter and value head on a frozen backbone.
+starting SFT policy, bit for bit. PPO's critic and the reward model share one frozen backbone the same
+way: the value model is the reward model's backbone with an adapter and a value head, and the reward is
+that backbone with the adapter off, read by the reward model's own head. So PPO holds two backbones, not
+three (Hydra-RLHF's "LoRA-PPO" arrangement). Without values (every algorithm but PPO), or with a reward
+model of another tokenizer, the reward model is separate and frozen, as in `full`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from torch import nn
 from pathlib import Path
 
 from rlhflab.memory.full import FullMemory
-from rlhflab.models.build import load_causal_lm, load_value_model
+from rlhflab.models.build import foreign_tokenizer, freeze, load_causal_lm, load_reward_model, load_value_model, read_reward_norm
+from rlhflab.models.heads import last_token_index
+from rlhflab.rollout.batch import join
 from rlhflab.rollout.weights import save_policy_checkpoint
 
 # Every linear layer of Llama and GPT-NeoX blocks, and the LM head (lm_head / embed_out); names a
@@ -73,16 +77,41 @@ class LoraMemory(FullMemory):
         self.dtype = dtype
         policy = self.trainable(load_causal_lm(policy_path, dtype))
         self.policy = get_peft_model(policy, lora_config(**self.lora, task_type=TaskType.CAUSAL_LM))
-        self.load_reward_model(reward_path, tokenizer)
         self.value_model = None
+        self.reward_head = None  # set when the critic's frozen backbone is the reward model's
+        share = need_values and reward_path is not None and foreign_tokenizer(reward_path, tokenizer) is None
+        if share:
+            self.reward_model, self.reward_tokenizer = None, None
+            self.reward_norm = read_reward_norm(reward_path)
+            reward = load_reward_model(reward_path, dtype, self.pad_token_id)
+            self.reward_head = freeze(reward.score)  # the reward model's head alone; its backbone is the critic's
+            del reward
+        else:
+            self.load_reward_model(reward_path, tokenizer)
         if need_values:
             # Values start from the reward model when there is one (as in the PPO-RLHF recipes);
             # listing the head in modules_to_save trains it in full and keeps the adapter off it.
-            start = reward_path if reward_path and self.reward_tokenizer is None else policy_path
+            start = reward_path if share else policy_path
             backbone = self.trainable(load_value_model(start, dtype, self.pad_token_id))
             config = lora_config(**self.lora, task_type=TaskType.TOKEN_CLS, modules_to_save=VALUE_HEAD_NAMES)
             self.value_model = get_peft_model(backbone, config)
         return self
+
+    @torch.no_grad()
+    def scores(self, query, response, prompts=None, completions=None) -> torch.Tensor:
+        """(n,) standardised reward scores; with a shared critic backbone: that backbone with the adapter
+        off (the reward model's weights exactly), read at the last token by the reward model's head."""
+        if self.reward_head is None:
+            return super().scores(query, response, prompts, completions)
+        model = self.value_model.get_base_model()
+        input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
+        with self.value_model.disable_adapter():
+            hidden = getattr(model, model.base_model_prefix)(input_ids=input_ids, attention_mask=attention_mask,
+                                                              position_ids=position_ids).last_hidden_state
+        last = last_token_index(input_ids, self.pad_token_id)
+        raw = self.reward_head(hidden[torch.arange(len(hidden), device=hidden.device), last]).squeeze(-1).float()
+        mean, std = self.reward_norm
+        return (raw - mean) / std
 
     def save_policy(self, path, merge: bool, state_dict: dict | None = None) -> None:
         """The adapter (its base is the SFT policy it was trained on); with `merge`, a merged copy in path/merged."""
@@ -99,5 +128,5 @@ class LoraMemory(FullMemory):
 
     def model_modules(self) -> list[nn.Module]:
         """Every model this strategy holds (for memory accounting); there is no reference model to list."""
-        return [m for m in (self.policy, self.reward_model, self.value_model) if m is not None]
+        return [m for m in (self.policy, self.reward_model, self.value_model, self.reward_head) if m is not None]
 
