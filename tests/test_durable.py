@@ -154,6 +154,19 @@ def test_resume_refuses_a_different_config_naming_the_keys(make_cfg, tmp_path):
     assert more.module.updates == 4
 
 
+def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(make_cfg, tmp_path):
+    """A checkpoint at the step budget (a run killed after its last checkpoint, or rerun with resume=auto):
+    nothing is trained, and the policy saved and the closing numbers are the checkpoint's."""
+    first = train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={tmp_path}/run"))
+    saved = {k: v.clone() for k, v in first.module.memory.policy.state_dict().items()}
+    again = train(make_cfg("trainer.max_steps=2", "resume=auto", f"output.dir={tmp_path}/run"))
+    assert again.module.updates == 2
+    assert again.metrics["eval/gold_reward"] == first.metrics["eval/gold_reward"]
+    assert again.metrics["eval/gold_reward_before"] == first.metrics["eval/gold_reward_before"]
+    now = again.module.memory.policy.state_dict()
+    assert all(torch.equal(saved[k], now[k]) for k in saved)
+
+
 # ---- interruptions ---------------------------------------------------------------------------
 
 def burner():

@@ -185,6 +185,9 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
                 raise
     else:
         log.info("resume: the checkpoint is at step %d, the budget %d: nothing left to train", done, cfg.trainer.max_steps)
+        module.restore(resume, training=False)
+        if module.eval_history[-1][0] != module.policy_version:  # killed after its last checkpoint, before the final eval
+            logger.log_metrics(module.evaluate(), step=module.updates)
     t_rl = time.perf_counter() - started - t_stages
 
     policy_dir = save_policy(module, tokenizer, out / "policy", cfg, tracker)
@@ -245,7 +248,9 @@ def main(cfg: DictConfig) -> float | None:
     try:
         result = train(cfg)
     except RunInterrupted as err:
-        print(f"stopped: {err}; the MLflow run is KILLED. Continue with the same command and resume=auto", file=sys.stderr)
+        out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
+        print(f"stopped: {err}; the MLflow run is KILLED. Continue with the same command and resume=auto output.dir={out}",
+              file=sys.stderr)
         sys.exit(err.exit_code)  # a sweep stops too
     except (ConfigError, StageFailed, NonFiniteError, RewardError) as err:
         if sweeping:

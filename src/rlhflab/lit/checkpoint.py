@@ -122,7 +122,7 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig) -> Checkpoint | 
     changed = differences(checkpoint.config, cfg)
     if changed:
         raise ConfigError(f"resume: {path} was made with other settings ({'; '.join(changed)}); run with the same settings "
-                          "(only trainer.max_steps and logging keys may change) or start a new run in another output.dir")
+                          "(only trainer.max_steps, checkpoint.*, output.*, cache_dir and logging keys may change) or start a new run in another output.dir")
     log.info("resume: continuing from %s (RL step %d)", path, checkpoint.updates)
     return checkpoint
 

@@ -133,10 +133,21 @@ class RLHFModule(L.LightningModule):
 
         return get_optimizer_state_dict(self.memory, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def restore(self, checkpoint: Checkpoint) -> None:
+    def restore(self, checkpoint: Checkpoint, training: bool = True) -> None:
+        """The checkpoint's weights, optimizer, counters, history, RNG streams and pending rollouts.
+        `training=False` (the checkpoint already reached the step budget): the weights and history only,
+        so that the saved policy and the closing numbers are the checkpoint's."""
         params = self._trainable_tensors()
         if set(params) != set(checkpoint.tensors):
             raise ConfigError(f"resume: {checkpoint.path} holds other trainable tensors than this run builds; resume with the same settings")
+        if not training:
+            with torch.no_grad():
+                for name, tensor in checkpoint.tensors.items():
+                    params[name].copy_(tensor)
+            self.updates, self.policy_version = checkpoint.state["updates"], checkpoint.state["policy_version"]
+            self.eval_history = [tuple(e) for e in checkpoint.state["eval_history"]]
+            self.step_times = [tuple(t) for t in checkpoint.state["step_times"]]
+            return
         optimizer = self.optimizers().optimizer
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
@@ -349,9 +360,10 @@ class RLHFModule(L.LightningModule):
             self.evaluate()
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self) -> dict[str, float]:
         """The task's gold reward of sampled completions on held-out prompts (same seed every time); a
-        task without a gold judgement reports the training reward on them instead (eval/reward)."""
+        task without a gold judgement reports the training reward on them instead (eval/reward). Logged
+        when a trainer runs the module; returned either way."""
         k = self.cfg.eval_samples_per_prompt
         # Each rank evaluates its own share of the held-out prompts; the results are gathered, never computed twice.
         # Shares differ by at most one prompt when the count does not divide (every prompt is evaluated once).
@@ -384,4 +396,4 @@ class RLHFModule(L.LightningModule):
                 {"rl_step": self.policy_version, "prompt": rollout.prompts[i], "response": rollout.texts[i],
                  "reward": float(scores[i]), "gold_reward": float(gold[i])}
             )
-        return value
+        return metrics
