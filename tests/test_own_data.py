@@ -146,12 +146,12 @@ def test_a_reward_function_that_cannot_be_had_is_one_line(spec, message):
 
 def test_the_example_learns_and_logs_each_function(make_cfg):
     """The README's example (experiment=reverse), shortened: the dense reward rises, each function is a metric."""
-    cfg = make_cfg("experiment=reverse", "trainer.max_steps=120", "rl.eval_every=0", "trainer.enable_progress_bar=false",
+    cfg = make_cfg("experiment=reverse", "trainer.max_steps=160", "rl.eval_every=0", "trainer.enable_progress_bar=false",
                    shrink=False)
     result = train(cfg)
     client = MlflowClient(cfg.logger.tracking_uri)
     digits = [m.value for m in sorted(client.get_metric_history(result.run_id, "train/reward/correct_digits"), key=lambda m: m.step)]
-    assert len(digits) == 120 and "train/reward/exact" in client.get_run(result.run_id).data.metrics
+    assert len(digits) == 160 and "train/reward/exact" in client.get_run(result.run_id).data.metrics
     early, late = sum(digits[:20]) / 20, sum(digits[-20:]) / 20
     assert late > early + 0.15, (early, late)
     assert "eval/gold_reward" in result.metrics  # the example's gold_fn (exact) judges held-out answers

@@ -35,7 +35,7 @@ from rlhflab.errors import ConfigError
 from rlhflab.memory.base import MemoryStrategy
 from rlhflab.memory.lora import DEFAULT_TARGETS, lora_config, trainable_parameters
 from rlhflab.models.build import DTYPES, freeze, load_causal_lm, module_name, read_reward_norm
-from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
+from rlhflab.models.heads import ScalarHead, has_reward_head, sequence_scores, trunk
 from rlhflab.rollout.batch import join, token_logprobs
 from rlhflab.rollout.weights import save_policy_checkpoint
 
@@ -72,7 +72,8 @@ class HydraRLHFMemory(MemoryStrategy):
                 "model.reward_model_path: memory=hydra scores with a reward head on the policy's own backbone, not a separate "
                 "reward model; set it to null (stage hydra_sft trains the head) or use memory=full or memory=lora"
             )
-        if not model_cfg.get("sft_path") and (task.demonstrations() is None or task.preference_pairs() is None):
+        ready = model_cfg.get("sft_path") and has_reward_head(model_cfg.sft_path)  # a hydra_sft output: nothing to train
+        if not ready and (task.demonstrations() is None or task.preference_pairs() is None):
             raise ConfigError(f"memory=hydra: task {task.name} lacks demonstrations or preference pairs for stage hydra_sft; use memory=lora")
 
     def stages(self, need_reward: bool) -> tuple[str, ...]:

@@ -101,6 +101,16 @@ def accept_reward_report(stage: str, norm: dict, trainer, lr_key: str) -> None:
                           f"is chance level; not cached. Lower {lr_key}, train longer, or give more preference pairs")
 
 
+def score_statistics_texts(task) -> tuple[list[str], list[str]]:
+    """Where a reward model's score mean/std are measured: the demonstrations (responses like the SFT
+    policy's), or without them (a ready model.sft_path) every chosen and rejected response of the pairs."""
+    demos = task.demonstrations()
+    if demos:
+        return [p for p, _ in demos], [r for _, r in demos]
+    pairs = task.preference_pairs()
+    return [p for p, _, _ in pairs] * 2, [c for _, c, _ in pairs] + [r for _, _, r in pairs]
+
+
 def run_rm(sft: Saved, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir: Path, make_trainer) -> Saved:
     """A reward model (the SFT backbone plus a scalar head) trained on gold-labelled preference pairs.
 
@@ -109,7 +119,7 @@ def run_rm(sft: Saved, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir: 
     thing whatever scale the reward model happened to learn.
     """
     pairs = task.preference_pairs()
-    prompts, responses = (list(x) for x in zip(*task.demonstrations()))  # where score statistics are measured
+    prompts, responses = score_statistics_texts(task)
     key = config_key(sft.identity, vocab_key(tokenizer), task.name, pairs, prompts, responses, stage_cfg, dtype)
 
     def build(tmp: Path) -> None:
