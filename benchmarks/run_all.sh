@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark sweeps behind the README's tables, run one after another on an otherwise idle machine.
 # Each is a Hydra multirun tracked in MLflow (sqlite:///mlflow.db here); `python src/report.py
-# sweep=<parent>` turns one into a table and plots. Takes about 30 minutes on 2 CPU cores.
+# sweep=<parent>` turns one into a table and plots. Takes about 40 minutes on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 Q="trainer.enable_progress_bar=false"
@@ -20,6 +20,15 @@ python src/train.py -m algo=ppo,rloo memory=full,lora,hydra $Q
 # (equal batch for both algorithms: 16 prompts x 2 samples, one update per batch; SFT batch 32
 # is the full fine-tune reference point).
 python src/train.py -m model=llama100m algo=ppo,rloo memory=full,lora,hydra \
+  algo.samples_per_prompt=2 algo.num_minibatches=1 algo.epochs=1 rl.prompts_per_step=16 trainer.max_steps=4 \
+  rl.eval_every=0 rl.eval_samples_per_prompt=1 task.num_eval_prompts=8 \
+  task.num_demonstrations=64 task.num_preference_pairs=64 stages.sft.epochs=1 stages.rm.epochs=1 \
+  stages.sft.batch_size=32 stages.rm.batch_size=32 $Q
+
+# Issue 11: the default experiment on 1 process, DDP and FSDP2 over 2 processes (gloo), 3 seeds each ...
+python src/train.py -m trainer=cpu,ddp,fsdp seed=0,1,2 $Q
+# ... and model state per rank on the 113M model, at the memory sweep's settings.
+python src/train.py -m model=llama100m trainer=ddp,fsdp trainer.devices=2 algo=rloo \
   algo.samples_per_prompt=2 algo.num_minibatches=1 algo.epochs=1 rl.prompts_per_step=16 trainer.max_steps=4 \
   rl.eval_every=0 rl.eval_samples_per_prompt=1 task.num_eval_prompts=8 \
   task.num_demonstrations=64 task.num_preference_pairs=64 stages.sft.epochs=1 stages.rm.epochs=1 \
