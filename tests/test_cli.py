@@ -135,7 +135,12 @@ def run_cli(*args: str, cwd: Path):
 
 
 @pytest.mark.parametrize("args, key", [(["trainer.max_steps=abc"], "trainer.max_steps"), (["+rl.lrr=1"], "rl.lrr"),
-                                       (["rl.lr=-1"], "rl.lr"), (["algo=nope"], "algo=nope")])
+                                       (["rl.lr=-1"], "rl.lr"), (["algo=nope"], "algo=nope"),
+                                       # checks that read the task's files (after the imports, before any model loads)
+                                       (["task=prompts", f"task.path={ROOT}/examples/reverse/eval.jsonl", "task.tokenizer=char",
+                                         "rl.prompts_per_step=500"], "rl.prompts_per_step"),
+                                       (["task=prompts", f"task.path={ROOT}/examples/reverse/train.jsonl", "task.tokenizer=char",
+                                         "reward=rule"], "reward=rule")])
 def test_the_real_command_line_fails_in_one_line(tmp_path, args, key):
     out = run_cli(*args, f"cache_dir={tmp_path}/cache", cwd=tmp_path)
     assert out.returncode == 2

@@ -65,8 +65,12 @@ def validate(cfg: DictConfig) -> Plan:
     if 0 < task.num_train_prompts < rl.prompts_per_step:  # 0: a hub dataset not loaded yet (train() checks again)
         raise ConfigError(
             f"rl.prompts_per_step={rl.prompts_per_step}: larger than the task's {task.num_train_prompts} training prompts; "
-            f"lower it or raise task.num_train_prompts"
+            + ("lower it or raise task.num_train_prompts" if "num_train_prompts" in cfg.task
+               else f"lower it or add prompts to {cfg.task.get('path')}")
         )
+    if getattr(reward, "needs_gold", False) and not task.has_gold:
+        raise ConfigError(f"reward=rule: task {task.name} has no gold rule to score with (task.gold_fn: null); "
+                          "set task.gold_fn=<file.py>:<function>, or use reward=function or reward=model")
     if correction.weights_samples and not algo.uses_importance_ratio:
         raise ConfigError(
             f"off_policy={correction.name}: {algo.name}'s loss has no importance ratio to weight; "

@@ -26,6 +26,7 @@ class RuleReward:
     """The task's gold rule used directly as the reward (no reward model, no stage `rm`)."""
 
     needs_reward_model = False
+    needs_gold = True  # the task must have a gold rule (checked before anything loads)
 
     def score(self, memory: MemoryStrategy, task: Task, rollout: Rollout) -> torch.Tensor:
         return task.gold_reward(rollout.prompts, rollout.texts, rollout.split, rollout.rows)
