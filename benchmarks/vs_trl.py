@@ -1,0 +1,450 @@
+"""rlhflab against TRL, side by side: same SFT policy, prompts, rule reward and settings, interleaved runs.
+
+    pip install -e ".[bench]"          # TRL (never a runtime dependency of rlhflab)
+    nice -n 19 python benchmarks/vs_trl.py                      # 60 steps, 3 reps, RLOO / GRPO / online DPO
+    python benchmarks/vs_trl.py --steps 5 --reps 1 --algos rloo  # a smoke run
+    python benchmarks/vs_trl.py --model llama100m --max-new-tokens 32 --steps 4 --reps 1  # a second setting
+
+What is compared
+- The policy: the SFT policy of rlhflab's default run (stage `sft` of `python src/train.py`), made once by
+  rlhflab's own CLI into --cache and loaded by both sides from that directory (`model.sft_path=` for rlhflab,
+  `from_pretrained` for TRL). The reference model is a frozen copy of it on both sides.
+- The prompts: the embedded sentiment task's train prompts (`SentimentTask(...).prompts("train")`).
+- The reward: the task's gold rule, `reward=rule` in rlhflab; for TRL a plain Python reward function that
+  calls the same `SentimentTask.gold_reward`. No EOS penalty on either side by default (`rl.eos_penalty=null`);
+  --eos-penalty X gives both sides the same one (rlhflab's semantics: it replaces the score of a completion
+  without EOS; TRL's own `missing_eos_penalty` subtracts instead, so it is applied inside the reward function).
+- The settings: RLHFLAB_OVERRIDES and TRL_COMMON / TRL_ALGO below, every TRL default that differs set to rlhflab's.
+
+How it is measured
+- Every run is its own subprocess (the same Python, torch and thread settings: OMP_WAIT_POLICY=PASSIVE,
+  1 torch thread), run interleaved: for each rep, for each algorithm, rlhflab and TRL (the order alternates
+  between reps). Peak RSS is the child's ru_maxrss from os.wait4 (imports, model load and all).
+- completions/s = completions of steps 2..N / wall time from the end of step 1 to the end of step N, on both
+  sides (model load, startup, first-step warm-up and rlhflab's before/after evaluation excluded). The end of a
+  step is the time rlhflab logs its step metrics (the MLflow metric timestamp, taken in the step after its
+  optimizer update) and TRL's `on_step_end` callback (after its optimizer update).
+- final reward = the mean batch reward (mean gold score of the step's completions, before any KL term) over the
+  last 10 steps: rlhflab's `train/reward`, TRL's reward function's mean on each call (once per step).
+- The table gives medians over reps.
+
+Unfairness that is not removed (see also the comments in TRL_COMMON / TRL_ALGO)
+- rlhflab logs ~40 metrics per step to MLflow (SQLite, background queue) and runs its evaluation at start and
+  end (64 prompts x 4 samples, outside the timed window); TRL logs to nothing (`report_to="none"`), its best case.
+- Optimizer: both AdamW (lr, betas, eps 1e-5, no weight decay, clip 1.0); TRL keeps its default fused
+  implementation (`adamw_torch_fused`), rlhflab uses torch.optim.AdamW's default.
+- Prompt order: each side shuffles the same prompt pool with its own seeded sampler.
+- GRPO: the std epsilon in (r - mean) / (std + eps) is 1e-4 in TRL (hard-coded), 1e-6 in rlhflab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "src" / "train.py"
+ALGOS = ("rloo", "grpo", "online_dpo")
+LABEL = {"rloo": "RLOO", "grpo": "GRPO", "online_dpo": "online DPO"}
+LAST = 10  # final reward: mean batch reward over the last LAST steps
+
+# ---- rlhflab's side: its CLI with these overrides (values that are already defaults are stated anyway) ----
+RLHFLAB_OVERRIDES = [
+    "reward=rule",                       # the task's gold rule scores completions (no reward model)
+    "memory=full",                       # separate policy and frozen reference copy (as TRL)
+    "mode=sync",                         # generate with the current weights, then learn (as TRL)
+    "generator=hf",                      # HF generate(), as TRL without vLLM
+    "trainer=cpu",
+    "trainer.precision=32-true",         # float32, no autocast
+    "memory.gradient_checkpointing=false",
+    "torch_threads=1",
+    "rl.eval_every=0",                   # evaluate only before and after RL (outside the timed window)
+    "trainer.enable_progress_bar=false",
+    "output.log_policy=false",           # do not copy the policy into MLflow's artifact store at the end
+    "rl.max_grad_norm=1.0",
+]
+RLHFLAB_ALGO = {
+    "rloo": ["algo.kl_coef=0.05", "algo.kl_estimator=k1", "algo.clip_eps=0.2", "algo.loss_agg=seq-mean-token-sum",
+             "algo.epochs=1", "algo.num_minibatches=1"],
+    "grpo": ["algo.kl_loss_coef=0.04", "algo.clip_eps=0.2", "algo.scale_by_std=true", "algo.loss_agg=seq-mean-token-mean",
+             "algo.epochs=1", "algo.num_minibatches=1"],
+    # ties=keep: TRL's OnlineDPOTrainer has no tie handling (a tied pair trains its first sample over its
+    # second, `first >= second`); rlhflab's default skips tied groups, `keep` does what TRL does.
+    "online_dpo": ["algo.beta=0.1", "algo.loss_type=sigmoid", "algo.ties=keep", "algo.loss_agg=seq-mean-token-sum",
+                   "algo.epochs=1", "algo.num_minibatches=1"],
+}
+
+# ---- TRL's side: every TRL default that differs from rlhflab's, set to rlhflab's ----
+TRL_COMMON = {
+    "bf16": False,                       # TRL default True (bf16 autocast, also on CPU); rlhflab: float32
+    "fp16": False,
+    "gradient_checkpointing": False,     # TRL default True; rlhflab: memory.gradient_checkpointing=false
+    "lr_scheduler_type": "constant",     # TRL default linear decay to 0; rlhflab: constant lr
+    "warmup_steps": 0,                   # (transformers default 0 too)
+    "adam_epsilon": 1e-5,                # transformers default 1e-8; rlhflab's AdamW eps=1e-5
+    "weight_decay": 0.0,                 # (default 0.0 too); rlhflab weight_decay=0.0
+    "adam_beta1": 0.9,                   # (defaults, as torch.optim.AdamW's)
+    "adam_beta2": 0.999,
+    "max_grad_norm": 1.0,                # (default 1.0); rlhflab rl.max_grad_norm=1.0
+    "gradient_accumulation_steps": 1,    # one optimizer step per rollout batch
+    "use_cpu": True,
+    "seed": 0,                           # rlhflab seed=0
+    "logging_steps": 1,                  # TRL default 10; rlhflab computes and logs its metrics every step
+    "report_to": "none",                 # no tracker (rlhflab tracks to MLflow: counted against rlhflab)
+    "save_strategy": "no",               # no checkpoints (rlhflab: checkpoint.every_n_steps=null)
+    "disable_tqdm": True,                # no progress bar (rlhflab: trainer.enable_progress_bar=false)
+    "dataloader_num_workers": 0,
+}
+# For RLOO / GRPO, per_device_train_batch_size counts completions (prompts x k); for online DPO, prompts.
+TRL_ALGO = {
+    "rloo": {
+        "beta": 0.05,                        # TRL default 0.05 = rlhflab algo.kl_coef (k1, summed, folded into the reward)
+        "num_iterations": 1,                 # mu=1 (default): one update per batch, as rlhflab algo.epochs=1
+        "epsilon": 0.2,                      # (default) = rlhflab algo.clip_eps (inactive at ratio 1)
+        "normalize_advantages": False,       # (default) rlhflab RLOO does not whiten
+        "mask_truncated_completions": False, # (default) rlhflab trains on truncated completions too
+        "temperature": None,                 # set from --temperature (TRL RLOO default 1.0)
+        "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0,  # full distribution, as rlhflab
+        "disable_dropout": True,             # TRL default False; the models have no dropout anyway (p=0)
+    },
+    "grpo": {
+        "beta": 0.04,                        # TRL default 0.0 (no KL, no reference model); rlhflab algo.kl_loss_coef=0.04 (k3 in the loss)
+        "loss_type": "grpo",                 # TRL default "dapo" (token sum / batch tokens); rlhflab seq-mean-token-mean = TRL "grpo"
+        "scale_rewards": "group",            # (default) (r - group mean) / group std, as rlhflab algo.scale_by_std=true
+        "use_bias_correction_kl": False,     # TRL default True multiplies the k3 term by the (differentiable) ratio; rlhflab does not
+        "importance_sampling_level": "token",  # (default) token ratio, as rlhflab
+        "num_iterations": 1,                 # mu=1 (default)
+        "epsilon": 0.2,                      # (default) = rlhflab algo.clip_eps
+        "mask_truncated_completions": False,
+        "top_entropy_quantile": 1.0,         # (default) every token in the loss
+        "temperature": None,                 # set from --temperature (TRL GRPO default 1.0)
+        "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0,
+        "disable_dropout": True,
+    },
+    "online_dpo": {
+        "beta": 0.1,                         # (default) = rlhflab algo.beta
+        "loss_type": "sigmoid",              # (default) = rlhflab algo.loss_type
+        "missing_eos_penalty": None,         # (default) the EOS penalty, if any, is applied in the reward function (rlhflab semantics)
+        "temperature": None,                 # TRL default 0.9; set from --temperature. TRL's online DPO computes
+                                             # training log-probs at temperature 1 whatever it samples with; rlhflab
+                                             # divides by the temperature: identical only at temperature 1.0
+        "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0,
+        "disable_dropout": True,             # (default)
+    },
+}
+ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+# Models: the overrides of the (untimed) run that makes the SFT policy; tiny = the default run's stage sft.
+PREP = {
+    "tiny": [],
+    # A 113M-parameter Llama is slow on CPU: a short SFT (its completions run to the token budget more often).
+    "llama100m": ["task.num_demonstrations=64", "stages.sft.epochs=1", "stages.sft.batch_size=32"],
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Children
+# ---------------------------------------------------------------------------------------------------------
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    for k, v in ENV.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+def run_child(cmd: list[str], log: Path, timeout: float, env: dict) -> tuple[int, float, float]:
+    """Run cmd in its own process group -> (exit code, peak RSS MB of the child, wall seconds)."""
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (ru_maxrss in KiB on Linux)
+        finally:
+            timer.cancel()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # anything it left behind
+            except ProcessLookupError:
+                pass
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss / 1024, time.perf_counter() - t0
+
+
+def rlhflab_cmd(a, algo: str, sft: str | None, steps: int, out_dir: Path, extra: list[str]) -> list[str]:
+    k = a.k if algo != "online_dpo" else 2
+    cmd = [sys.executable, str(TRAIN), f"model={a.model}", f"algo={algo}", *RLHFLAB_OVERRIDES, *RLHFLAB_ALGO[algo],
+           f"algo.samples_per_prompt={k}", f"trainer.max_steps={steps}", f"rl.prompts_per_step={a.prompts_per_step}",
+           f"rl.lr={a.lr}", f"generator.temperature={a.temperature}", "model.dtype=float32",
+           f"generator.max_new_tokens={a.max_new_tokens if a.max_new_tokens else 'null'}",
+           f"rl.eos_penalty={'null' if a.eos_penalty is None else a.eos_penalty}", f"seed={a.seed}",
+           f"task.response_words={a.response_words}", f"output.dir={out_dir}", *extra]
+    if sft:
+        cmd.append(f"model.sft_path={sft}")
+    return cmd
+
+
+def read_rlhflab(db: Path, run_id: str) -> dict:
+    """Per-step end times (MLflow metric timestamps, s) and batch rewards of one rlhflab run."""
+    with sqlite3.connect(db) as c:
+        rows = c.execute("select step, value, timestamp from metrics where run_uuid=? and key='train/reward' order by step",
+                         (run_id,)).fetchall()
+        own = c.execute("select value from metrics where run_uuid=? and key='perf/mean_samples_per_s'", (run_id,)).fetchone()
+        params = dict(c.execute("select key, value from params where run_uuid=?", (run_id,)).fetchall())
+    return {"steps": [r[0] for r in rows], "rewards": [r[1] for r in rows], "step_end": [r[2] / 1000 for r in rows],
+            "own_samples_per_s": own[0] if own else None, "policy_start": params.get("rlhflab.policy_start")}
+
+
+def trl_child(a) -> None:
+    """One TRL run (this process is the measured child): writes step end times and batch rewards to a.json."""
+    import torch
+
+    torch.set_num_threads(1)  # rlhflab torch_threads=1
+    torch.manual_seed(a.seed)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from rlhflab.tasks.sentiment import SentimentTask
+
+    t_start = time.perf_counter()
+    task = SentimentTask(response_words=a.response_words, seed=a.seed)  # conf/task/sentiment.yaml's other defaults
+    max_new = a.max_new_tokens or task.max_new_tokens
+    tok = AutoTokenizer.from_pretrained(a.sft)
+    model = AutoModelForCausalLM.from_pretrained(a.sft, dtype=torch.float32)
+    eos = tok.eos_token_id
+    rewards: list[float] = []
+
+    def gold(prompts, completions, completion_ids=None, **kwargs):
+        """The task's gold rule (rlhflab reward=rule); the EOS penalty, if any, replaces the score as rlhflab's does."""
+        r = task.gold_reward(list(prompts), list(completions))
+        if a.eos_penalty is not None:
+            no_eos = torch.tensor([eos not in list(ids) for ids in completion_ids])
+            r[no_eos] = a.eos_penalty
+        rewards.append(float(r.mean()))
+        return r.tolist()
+
+    ends: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    ds = Dataset.from_dict({"prompt": task.prompts("train")})
+    settings = {**TRL_COMMON, **TRL_ALGO[a.algo], "temperature": a.temperature, "learning_rate": a.lr,
+                "max_steps": a.steps, "output_dir": str(Path(a.json).parent / "trl-out")}
+    if a.algo in ("rloo", "grpo"):
+        from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+        Config, Trainer = (RLOOConfig, RLOOTrainer) if a.algo == "rloo" else (GRPOConfig, GRPOTrainer)
+        cfg = Config(**settings, per_device_train_batch_size=a.prompts_per_step * a.k, num_generations=a.k,
+                     max_completion_length=max_new)
+        trainer = Trainer(model=model, reward_funcs=gold, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Clock()])
+    else:
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        cfg = OnlineDPOConfig(**settings, per_device_train_batch_size=a.prompts_per_step, max_new_tokens=max_new)
+        trainer = OnlineDPOTrainer(model=model, reward_funcs=gold, args=cfg, train_dataset=ds, processing_class=tok,
+                                   callbacks=[Clock()])
+    t_ready = time.perf_counter()
+    trainer.train()
+    Path(a.json).write_text(json.dumps({"step_end": ends, "rewards": rewards, "startup_s": t_ready - t_start,
+                                        "settings": {k: v for k, v in cfg.to_dict().items() if k in settings or k in
+                                                     ("per_device_train_batch_size", "num_generations", "max_completion_length",
+                                                      "max_new_tokens", "optim")}}))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The parent
+# ---------------------------------------------------------------------------------------------------------
+
+def summarize(step_end: list[float], rewards: list[float], per_step: int) -> dict:
+    n = len(step_end)
+    if n < 2:
+        raise RuntimeError(f"only {n} step(s) recorded: at least 2 are needed to time steps 2..N")
+    span = step_end[-1] - step_end[0]
+    return {"completions_per_s": (n - 1) * per_step / span, "rl_s": span, "steps": n,
+            "final_reward": statistics.fmean(rewards[-LAST:]), "rewards": rewards}
+
+
+def prepare(a, work: Path, env: dict) -> str:
+    """The SFT policy both sides start from, made by rlhflab's own CLI (stage sft, cached in --cache)."""
+    if a.sft:
+        return a.sft
+    out = work / "prep"
+    db = work / "prep.db"
+    env = env | {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "RLHFLAB_CACHE": str(a.cache)}
+    cmd = rlhflab_cmd(a, "rloo", None, 1, out, PREP.get(a.model, []) + a.prep_override)
+    code, _, wall = run_child(cmd, work / "prep.log", a.timeout, env)
+    if code != 0:
+        raise SystemExit(f"preparing the SFT policy failed (exit {code}); see {work / 'prep.log'}")
+    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
+    sft = read_rlhflab(db, run_id)["policy_start"]
+    print(f"SFT policy: {sft} (made or found by rlhflab in {wall:.0f} s)", flush=True)
+    return sft
+
+
+def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) -> dict:
+    d = work / f"{algo}-{side}-{rep}"
+    d.mkdir(parents=True, exist_ok=True)
+    k = 2 if algo == "online_dpo" else a.k
+    per_step = a.prompts_per_step * k
+    if side == "rlhflab":
+        db = d / "mlflow.db"
+        cmd = rlhflab_cmd(a, algo, sft, a.steps, d / "run", a.rlhflab_override)
+        code, rss, wall = run_child(cmd, d / "log.txt", a.timeout,
+                                    env | {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "RLHFLAB_CACHE": str(a.cache)})
+        if code != 0:
+            raise SystemExit(f"rlhflab {algo} rep {rep} failed (exit {code}); see {d / 'log.txt'}")
+        run_id = json.loads((d / "run" / "mlflow_run.json").read_text())["run_id"]
+        raw = read_rlhflab(db, run_id)
+        res = summarize(raw["step_end"], raw["rewards"], per_step) | {"own_samples_per_s": raw["own_samples_per_s"]}
+    else:
+        js = d / "trl.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "_trl", "--algo", algo, "--sft", sft, "--json", str(js),
+               "--steps", str(a.steps), "--prompts-per-step", str(a.prompts_per_step), "--k", str(k), "--lr", str(a.lr),
+               "--temperature", str(a.temperature), "--seed", str(a.seed), "--response-words", str(a.response_words)]
+        if a.max_new_tokens:
+            cmd += ["--max-new-tokens", str(a.max_new_tokens)]
+        if a.eos_penalty is not None:
+            cmd += ["--eos-penalty", str(a.eos_penalty)]
+        code, rss, wall = run_child(cmd, d / "log.txt", a.timeout, env)
+        if code != 0:
+            raise SystemExit(f"TRL {algo} rep {rep} failed (exit {code}); see {d / 'log.txt'}")
+        raw = json.loads(js.read_text())
+        res = summarize(raw["step_end"], raw["rewards"], per_step) | {"startup_s": raw["startup_s"], "settings": raw["settings"]}
+    res |= {"peak_rss_mb": rss, "wall_s": wall}
+    print(f"  rep {rep} {algo:10s} {side:7s}: {res['completions_per_s']:7.1f} completions/s over steps 2..{res['steps']}, "
+          f"RL {res['rl_s']:.1f} s, peak RSS {rss:.0f} MB, reward(last {LAST}) {res['final_reward']:+.3f}, wall {wall:.0f} s",
+          flush=True)
+    return res
+
+
+def versions() -> str:
+    from importlib.metadata import version
+
+    return ", ".join(f"{p} {version(p)}" for p in ("torch", "transformers", "trl", "accelerate", "lightning", "mlflow"))
+
+
+def table(a, results: dict) -> str:
+    med = statistics.median
+    lines = [
+        f"rlhflab vs TRL: model={a.model}, {a.prompts_per_step} prompts/step, k={a.k} (online DPO 2), "
+        f"max_new_tokens={a.max_new_tokens or 'task (9)'}, lr {a.lr}, temperature {a.temperature}, "
+        f"eos_penalty {a.eos_penalty}, {a.steps} steps, 1 torch thread, float32; medians of {a.reps} interleaved reps.",
+        f"({versions()}; {os.cpu_count()} CPUs; OMP_WAIT_POLICY=PASSIVE)",
+        "",
+        "| algo | rlhflab completions/s | TRL completions/s | ratio | peak RSS rlhflab / TRL | final reward rlhflab / TRL |",
+        "|---|---|---|---|---|---|",
+    ]
+    for algo in a.algos:
+        r, t = results[algo]["rlhflab"], results[algo]["trl"]
+        if not r or not t:
+            continue
+        rc, tc = med(x["completions_per_s"] for x in r), med(x["completions_per_s"] for x in t)
+        rr, tr = med(x["peak_rss_mb"] for x in r), med(x["peak_rss_mb"] for x in t)
+        rf, tf = med(x["final_reward"] for x in r), med(x["final_reward"] for x in t)
+        lines.append(f"| {LABEL[algo]} | {rc:.0f} | {tc:.0f} | {rc / tc:.2f}x | {rr:.0f} / {tr:.0f} MB ({rr / tr:.2f}x) "
+                     f"| {rf:.3f} / {tf:.3f} |")
+    lines += ["", f"completions/s: completions of steps 2..N over the wall time from the end of step 1 to the end of step N; "
+              f"final reward: mean batch gold reward over the last {LAST} steps; peak RSS: the child process's ru_maxrss."]
+    return "\n".join(lines)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset of rloo,grpo,online_dpo")
+    p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (the table gives medians)")
+    p.add_argument("--steps", type=int, default=60, help="RL steps (optimizer updates) per run")
+    p.add_argument("--model", default="tiny", help="rlhflab model preset (tiny, llama100m)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="completion budget (default: the task's, 9)")
+    p.add_argument("--response-words", type=int, default=8, help="the sentiment task's response length (gold denominator)")
+    p.add_argument("--prompts-per-step", type=int, default=32)
+    p.add_argument("--k", type=int, default=4, help="samples per prompt for RLOO and GRPO (online DPO: always 2)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--eos-penalty", type=float, default=None, help="score of a completion without EOS, both sides (default none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sft", default=None, help="a ready SFT policy directory (default: rlhflab's stage sft, made into --cache)")
+    p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "rlhflab" / "vs_trl", help="RLHFLAB_CACHE of the runs")
+    p.add_argument("--prep-override", action="append", default=[], help="extra rlhflab override for the SFT-making run")
+    p.add_argument("--rlhflab-override", action="append", default=[], help="extra rlhflab override for every rlhflab run")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before a child run is killed")
+    p.add_argument("--keep", action="store_true", help="keep the runs' work directory (logs, MLflow dbs, JSON)")
+    p.add_argument("--out", type=Path, default=None, help="write the table (markdown) here; results JSON next to it")
+    a = p.parse_args(argv)
+    a.algos = [x.strip() for x in a.algos.split(",") if x.strip()]
+    bad = [x for x in a.algos if x not in ALGOS]
+    if bad:
+        p.error(f"unknown algos {bad}; choose from {', '.join(ALGOS)}")
+    return a
+
+
+def parse_child(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--algo", required=True)
+    p.add_argument("--sft", required=True)
+    p.add_argument("--json", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--prompts-per-step", type=int, required=True)
+    p.add_argument("--k", type=int, required=True)
+    p.add_argument("--lr", type=float, required=True)
+    p.add_argument("--temperature", type=float, required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--response-words", type=int, required=True)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--eos-penalty", type=float, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_trl"]:
+        return trl_child(parse_child(argv[1:]))
+    a = parse(argv)
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise SystemExit('TRL is not installed: pip install -e ".[bench]"') from None
+    env = child_env()
+    work = Path(tempfile.mkdtemp(prefix="vs_trl-"))
+    print(f"work directory: {work}", flush=True)
+    try:
+        sft = prepare(a, work, env)
+        results = {algo: {"rlhflab": [], "trl": []} for algo in a.algos}
+        for rep in range(1, a.reps + 1):
+            for algo in a.algos:
+                order = ("rlhflab", "trl") if rep % 2 else ("trl", "rlhflab")
+                for side in order:
+                    results[algo][side].append(one_run(a, side, algo, rep, sft, work, env))
+        text = table(a, results)
+        print("\n" + text)
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(text + "\n")
+            a.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "sft": sft,
+                                                              "results": results}, indent=1))
+    finally:
+        if a.keep:
+            print(f"kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
