@@ -152,6 +152,11 @@ PREP = {
     # A 113M-parameter Llama is slow on CPU: a short SFT (its completions run to the token budget more often).
     "llama100m": ["task.num_demonstrations=64", "stages.sft.epochs=1", "stages.sft.batch_size=32"],
 }
+# Per model, rlhflab overrides of every run that only shorten its untimed before/after evaluation
+# (64 held-out prompts x 4 samples take minutes on a 113M model on CPU); TRL evaluates nothing.
+EVAL = {
+    "llama100m": ["rl.eval_samples_per_prompt=1", "task.num_eval_prompts=8"],
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -194,7 +199,7 @@ def rlhflab_cmd(a, algo: str, sft: str | None, steps: int, out_dir: Path, extra:
            f"rl.lr={a.lr}", f"generator.temperature={a.temperature}", "model.dtype=float32",
            f"generator.max_new_tokens={a.max_new_tokens if a.max_new_tokens else 'null'}",
            f"rl.eos_penalty={'null' if a.eos_penalty is None else a.eos_penalty}", f"seed={a.seed}",
-           f"task.response_words={a.response_words}", f"output.dir={out_dir}", *extra]
+           f"task.response_words={a.response_words}", f"output.dir={out_dir}", *EVAL.get(a.model, []), *extra]
     if sft:
         cmd.append(f"model.sft_path={sft}")
     return cmd
@@ -344,6 +349,8 @@ def versions() -> str:
 def table(a, results: dict) -> str:
     med = statistics.median
     lines = [
+        f"`python benchmarks/vs_trl.py {' '.join(a.argv)}`".replace(" `", "`"),
+        "",
         f"rlhflab vs TRL: model={a.model}, {a.prompts_per_step} prompts/step, k={a.k} (online DPO 2), "
         f"max_new_tokens={a.max_new_tokens or 'task (9)'}, lr {a.lr}, temperature {a.temperature}, "
         f"eos_penalty {a.eos_penalty}, {a.steps} steps, 1 torch thread, float32; medians of {a.reps} interleaved reps.",
@@ -388,6 +395,7 @@ def parse(argv=None):
     p.add_argument("--keep", action="store_true", help="keep the runs' work directory (logs, MLflow dbs, JSON)")
     p.add_argument("--out", type=Path, default=None, help="write the table (markdown) here; results JSON next to it")
     a = p.parse_args(argv)
+    a.argv = list(argv if argv is not None else sys.argv[1:])
     a.algos = [x.strip() for x in a.algos.split(",") if x.strip()]
     bad = [x for x in a.algos if x not in ALGOS]
     if bad:
