@@ -346,6 +346,10 @@ def versions() -> str:
     return ", ".join(f"{p} {version(p)}" for p in ("torch", "transformers", "trl", "accelerate", "lightning", "mlflow"))
 
 
+def num(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def table(a, results: dict) -> str:
     med = statistics.median
     lines = [
@@ -366,7 +370,7 @@ def table(a, results: dict) -> str:
         rc, tc = med(x["completions_per_s"] for x in r), med(x["completions_per_s"] for x in t)
         rr, tr = med(x["peak_rss_mb"] for x in r), med(x["peak_rss_mb"] for x in t)
         rf, tf = med(x["final_reward"] for x in r), med(x["final_reward"] for x in t)
-        lines.append(f"| {LABEL[algo]} | {rc:.0f} | {tc:.0f} | {rc / tc:.2f}x | {rr:.0f} / {tr:.0f} MB ({rr / tr:.2f}x) "
+        lines.append(f"| {LABEL[algo]} | {num(rc)} | {num(tc)} | {rc / tc:.2f}x | {rr:.0f} / {tr:.0f} MB ({rr / tr:.2f}x) "
                      f"| {rf:.3f} / {tf:.3f} |")
     lines += ["", f"completions/s: completions of steps 2..N over the wall time from the end of step 1 to the end of step N; "
               f"final reward: mean batch gold reward over the last {LAST} steps; peak RSS: the child process's ru_maxrss."]
