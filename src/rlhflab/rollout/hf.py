@@ -52,7 +52,7 @@ class HFGenerator:
             top_k=0 if not greedy else None,  # 0: no truncation (transformers' default would be 50)
             top_p=None,
             max_new_tokens=self.max_new_tokens,
-            min_new_tokens=0,
+            min_length=0,  # no forced length (min_new_tokens=0 would add a no-op processor that costs every token)
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
             output_logits=True,
