@@ -131,7 +131,7 @@ def sequence_rewards(
     kl_coef: float,
     kl_kind: str = "k1",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold the KL penalty into one reward per sequence (RLOO / ReMax / GRPO style).
+    """Fold the KL penalty into one reward per sequence (RLOO and ReMax: the KL is a reward penalty).
 
     ``scores`` ``(b,)``; ``logprobs``, ``ref_logprobs``, ``response_mask`` ``(b, t)``.
     Returns ``(rewards (b,), kl (b,))`` with ``kl = sum_t kl_token`` over valid
