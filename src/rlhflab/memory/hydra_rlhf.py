@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import shutil
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from contextlib import contextmanager, nullcontext
 
@@ -33,7 +32,7 @@ from torch import nn
 
 from rlhflab.errors import ConfigError
 from rlhflab.memory.base import MemoryStrategy
-from rlhflab.memory.lora import DEFAULT_TARGETS, lora_config, trainable_parameters
+from rlhflab.memory.lora import LoraSettings, lora_config, trainable_parameters
 from rlhflab.models.build import DTYPES, freeze, load_causal_lm, module_name, read_reward_norm
 from rlhflab.models.heads import ScalarHead, has_reward_head, sequence_scores, trunk
 from rlhflab.rollout.batch import join, token_logprobs
@@ -42,24 +41,13 @@ from rlhflab.rollout.weights import save_policy_checkpoint
 POLICY, VALUE = "policy", "value"  # adapter names
 
 
-class HydraRLHFMemory(MemoryStrategy):
+class HydraRLHFMemory(LoraSettings, MemoryStrategy):
     """One backbone for policy, reference, reward and value; LoRA adapters carry what RL learns.
 
     r, lora_alpha, lora_dropout, target_modules, gradient_checkpointing: as in `lora`.
     """
 
     name = "hydra"  # the user's word: memory=hydra
-
-    def __init__(
-        self,
-        r: int = 8,
-        lora_alpha: float = 16.0,
-        lora_dropout: float = 0.0,
-        target_modules: str | Sequence[str] = DEFAULT_TARGETS,
-        gradient_checkpointing: bool = False,
-    ) -> None:
-        super().__init__(gradient_checkpointing)
-        self.lora = {"r": r, "lora_alpha": lora_alpha, "lora_dropout": lora_dropout, "target_modules": target_modules}
 
     # ---- stages ----------------------------------------------------------------------------
 

@@ -47,16 +47,9 @@ def trainable_parameters(module: nn.Module | None) -> list[nn.Parameter]:
     return [] if module is None else [p for p in module.parameters() if p.requires_grad]
 
 
-class LoraMemory(FullMemory):
-    """Policy = frozen SFT weights + LoRA adapter; reference = the same weights, adapter off.
-
-    r: LoRA rank; lora_alpha: the adapter's output is scaled by lora_alpha / r;
-    lora_dropout: dropout on the adapter input; target_modules: module names
-    or "all-linear" (which leaves the LM head out); gradient_checkpointing:
-    recompute activations in backward.
-    """
-
-    name = "lora"
+class LoraSettings:
+    """The adapter settings of memory=lora and memory=hydra, kept in `self.lora` for every adapter they
+    train (a mixin: the strategy's own base class comes next in the MRO and takes gradient_checkpointing)."""
 
     def __init__(
         self,
@@ -68,6 +61,18 @@ class LoraMemory(FullMemory):
     ) -> None:
         super().__init__(gradient_checkpointing)
         self.lora = {"r": r, "lora_alpha": lora_alpha, "lora_dropout": lora_dropout, "target_modules": target_modules}
+
+
+class LoraMemory(LoraSettings, FullMemory):
+    """Policy = frozen SFT weights + LoRA adapter; reference = the same weights, adapter off.
+
+    r: LoRA rank; lora_alpha: the adapter's output is scaled by lora_alpha / r;
+    lora_dropout: dropout on the adapter input; target_modules: module names
+    or "all-linear" (which leaves the LM head out); gradient_checkpointing:
+    recompute activations in backward.
+    """
+
+    name = "lora"
 
     def build(self, policy_path, reward_path, need_values: bool, tokenizer, dtype: str = "float32") -> "LoraMemory":
         """Load the models this run needs. reward_path None: no reward model (rule reward)."""
