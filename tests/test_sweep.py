@@ -5,6 +5,7 @@ works against a real `mlflow server` over HTTP."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import signal
@@ -128,6 +129,13 @@ def test_sweep_jobs_are_children_of_one_parent(sqlite_sweep):
         assert run.data.tags["rlhflab.error"].startswith("ConfigError: rl.prompts_per_step=4")
         assert not run.data.metrics
     assert parent.info.status == "FINISHED"
+    # The parent says what was swept, in its name and tags, and carries the lineage a single run has.
+    assert parent.info.run_name.startswith("sweep algo=rloo,grpo num_train_prompts=2,512 "), parent.info.run_name
+    assert json.loads(parent.data.tags["rlhflab.sweep.params"]) == {"algo": "rloo,grpo", "task.num_train_prompts": "2,512"}
+    assert {"mlflow.user", "mlflow.source.name"} <= set(parent.data.tags)
+    # The sweep made the experiment: it opens in MLflow's training view like one a single run makes.
+    experiment = client.get_experiment_by_name("rlhflab")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     assert parent.data.tags["rlhflab.sweep.best_run_id"] in {r.info.run_id for r in finished}
     assert parent.data.metrics["sweep/jobs"] == 4 and parent.data.metrics["sweep/failed_jobs"] == 2
     best = max(r.data.metrics["eval/gold_reward"] for r in finished)

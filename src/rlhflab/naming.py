@@ -35,17 +35,23 @@ MAX_RUN_NAME = 250
 
 def run_name(algo: str, overrides: list[str]) -> str:
     """A run name that carries what this run changed: the algorithm, then each command-line override,
-    a group choice by its option (`mode=async` -> async) and a value by its last key (`rl.lr=3e-4` -> lr=3e-4).
+    a group choice by its option (`mode=async` -> async; an option named `default` by its group: `debug=default`
+    -> debug) and a value by its last key (`rl.lr=3e-4` -> lr=3e-4).
 
     >>> run_name("online_dpo", ["algo=online_dpo", "mode=async", "staleness=2", "rl.lr=3e-4", "logger.run_name=x"])
     'online_dpo async staleness=2 lr=3e-4'
+    >>> run_name("rloo", ["debug=default", "memory=lora"])
+    'rloo debug lora'
     """
     parts = [algo]
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
         if key.startswith(NOT_IN_NAMES) or key == "algo":
             continue
-        parts.append(value if key in GROUP_NAMES else f"{key.rpartition('.')[2]}={value}")
+        if key in GROUP_NAMES:
+            parts.append(key if value == "default" else value)
+        else:
+            parts.append(f"{key.rpartition('.')[2]}={value}")
     return " ".join(parts)[:MAX_RUN_NAME]
 
 

@@ -2,7 +2,7 @@
 
     python src/report.py sweep=<parent run id | parent run name | latest> [tracking_uri=...] [out_dir=...]
 
-Everything goes to `out_dir` (default reports/<parent run name>/) and is logged as
+Everything goes to `out_dir` (default reports/<parent run name, spaces as _>/) and is logged as
 artifacts of the parent run under `report/`. A plot whose metrics no child has
 is skipped, and the Markdown says so. Plots name runs by the overrides the sweep
 varied and never average runs into one line, point or bar (report_plots draws them).
@@ -386,7 +386,8 @@ def main(argv: list[str]) -> Report:
     args = parse_args(argv)
     client = MlflowClient(args["tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
     parent = find_sweep(client, args["sweep"])
-    out_dir = Path(args["out_dir"] or Path("reports") / parent.info.run_name)
+    # Sweep names say what was swept (`sweep algo=ppo,rloo 2025-01-31_12-00-00`): a folder name without spaces.
+    out_dir = Path(args["out_dir"] or Path("reports") / re.sub(r"[^\w.,=+-]+", "_", parent.info.run_name))
     baseline = find_sweep(client, args["baseline"]) if args["baseline"] else None
     report = write_report(client, parent, out_dir, baseline)
     if args["log_artifacts"].lower() in ("1", "true", "yes"):

@@ -31,7 +31,7 @@ EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's classic training view
 VIEW_KEY = "rlhflab-gold"
 VIEW_STATE = {"orderByKey": "metrics.`eval/gold_reward`", "orderByAsc": False,
               "selectedColumns": ["metrics.`eval/gold_reward`", "metrics.`eval/gold_reward_before`", "metrics.`train/kl`",
-                                  "tags.algo", "tags.memory", "tags.mode"]}
+                                  "tags.`algo`", "tags.`memory`", "tags.`mode`"]}  # MLflow's column keys: name in backticks
 EXPERIMENT_NOTE = ("RLHF runs from rlhflab (python src/train.py). Each run holds its stages (sft, rm) and RL; "
                    "eval/gold_reward is the task's own judgement of held-out completions.")
 
@@ -86,6 +86,25 @@ def store_lock(tracking_uri: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def ensure_experiment(client, tracking_uri: str, name: str) -> str:
+    """The id of experiment `name`, created if missing, with rlhflab's kind (training view), description and
+    gold-reward view. One made elsewhere (a sweep's parent, an older rlhflab, by hand) gets the kind and view as
+    this one has them; a user's own description stays."""
+    tags = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": EXPERIMENT_NOTE,
+            f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(VIEW_STATE)}
+    with store_lock(tracking_uri):
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            try:
+                return client.create_experiment(name, tags=tags)
+            except Exception:  # another process (not under this lock: a server's other client) created it first
+                experiment = client.get_experiment_by_name(name)
+        for key, value in tags.items():
+            if experiment.tags.get(key) != value and not (key == "mlflow.note.content" and key in experiment.tags):
+                client.set_experiment_tag(experiment.experiment_id, key, value)
+        return experiment.experiment_id
+
+
 class MlflowTracker:
     """Owns the MLflow run of one `train(cfg)` call.
 
@@ -114,28 +133,13 @@ class MlflowTracker:
 
         return MlflowClient(self.tracking_uri)
 
-    def _experiment_id(self) -> str:
-        client = self.client
-        experiment = client.get_experiment_by_name(self.experiment_name)
-        if experiment is not None:
-            if f"mlflow.sharedViewState.{VIEW_KEY}" not in experiment.tags:  # made by an older rlhflab, or by hand
-                client.set_experiment_tag(experiment.experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}", json.dumps(VIEW_STATE))
-            return experiment.experiment_id
-        tags = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": EXPERIMENT_NOTE,
-                f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(VIEW_STATE)}
-        try:
-            return client.create_experiment(self.experiment_name, tags=tags)
-        except Exception:  # another process created it first
-            return client.get_experiment_by_name(self.experiment_name).experiment_id
-
     def start(self, cfg: DictConfig, tags: dict[str, str], overrides: list[str], output_dir: Path,
               resume_run_id: str | None = None) -> str:
         """Create the run (or reopen `resume_run_id`), with params, the config, lineage and a description."""
         from mlflow.tracking.context.registry import resolve_tags
 
-        with store_lock(self.tracking_uri):
-            experiment_id = self._experiment_id()
         client = self.client
+        experiment_id = ensure_experiment(client, self.tracking_uri, self.experiment_name)
         if resume_run_id:
             client.update_run(resume_run_id, status="RUNNING")
             self.run_id = resume_run_id

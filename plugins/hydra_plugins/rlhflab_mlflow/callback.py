@@ -68,8 +68,10 @@ class MlflowSweepCallback(Callback):
         self.metric = self.metric or OmegaConf.select(config, "optimized_metric") or "eval/gold_reward"
         self.direction = self.direction or str(OmegaConf.select(config, "hydra.sweeper.direction") or "maximize")
         client = self._client()
-        experiment_id = _experiment_id(client, OmegaConf.select(config, "logger.experiment_name") or "rlhflab")
-        run = client.create_run(experiment_id, run_name=sweep_name(config), tags=_sweep_tags(config))
+        from mlflow.tracking.context.registry import resolve_tags
+
+        experiment_id = self._experiment_id(client, config)
+        run = client.create_run(experiment_id, run_name=sweep_name(config), tags=resolve_tags(_sweep_tags(config)))
         self.parent_run_id = run.info.run_id
         client.log_text(self.parent_run_id, OmegaConf.to_yaml(config), "sweep_config.yaml")
         atexit.register(self._abandon)
@@ -115,6 +117,11 @@ class MlflowSweepCallback(Callback):
 
         return MlflowClient(self._uri)
 
+    def _experiment_id(self, client, config: DictConfig) -> str:
+        from rlhflab.tracking import ensure_experiment
+
+        return ensure_experiment(client, self._uri, OmegaConf.select(config, "logger.experiment_name") or "rlhflab")
+
     def _find_child(self, client, config: DictConfig):
         """The run this job's tracker created: the first unclaimed child started after on_job_start."""
         experiment = client.get_experiment_by_name(OmegaConf.select(config, "logger.experiment_name") or "rlhflab")
@@ -149,7 +156,7 @@ class MlflowSweepCallback(Callback):
         job_return.return_value = None
 
     def _create_failed_child(self, client, config: DictConfig, overrides: str):
-        experiment_id = _experiment_id(client, OmegaConf.select(config, "logger.experiment_name") or "rlhflab")
+        experiment_id = self._experiment_id(client, config)
         choices = config.hydra.runtime.choices
         tags = {group: str(choices.get(group)) for group in RUN_TAG_GROUPS if choices.get(group) is not None}
         tags |= {
@@ -194,29 +201,37 @@ class MlflowSweepCallback(Callback):
             self._client().set_terminated(self.parent_run_id, "FAILED")
 
 
+def swept_params(config: DictConfig) -> dict[str, str]:
+    """What the sweep varies: the sweeper's `params` and the command line's sweep overrides (`algo=ppo,rloo`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = OmegaConf.select(config, "hydra.sweeper.params")
+    swept = {str(k): str(v) for k, v in (OmegaConf.to_container(params) if params is not None else {}).items()}
+    overrides = OverridesParser.create().parse_overrides(list(OmegaConf.to_container(config.hydra.overrides.task)))
+    for override in overrides:
+        if override.is_sweep_override():
+            swept[override.get_key_element().lstrip("+~")] = str(override.input_line).partition("=")[2]  # as typed: a,b / range(1,3)
+    return swept
+
+
 def sweep_name(config: DictConfig) -> str:
-    """`<experiment or 'sweep'>-<date>_<time>` from the sweep dir, e.g. sweep_algos-2025-01-31_12-00-00."""
-    prefix = OmegaConf.select(config, "hydra.runtime.choices.experiment") or "sweep"
-    parts = Path(str(config.hydra.sweep.dir)).parts
-    return f"{Path(prefix).name}-{'_'.join(parts[-2:])}"
+    """`<experiment or 'sweep'> <what is swept> <date>_<time>` (the time from the sweep dir),
+    e.g. `sweep algo=ppo,rloo 2025-01-31_12-00-00`."""
+    prefix = Path(OmegaConf.select(config, "hydra.runtime.choices.experiment") or "sweep").name
+    swept = " ".join(f"{key.rpartition('.')[2]}={value}" for key, value in swept_params(config).items())
+    when = "_".join(Path(str(config.hydra.sweep.dir)).parts[-2:])
+    return " ".join(part for part in (prefix, swept[:200], when) if part)
 
 
 def _sweep_tags(config: DictConfig) -> dict[str, str]:
-    params = OmegaConf.select(config, "hydra.sweeper.params")
-    params = OmegaConf.to_container(params) if params is not None else {}
     return {
         SWEEP_TAG: "1",
         "rlhflab.sweep.dir": os.path.abspath(str(config.hydra.sweep.dir)),
         SWEEP_OVERRIDES_TAG: " ".join(OmegaConf.to_container(config.hydra.overrides.task))[:MAX_TAG],
-        "rlhflab.sweep.params": json.dumps(params)[:MAX_TAG],
+        "rlhflab.sweep.params": json.dumps(swept_params(config))[:MAX_TAG],
         "rlhflab.sweep.sweeper": str(OmegaConf.select(config, "hydra.sweeper._target_")),
         "rlhflab.sweep.experiment": str(OmegaConf.select(config, "hydra.runtime.choices.experiment")),
     }
-
-
-def _experiment_id(client, name: str) -> str:
-    experiment = client.get_experiment_by_name(name)
-    return experiment.experiment_id if experiment else client.create_experiment(name)
 
 
 def _is_config_error(error: BaseException) -> bool:
