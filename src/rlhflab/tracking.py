@@ -86,13 +86,17 @@ def store_lock(tracking_uri: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def ensure_experiment(client, tracking_uri: str, name: str) -> str:
+def ensure_experiment(tracking_uri: str, name: str) -> str:
     """The id of experiment `name`, created if missing, with rlhflab's kind (training view), description and
     gold-reward view. One made elsewhere (a sweep's parent, an older rlhflab, by hand) gets the kind and view as
-    this one has them; a user's own description stays."""
+    this one has them; a user's own description stays. The client is made under the store lock: making one
+    creates (migrates) a fresh SQLite database."""
+    from mlflow.tracking import MlflowClient
+
     tags = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": EXPERIMENT_NOTE,
             f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(VIEW_STATE)}
     with store_lock(tracking_uri):
+        client = MlflowClient(tracking_uri)
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
             try:
@@ -138,8 +142,8 @@ class MlflowTracker:
         """Create the run (or reopen `resume_run_id`), with params, the config, lineage and a description."""
         from mlflow.tracking.context.registry import resolve_tags
 
+        experiment_id = ensure_experiment(self.tracking_uri, self.experiment_name)
         client = self.client
-        experiment_id = ensure_experiment(client, self.tracking_uri, self.experiment_name)
         if resume_run_id:
             client.update_run(resume_run_id, status="RUNNING")
             self.run_id = resume_run_id

@@ -67,10 +67,10 @@ class MlflowSweepCallback(Callback):
             return
         self.metric = self.metric or OmegaConf.select(config, "optimized_metric") or "eval/gold_reward"
         self.direction = self.direction or str(OmegaConf.select(config, "hydra.sweeper.direction") or "maximize")
-        client = self._client()
         from mlflow.tracking.context.registry import resolve_tags
 
-        experiment_id = self._experiment_id(client, config)
+        experiment_id = self._experiment_id(config)  # first, under the store lock (it may create the database)
+        client = self._client()
         run = client.create_run(experiment_id, run_name=sweep_name(config), tags=resolve_tags(_sweep_tags(config)))
         self.parent_run_id = run.info.run_id
         client.log_text(self.parent_run_id, OmegaConf.to_yaml(config), "sweep_config.yaml")
@@ -117,10 +117,10 @@ class MlflowSweepCallback(Callback):
 
         return MlflowClient(self._uri)
 
-    def _experiment_id(self, client, config: DictConfig) -> str:
+    def _experiment_id(self, config: DictConfig) -> str:
         from rlhflab.tracking import ensure_experiment
 
-        return ensure_experiment(client, self._uri, OmegaConf.select(config, "logger.experiment_name") or "rlhflab")
+        return ensure_experiment(self._uri, OmegaConf.select(config, "logger.experiment_name") or "rlhflab")
 
     def _find_child(self, client, config: DictConfig):
         """The run this job's tracker created: the first unclaimed child started after on_job_start."""
@@ -156,7 +156,7 @@ class MlflowSweepCallback(Callback):
         job_return.return_value = None
 
     def _create_failed_child(self, client, config: DictConfig, overrides: str):
-        experiment_id = self._experiment_id(client, config)
+        experiment_id = self._experiment_id(config)
         choices = config.hydra.runtime.choices
         tags = {group: str(choices.get(group)) for group in RUN_TAG_GROUPS if choices.get(group) is not None}
         tags |= {
