@@ -33,6 +33,12 @@ GROUP_NAMES = ("task", "model", "algo", "reward", "memory", "mode", "off_policy"
 MAX_RUN_NAME = 250
 
 
+def short_override(override: str) -> str:
+    """A setting by its last key: `algo.kl_coef=0.1` -> `kl_coef=0.1` (run names, sweep names, plot labels)."""
+    key, _, value = override.partition("=")
+    return f"{key.rpartition('.')[2]}={value}"
+
+
 def run_name(algo: str, overrides: list[str]) -> str:
     """A run name that carries what this run changed: the algorithm, then each command-line override,
     a group choice by its option (`mode=async` -> async; an option named `default` by its group: `debug=default`
@@ -51,7 +57,7 @@ def run_name(algo: str, overrides: list[str]) -> str:
         if key in GROUP_NAMES:
             parts.append(key if value == "default" else value)
         else:
-            parts.append(f"{key.rpartition('.')[2]}={value}")
+            parts.append(short_override(f"{key}={value}"))
     return " ".join(parts)[:MAX_RUN_NAME]
 
 

@@ -26,6 +26,7 @@ from rlhflab.naming import (
     SWEEP_METRIC_TAG,
     SWEEP_OVERRIDES_TAG,
     SWEEP_TAG,
+    short_override,
 )
 from rlhflab.report_plots import Bar, Curve, Panel, Point
 
@@ -167,19 +168,13 @@ def compare_to_baseline(client, runs, rows, baseline_runs) -> None:
 # ---- the plots: what each shows (report_plots draws) ---------------------------------------
 
 
-def _short(override: str) -> str:
-    """`algo.kl_coef=0.1` -> `kl_coef=0.1`: short labels for crowded plots."""
-    key, _, value = override.partition("=")
-    return f"{key.rsplit('.', 1)[-1]}={value}"
-
-
 def run_labels(runs, baseline_ids=frozenset()) -> dict[str, str]:
     """Per run id, its name in legends: what the sweep varied, short keys (`algo=rloo lr=0.001`), leaving out
     where things are logged; else its run name and job. Unique: a repeated name gets the run id's start."""
     varied, labels = varied_overrides(runs), {}
     for run in runs:
         rid = run.info.run_id
-        label = " ".join(_short(o) for o in varied[rid].split() if not o.lstrip("+~").startswith(NOT_IN_NAMES))
+        label = " ".join(short_override(o) for o in varied[rid].split() if not o.lstrip("+~").startswith(NOT_IN_NAMES))
         label = (label or _label(run)) + (" (baseline)" if rid in baseline_ids else "")
         labels[rid] = label if label not in labels.values() else f"{label} [{rid[:6]}]"
     return labels

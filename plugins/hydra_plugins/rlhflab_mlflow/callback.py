@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
     PARENT_RUN_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OVERRIDES_TAG, SWEEP_TAG,
-    default_run_name,
+    default_run_name, short_override,
 )
 
 log = logging.getLogger("rlhflab.sweep")
@@ -71,7 +71,8 @@ class MlflowSweepCallback(Callback):
 
         experiment_id = self._experiment_id(config)  # first, under the store lock (it may create the database)
         client = self._client()
-        run = client.create_run(experiment_id, run_name=sweep_name(config), tags=resolve_tags(_sweep_tags(config)))
+        swept = swept_params(config)
+        run = client.create_run(experiment_id, run_name=sweep_name(config, swept), tags=resolve_tags(_sweep_tags(config, swept)))
         self.parent_run_id = run.info.run_id
         client.log_text(self.parent_run_id, OmegaConf.to_yaml(config), "sweep_config.yaml")
         atexit.register(self._abandon)
@@ -214,21 +215,21 @@ def swept_params(config: DictConfig) -> dict[str, str]:
     return swept
 
 
-def sweep_name(config: DictConfig) -> str:
+def sweep_name(config: DictConfig, swept: dict[str, str]) -> str:
     """`<experiment or 'sweep'> <what is swept> <date>_<time>` (the time from the sweep dir),
     e.g. `sweep algo=ppo,rloo 2025-01-31_12-00-00`."""
     prefix = Path(OmegaConf.select(config, "hydra.runtime.choices.experiment") or "sweep").name
-    swept = " ".join(f"{key.rpartition('.')[2]}={value}" for key, value in swept_params(config).items())
+    what = " ".join(short_override(f"{key}={value}") for key, value in swept.items())
     when = "_".join(Path(str(config.hydra.sweep.dir)).parts[-2:])
-    return " ".join(part for part in (prefix, swept[:200], when) if part)
+    return " ".join(part for part in (prefix, what[:200], when) if part)
 
 
-def _sweep_tags(config: DictConfig) -> dict[str, str]:
+def _sweep_tags(config: DictConfig, swept: dict[str, str]) -> dict[str, str]:
     return {
         SWEEP_TAG: "1",
         "rlhflab.sweep.dir": os.path.abspath(str(config.hydra.sweep.dir)),
         SWEEP_OVERRIDES_TAG: " ".join(OmegaConf.to_container(config.hydra.overrides.task))[:MAX_TAG],
-        "rlhflab.sweep.params": json.dumps(swept_params(config))[:MAX_TAG],
+        "rlhflab.sweep.params": json.dumps(swept)[:MAX_TAG],
         "rlhflab.sweep.sweeper": str(OmegaConf.select(config, "hydra.sweeper._target_")),
         "rlhflab.sweep.experiment": str(OmegaConf.select(config, "hydra.runtime.choices.experiment")),
     }
