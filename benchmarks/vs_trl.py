@@ -29,7 +29,7 @@ How it is measured
 - The table gives medians over reps.
 
 Unfairness that is not removed (see also the comments in TRL_COMMON / TRL_ALGO)
-- rlhflab logs ~40 metrics per step to MLflow (SQLite, background queue) and runs its evaluation at start and
+- rlhflab logs ~20-40 metrics per step to MLflow (SQLite, written in one batch a second, logger.flush_every_s) and runs its evaluation at start and
   end (64 prompts x 4 samples, outside the timed window); TRL logs to nothing (`report_to="none"`), its best case.
 - Optimizer: both AdamW (lr, betas, eps 1e-5, no weight decay, clip 1.0); TRL keeps its default fused
   implementation (`adamw_torch_fused`), rlhflab uses torch.optim.AdamW's default.

@@ -2,6 +2,7 @@
 
 import pytest
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
 from rlhflab.train import train
 
@@ -37,6 +38,31 @@ def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_p
     table = client.load_table(run.info.experiment_id, "generations.json", run_ids=[result.run_id])
     assert {"prompt", "response", "reward", "gold_reward", "rl_step"} <= set(table.columns)
     assert set(table["rl_step"]) == {0, 80}
+
+
+def test_metrics_are_buffered_and_every_one_lands_by_the_run_end(tmp_path, caplog):
+    """The tracker writes step metrics in batches (logger.flush_every_s): nothing before a flush is due, every
+    buffered row at flush/finish, more than MLflow's 1000-per-batch limit included, a name MLflow refuses cleaned."""
+    from rlhflab.tracking import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = MlflowTracker(uri, "buffered", flush_every_s=3600)
+    run_id = tracker.start(OmegaConf.create({"algo": {"name": "rloo"}}), {"algo": "rloo"}, [], tmp_path)
+    client = MlflowClient(uri)
+    for step in range(1, 301):
+        tracker.log_metrics({"train/a": step, "train/b": -step, "train/c": 0.5, "train/reward/f(x)": 1.0}, step)
+    assert client.get_metric_history(run_id, "train/a") == []  # 1,200 rows buffered, none written yet
+    with caplog.at_level("WARNING"):
+        tracker.finish()
+    assert [m.step for m in client.get_metric_history(run_id, "train/a")] == list(range(1, 301))
+    assert len(client.get_metric_history(run_id, "train/reward/fx")) == 300
+    assert "'train/reward/f(x)' is logged as 'train/reward/fx'" in caplog.text
+    assert client.get_run(run_id).info.status == "FINISHED"
+    at_once = MlflowTracker(uri, "buffered", flush_every_s=0)  # 0: each call writes before it returns
+    run_id = at_once.start(OmegaConf.create({"algo": {"name": "rloo"}}), {"algo": "rloo"}, [], tmp_path)
+    at_once.log_metrics({"train/a": 1.0}, 1)
+    assert [m.value for m in client.get_metric_history(run_id, "train/a")] == [1.0]
+    at_once.finish()
 
 
 def test_second_run_reuses_cached_stages(make_cfg, caplog):

@@ -340,7 +340,7 @@ class MlflowLogger:
     tracking_uri: str = MISSING
     experiment_name: str = MISSING
     run_name: Optional[str] = MISSING
-    synchronous: bool = MISSING
+    flush_every_s: float = setting(ge=0, example=1.0)
 
 
 # The option files and the schema each starts from (conf/<group>/<option>.yaml -> schema/<group>/<name>).

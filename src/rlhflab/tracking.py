@@ -13,6 +13,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,25 +49,25 @@ def flatten(cfg: dict, prefix: str = "") -> dict[str, str]:
 
 
 class RunLogger(MLFlowLogger):
-    """Lightning's MLflow logger bound to our run; it leaves ending the run to the tracker, and skips
-    metric steps the run already has (a resumed run re-runs the steps after its checkpoint).
+    """Lightning's MLflow logger bound to our run: its metrics go through the tracker's buffer, and it leaves
+    ending the run to the tracker.
 
     Every stage (sft, rm, rl) gets its own Trainer; without this the first
-    Trainer to finish would mark the whole run FINISHED.
+    Trainer to finish would mark the whole run FINISHED. A Trainer's end (finalize) writes what is buffered.
     """
 
-    def __init__(self, *args, logged_steps: dict[str, int] | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.logged_steps = logged_steps or {}
+    def __init__(self, tracker: "MlflowTracker") -> None:
+        super().__init__(tracking_uri=tracker.tracking_uri, run_id=tracker.run_id)
+        self.tracker = tracker
 
     def log_metrics(self, metrics, step=None) -> None:
-        if self.logged_steps and step is not None:
-            metrics = {k: v for k, v in metrics.items() if step > self.logged_steps.get(k, -1)}
-        if metrics:
-            super().log_metrics(metrics, step)
+        self.tracker.log_metrics(metrics, step or 0)
+
+    def save(self) -> None:
+        self.tracker.flush()
 
     def finalize(self, status: str = "success") -> None:
-        pass
+        self.tracker.flush()
 
 
 @contextmanager
@@ -115,17 +116,24 @@ class MlflowTracker:
     tracking_uri: where runs go (default: sqlite:///mlflow.db in the working directory).
     experiment_name: the MLflow experiment that groups runs.
     run_name: null = the algorithm and the command-line overrides (e.g. "online_dpo async staleness=2").
-    synchronous: write each step's metrics before going on (false: through MLflow's background queue).
+    flush_every_s: metrics are buffered and written in one batch at most this often (0: at once). Each write
+      to a SQLite store costs milliseconds of Python, most of it per batch (a tiny model's RL step takes ~40 ms);
+      a write happens in the training loop, not in a background thread that would hold the GIL while the
+      step runs. What is buffered is written at every stage end, checkpoint and run end (finish).
     """
 
     def __init__(self, tracking_uri: str, experiment_name: str = "rlhflab", run_name: str | None = None,
-                 synchronous: bool = False) -> None:
+                 flush_every_s: float = 1.0) -> None:
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         self.run_name = run_name
-        self.synchronous = synchronous
+        self.flush_every_s = flush_every_s
         self.run_id: str | None = None
         self.logged_steps: dict[str, int] = {}
+        self.pending: list = []  # mlflow.entities.Metric rows not written yet
+        self.flushed_at = time.monotonic()
+        self._renamed: set[str] = set()
+        self._client = None
         self._system = None
         # MLflow prints "View run ... at <tracking URI>" when a run against a server ends, password and all;
         # the closing line of a run gives a redacted link instead.
@@ -133,9 +141,11 @@ class MlflowTracker:
 
     @property
     def client(self):
-        from mlflow.tracking import MlflowClient
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
 
-        return MlflowClient(self.tracking_uri)
+            self._client = MlflowClient(self.tracking_uri)
+        return self._client
 
     def start(self, cfg: DictConfig, tags: dict[str, str], overrides: list[str], output_dir: Path,
               resume_run_id: str | None = None) -> str:
@@ -190,19 +200,39 @@ class MlflowTracker:
             self._system = None
 
     def lightning_logger(self) -> RunLogger:
-        # Per-step metrics go through MLflow's background queue, so a slow store never blocks a step.
-        return RunLogger(tracking_uri=self.tracking_uri, run_id=self.run_id, synchronous=self.synchronous,
-                         logged_steps=self.logged_steps)
+        return RunLogger(self)
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        """Buffer `metrics` at `step`, stamped now; write the buffer when flush_every_s has passed. A step the run
+        already holds (a resumed run re-running the steps after its checkpoint) is not logged twice."""
         from mlflow.entities import Metric
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
 
         now = int(time.time() * 1000)
-        rows = [Metric(k, float(v), now, step) for k, v in metrics.items() if step > self.logged_steps.get(k, -1)]
-        if rows:
-            self.client.log_batch(self.run_id, metrics=rows)
+        for key, value in metrics.items():
+            if step > self.logged_steps.get(key, -1):
+                self.pending.append(Metric(self._metric_key(key), float(value), now, step))
+        if time.monotonic() - self.flushed_at >= self.flush_every_s:
+            self.flush()
+
+    def _metric_key(self, key: str) -> str:
+        """MLflow takes letters, digits and `_/. -` in a metric's name (a reward function's name may hold others)."""
+        clean = re.sub(r"[^a-zA-Z0-9_/. -]+", "", key)
+        if clean != key and key not in self._renamed:
+            self._renamed.add(key)
+            log.warning("mlflow: metric %r is logged as %r (MLflow allows letters, digits and _/. - in names)", key, clean)
+        return clean
+
+    def flush(self) -> None:
+        """Write every buffered metric (MLflow takes at most 1000 per batch)."""
+        self.flushed_at = time.monotonic()
+        if not self.pending or self.run_id is None:
+            return
+        rows, self.pending = self.pending, []
+        client = self.client
+        for i in range(0, len(rows), 1000):
+            client.log_batch(self.run_id, metrics=rows[i : i + 1000])
 
     def log_params(self, params: dict[str, str]) -> None:
         """Params not logged yet (a resumed run keeps the values it started with)."""
@@ -253,7 +283,5 @@ class MlflowTracker:
         if self._system is not None:
             self._system.finish()
             self._system = None
-        import mlflow
-
-        mlflow.flush_async_logging()  # every queued step metric lands before the run ends
+        self.flush()  # every buffered metric lands before the run ends
         self.client.set_terminated(self.run_id, status)

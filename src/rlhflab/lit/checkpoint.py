@@ -154,9 +154,12 @@ class Checkpointer(L.Callback):
             raise RunInterrupted(stop)
 
     def save(self, module) -> Path | None:
-        """Every rank gives its state (collective); rank 0 writes the checkpoint."""
+        """Every rank gives its state (collective); rank 0 writes the checkpoint, after the metrics of every step
+        it holds (a resumed run re-runs only the steps after it, so buffered metrics up to here must be kept)."""
         tensors, optimizer, state = module.checkpoint_state()
         if distributed.is_main():
+            if module.logger is not None:
+                module.logger.save()
             self.last = write(self.root, module.updates, tensors, optimizer, state, self.config_yaml, self.keep)
             log.info("checkpoint: %s", self.last)
         return self.last
