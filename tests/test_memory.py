@@ -111,7 +111,7 @@ def test_hydra_scores_are_the_stage_reward_head_on_the_shared_trunk(make_cfg, ca
     plain = load_causal_lm(path).eval()
     ids = torch.cat([q, r], dim=1)
     with torch.no_grad():
-        hidden = memory._forward(plain.get_decoder(), q, r, use_cache=False).last_hidden_state
+        hidden = memory._forward(plain.get_decoder(), q, r).last_hidden_state
         raw = sequence_scores(ScalarHead.from_pretrained(path), hidden, ids, memory.pad_token_id)
         mean, std = memory.reward_norm
         assert torch.equal(memory.scores(q.clone(), r.clone()), (raw - mean) / std)

@@ -63,12 +63,14 @@ class MemoryStrategy(nn.Module):
 
     def _forward(self, model, query, response, **kwargs):
         input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        # use_cache=False: a scoring or training forward reads no past keys (HF would build a KV cache per call).
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs)
 
     def _logprobs(self, model, query, response, temperature: float) -> torch.Tensor:
-        logits = self._forward(model, query, response).logits
-        # The logit at position t predicts token t+1: keep those predicting the response.
-        return token_logprobs(logits[:, query.shape[1] - 1 : -1], response, temperature)
+        # The logit at position t predicts token t+1: those predicting the response are the last R+1 but one.
+        # logits_to_keep: the LM head (and its (n, T, V) output) covers those positions only, not the prompt.
+        logits = self._forward(model, query, response, logits_to_keep=response.shape[1] + 1).logits
+        return token_logprobs(logits[:, :-1], response, temperature)
 
     def _values(self, model, query, response) -> torch.Tensor:
         """V at response token t is read where token t-1 is the last input (the state before t)."""
