@@ -4,9 +4,40 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from rlhflab.errors import ConfigError
 from rlhflab.rollout.batch import Rollout, repeat_prompts, response_mask_from_eos
+
+
+class BehaviourLogprobs(LogitsProcessor):
+    """Each sampled token's log-prob under the distribution it was drawn from (the tempered logits, after any
+    processor the model's own generation config adds), kept as (n,) per step.
+
+    generate()'s own record (output_logits) holds an (n, V) tensor per step, and stacking and tempering it made
+    two more copies: on a 32,000-token vocabulary, 32 completions x 32 tokens, 390 MB. Placed after generate()'s
+    processors (none with top_k=0 and temperature 1.0 passed to it), it applies the temperature itself (as
+    transformers' TemperatureLogitsWarper: scores / T) and keeps one step's log-softmax: at step t+1, whose input
+    ends in the token drawn at step t, it reads that token's log-prob; `logprobs` reads the last one.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.last: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.temperature != 1.0:
+            scores = scores / self.temperature
+        if self.last is not None:
+            self.steps.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.last = scores.float().log_softmax(-1)
+        return scores
+
+    def logprobs(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(n, steps) log-probs of the generated tokens, given generate()'s output (prompt + completion)."""
+        last = self.last.gather(-1, sequences[:, -1:]).squeeze(-1)
+        return torch.stack([*self.steps, last], dim=1)
 
 
 class HFGenerator:
@@ -43,30 +74,31 @@ class HFGenerator:
 
     @torch.no_grad()
     def _generate(self, model, query: torch.Tensor, greedy: bool):
+        """(response (n, R) right-padded, behaviour log-probs (n, R) or None when greedy)."""
         attention_mask = (query != self.tokenizer.pad_token_id).long()
-        out = model.generate(
+        recorder = None if greedy else BehaviourLogprobs(self.temperature)
+        sequences = model.generate(
             input_ids=query,
             attention_mask=attention_mask,
             do_sample=not greedy,
-            temperature=self.temperature if not greedy else None,
+            temperature=1.0 if not greedy else None,  # the temperature is applied by the recorder, no warper here
             top_k=0 if not greedy else None,  # 0: no truncation (transformers' default would be 50)
             top_p=None,
             max_new_tokens=self.max_new_tokens,
             min_length=0,  # no forced length (min_new_tokens=0 would add a no-op processor that costs every token)
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([recorder] if recorder else []),
             synced_gpus=self.synced,  # a sharded model's forward is a collective: no rank may stop early
         )
-        response = out.sequences[:, query.shape[1] :]
+        response = sequences[:, query.shape[1] :]
         # generate() stops early once every row has finished: pad to a fixed width.
         width = self.max_new_tokens
-        response = F.pad(response, (0, width - response.shape[1]), value=self.tokenizer.pad_token_id)
-        logits = torch.stack(out.logits, dim=1).float() / self.temperature  # (n, steps, V)
-        picked = response[:, : logits.shape[1]]
-        logprobs = picked.new_zeros(response.shape, dtype=torch.float32)
-        logprobs[:, : logits.shape[1]] = logits.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+        steps = response.shape[1]
+        response = F.pad(response, (0, width - steps), value=self.tokenizer.pad_token_id)
+        if recorder is None:
+            return response, None
+        logprobs = F.pad(recorder.logprobs(sequences), (0, width - steps))
         return response, logprobs
 
     def generate(
@@ -83,7 +115,7 @@ class HFGenerator:
                 query=q,
                 response=response,
                 response_mask=mask,
-                logprobs=logprobs * mask,
+                logprobs=logprobs * mask,  # 0 after EOS (the recorder read the pad tokens generate() put there)
                 version=version,
                 prompts=p,
                 texts=self.decode(response),
