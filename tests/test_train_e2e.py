@@ -65,6 +65,44 @@ def test_metrics_are_buffered_and_every_one_lands_by_the_run_end(tmp_path, caplo
     at_once.finish()
 
 
+def test_a_lightning_stage_logging_each_step_writes_once_at_its_end(tmp_path):
+    """Lightning calls logger.save() after every self.log step; the tracker still writes only when its
+    interval is due (here never) and at the stage's end (finalize)."""
+    import lightning as L
+    import torch
+
+    from rlhflab.tracking import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = MlflowTracker(uri, "buffered", flush_every_s=3600)
+    run_id = tracker.start(OmegaConf.create({"algo": {"name": "rloo"}}), {"algo": "rloo"}, [], tmp_path)
+    client = MlflowClient(uri)
+    written_during = []
+
+    class Stage(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def training_step(self, batch, batch_idx):
+            loss = (self.w * batch[0]).pow(2).mean()
+            self.log("sft/loss", loss)
+            return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            written_during.append(len(client.get_metric_history(run_id, "sft/loss")))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(6, 1)), batch_size=1)
+    L.Trainer(max_steps=6, logger=tracker.lightning_logger(), log_every_n_steps=1, enable_progress_bar=False,
+              enable_checkpointing=False, enable_model_summary=False, accelerator="cpu").fit(Stage(), data)
+    assert written_during == [0] * 6
+    assert [m.step for m in client.get_metric_history(run_id, "sft/loss")] == list(range(6))
+    tracker.finish()
+
+
 def test_second_run_reuses_cached_stages(make_cfg, caplog):
     train(make_cfg("trainer.max_steps=1"))
     caplog.clear()

@@ -64,6 +64,10 @@ class RunLogger(MLFlowLogger):
         self.tracker.log_metrics(metrics, step or 0)
 
     def save(self) -> None:
+        """Lightning calls this after every `self.log` step: the tracker writes when its interval is due, not here."""
+
+    def flush(self) -> None:
+        """Write every buffered metric now (a checkpoint is being written)."""
         self.tracker.flush()
 
     def finalize(self, status: str = "success") -> None:

@@ -158,8 +158,8 @@ class Checkpointer(L.Callback):
         it holds (a resumed run re-runs only the steps after it, so buffered metrics up to here must be kept)."""
         tensors, optimizer, state = module.checkpoint_state()
         if distributed.is_main():
-            if module.logger is not None:
-                module.logger.save()
+            if hasattr(module.logger, "flush"):  # rlhflab's RunLogger: metrics up to this step, written now
+                module.logger.flush()
             self.last = write(self.root, module.updates, tensors, optimizer, state, self.config_yaml, self.keep)
             log.info("checkpoint: %s", self.last)
         return self.last
