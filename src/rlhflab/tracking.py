@@ -136,7 +136,7 @@ class MlflowTracker:
         self.logged_steps: dict[str, int] = {}
         self.pending: list = []  # mlflow.entities.Metric rows not written yet
         self.flushed_at = time.monotonic()
-        self._renamed: set[str] = set()
+        self._keys: dict[str, str] = {}  # metric name -> the name MLflow accepts
         self._client = None
         self._system = None
         # MLflow prints "View run ... at <tracking URI>" when a run against a server ends, password and all;
@@ -221,11 +221,13 @@ class MlflowTracker:
             self.flush()
 
     def _metric_key(self, key: str) -> str:
-        """MLflow takes letters, digits and `_/. -` in a metric's name (a reward function's name may hold others)."""
-        clean = re.sub(r"[^a-zA-Z0-9_/. -]+", "", key)
-        if clean != key and key not in self._renamed:
-            self._renamed.add(key)
-            log.warning("mlflow: metric %r is logged as %r (MLflow allows letters, digits and _/. - in names)", key, clean)
+        """MLflow takes letters, digits and `_/. -` in a metric's name (a reward function's name may hold others);
+        each name is checked once, not at every step."""
+        clean = self._keys.get(key)
+        if clean is None:
+            clean = self._keys[key] = re.sub(r"[^a-zA-Z0-9_/. -]+", "", key)
+            if clean != key:
+                log.warning("mlflow: metric %r is logged as %r (MLflow allows letters, digits and _/. - in names)", key, clean)
         return clean
 
     def flush(self) -> None:
