@@ -112,6 +112,19 @@ def test_importance_weighted_corrections_run_and_learn(make_cfg, correction):
     assert "off_policy/weight_mean" in history_keys
 
 
+@pytest.mark.parametrize("memory", ["full", "lora"])
+def test_reference_in_the_generator_matches_the_learners(make_cfg, memory):
+    """mode.reference=generator moves the reference forward into the (forked) generator: same numbers."""
+    runs = {where: make_cfg(f"memory={memory}", "mode=async", "staleness=1", "trainer.max_steps=4", f"mode.reference={where}")
+            for where in ("learner", "generator")}
+    results = {where: train(cfg) for where, cfg in runs.items()}
+    for key in ("train/kl", "train/loss", "train/reward"):
+        learner, generator = (history(runs[w], results[w].run_id, key) for w in ("learner", "generator"))
+        assert len(learner) == 4 and learner == pytest.approx(generator, rel=1e-5, abs=1e-6), key
+    assert history(runs["learner"], results["learner"].run_id, "train/kl")[-1] != 0.0  # the reference is in the numbers
+    assert not live_children()
+
+
 def test_spawned_generator_matches_the_forked_one(make_cfg):
     """spawn is what a CUDA generator needs; on CPU it must reproduce fork exactly."""
     forked = make_cfg("mode=async", "staleness=1", "trainer.max_steps=4")

@@ -104,6 +104,8 @@ def test_real_preset_loads_through_from_pretrained_names():
         ("algo=grpo algo.samples_per_prompt=1", "algo.samples_per_prompt"),
         ("algo.num_minibatches=3", "rl.prompts_per_step"),
         ("staleness=2", "staleness"),
+        ("mode=async mode.reference=gpu", "mode.reference"),
+        ("mode=async mode.reference=generator mode.start_method=spawn", "mode.reference"),
         ("model.sft_path=/nonexistent/sft", "model.sft_path"),
         ("model.name_or_path=./no/such/model", "model.name_or_path"),
         ("algo.kl_estimator=k9", "algo.kl_estimator"),

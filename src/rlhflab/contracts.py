@@ -7,7 +7,7 @@ n samples, b prompts, k samples per prompt, P prompt tokens, R response tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # typing only: a contract module must not pull in the layers it describes
@@ -101,9 +101,12 @@ class RolloutSource(Protocol):
     def eval_generator(self) -> Generator:
         """What the learner samples evaluation completions with."""
 
-    def start(self, model: nn.Module, batches: Iterator, train_prompts: list[str], algo: Any, seed: int, version: int) -> None:
+    def start(self, model: nn.Module, batches: Iterator, train_prompts: list[str], algo: Any, seed: int, version: int,
+              reference: Callable | None = None) -> None:
         """Before the first step: `batches` yields (query, index, batch index) in the learner's order, from the
-        first batch not pending; `model` holds the weights of policy version `version`."""
+        first batch not pending; `model` holds the weights of policy version `version`. `reference(query,
+        response)` gives the frozen reference's (n, R) log-probs, for a source that computes them beside
+        generation (rollout.ref_logprobs); the learner computes those a rollout lacks."""
 
     def get(self, model: nn.Module, query: torch.Tensor, prompts: list[str], version: int, algo: Any, batch: int) -> Rollout:
         """The rollout of training batch `batch` (its index in the run's prompt stream)."""

@@ -98,7 +98,7 @@ class RLHFModule(L.LightningModule):
         # The generator continues after the batches a checkpoint kept, with the weights of this version.
         first = self.policy_version + len(self.source.pending)
         self.source.start(self.memory.generation_model, self.prompt_batches(first), self.train_prompts, self.algo, self.seed,
-                          self.policy_version)
+                          self.policy_version, reference=self._reference_logprobs)
 
     # ---- checkpoints ---------------------------------------------------------------------
 
@@ -197,7 +197,9 @@ class RLHFModule(L.LightningModule):
             reward_parts = dict(getattr(self.reward, "components", {}))  # reward=function: train/reward/<name>
             # 3. where the ratios start (the source's off-policy correction), reference log-probs, values
             old_logprobs, is_weights, metrics = self.source.old_policy(rollout, lambda: self._logprobs(rollout))
-            ref_logprobs = self.memory.reference_logprobs(rollout.query, rollout.response, self.temperature) * mask
+            ref_logprobs = rollout.ref_logprobs  # mode.reference=generator: computed beside generation
+            if ref_logprobs is None:
+                ref_logprobs = self._reference_logprobs(rollout.query, rollout.response) * mask
             values = self.memory.values(rollout.query, rollout.response) if self.algo.needs_values else None
         # 4. + 5. rewards and advantages
         targets, algo_metrics = self.algo.prepare(Scored(scores, old_logprobs, ref_logprobs, mask, values, baseline))
@@ -247,6 +249,10 @@ class RLHFModule(L.LightningModule):
         if self.flat_steps == FLAT_STEPS_WARNING:
             log.warning("every completion has scored %.3f for %d steps: no learning signal (train/kl %.2f); "
                         "the policy may have collapsed; lower rl.lr", float(scores[0]), FLAT_STEPS_WARNING, float(metrics["train/kl"]))
+
+    def _reference_logprobs(self, query: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+        """(n, R) the frozen reference's log-probs at the sampling temperature (the generator process calls this too)."""
+        return self.memory.reference_logprobs(query, response, self.temperature)
 
     def _logprobs(self, rollout: Rollout) -> torch.Tensor:
         """(n, R) the current policy's log-probs of the rollout's responses, 0 on padding."""
@@ -376,7 +382,7 @@ class RLHFModule(L.LightningModule):
         rollout = replace(rollout, rows=rows.repeat_interleave(k), split="eval")
         scores = self.reward.score(self.memory, self.task, rollout) if self.cfg.log_generations or not self.task.has_gold else None
         gold = self.task.gold_reward(rollout.prompts, rollout.texts, "eval", rollout.rows) if self.task.has_gold else scores
-        ref = self.memory.reference_logprobs(rollout.query, rollout.response, self.temperature)
+        ref = self._reference_logprobs(rollout.query, rollout.response)
         kl = F.masked_sum(rollout.logprobs - ref * rollout.response_mask, rollout.response_mask, dim=1)
         eos = rollout.has_eos(self.tokenizer.eos_token_id).float()
         gathered = distributed.gather((gold.tolist(), kl.tolist(), eos.tolist()))

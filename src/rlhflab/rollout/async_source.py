@@ -89,7 +89,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
-                    weights_q, out_q, parent, start_version, rank):
+                    weights_q, out_q, parent, start_version, rank, reference):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle; it then stops us
     die_with_parent(parent)
     torch.set_num_threads(threads)
@@ -122,6 +122,9 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
             with seeded(seed, j, rank):
                 rollout = generator.generate(model, query.to(device or "cpu"), prompts, samples_per_prompt, version,
                                              greedy_baseline=greedy).to("cpu")
+            if reference is not None:  # mode.reference=generator (fork, CPU): the frozen reference is this process's too
+                with torch.no_grad():
+                    rollout.ref_logprobs = reference(rollout.query, rollout.response) * rollout.response_mask
             rollout.extras["gen_busy_s"] = time.perf_counter() - t0
             rollout.extras["batch"] = j
             # Plain pickle copies the tensors: a shared-memory handle would die with this process
@@ -138,13 +141,17 @@ class AsyncSource(SyncSource):
     generator_threads / learner_threads: torch threads of each side (their sum should not exceed the cores).
     device: where the generator's copy of the policy runs (null: CPU); e.g. cuda:1 beside a learner on cuda:0.
     start_method: fork (CPU; 0.1 s) or spawn (required once CUDA is initialised; 4-6 s of imports).
+    reference: which process computes the frozen reference's log-probs: `learner` (between generation and
+      update) or `generator` (after generating each batch, so the learner's step loses a forward; fork only:
+      the forked process shares the reference's weights, copy on write).
     correction: the off-policy correction (`off_policy=`) for stale samples.
     """
 
     name = "async"
 
     def __init__(self, generator, correction=None, staleness: int = 1, sync_every: int = 1, generator_threads: int = 1,
-                 learner_threads: int = 1, device: str | None = None, start_method: str = "fork") -> None:
+                 learner_threads: int = 1, device: str | None = None, start_method: str = "fork",
+                 reference: str = "learner") -> None:
         super().__init__(generator, correction)
         if staleness < 0:
             raise ConfigError(f"staleness={staleness}: must be >= 0")
@@ -161,8 +168,11 @@ class AsyncSource(SyncSource):
         if generator.needs_spawn and start_method == "fork":
             raise ConfigError(f"mode.start_method=fork: {type(generator).__name__} starts an engine in the generator process, "
                               "which needs a fresh one; set mode.start_method=spawn")
+        if reference not in ("learner", "generator"):
+            raise ConfigError(f"mode.reference={reference!r}: use learner or generator")
         self.device = device
         self.start_method = start_method
+        self.reference = reference
         self.proc = None
 
     @property
@@ -174,7 +184,7 @@ class AsyncSource(SyncSource):
     def max_staleness(self) -> int:
         return self.staleness + self.sync_every - 1
 
-    def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0) -> None:
+    def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0, reference=None) -> None:
         """Start the generator on `batches` (after any pending ones) with the learner's weights, `version`."""
         ctx = mp.get_context(self.start_method)
         self.weights_q, self.out_q = ctx.Queue(), ctx.Queue()
@@ -187,11 +197,12 @@ class AsyncSource(SyncSource):
             device = f"cuda:{int(device.partition(':')[2] or 0) + int(os.environ.get('LOCAL_RANK', 0))}"
         args = (self.generator, gen_model, batches, train_prompts, (algo.samples_per_prompt, algo.needs_greedy_baseline),
                 seed, self.staleness, self.sync_every, self.generator_threads, device, self.weights_q, self.out_q,
-                os.getpid(), version, distributed.rank())
+                os.getpid(), version, distributed.rank(), reference if self.reference == "generator" else None)
         self.proc = ctx.Process(target=_generator_main, args=args, daemon=True, name="rlhflab-generator")
         self.proc.start()
-        log.info("mode async: generator process %d started (staleness %d, weights every %d updates, threads %d+%d)",
-                 self.proc.pid, self.staleness, self.sync_every, self.generator_threads, self.learner_threads)
+        log.info("mode async: generator process %d started (staleness %d, weights every %d updates, threads %d+%d, "
+                 "reference log-probs in the %s)", self.proc.pid, self.staleness, self.sync_every, self.generator_threads,
+                 self.learner_threads, self.reference)
 
     def _receive(self) -> Rollout:
         """The generator's next rollout; fails fast if it crashed or died, stops if a stop was asked for."""

@@ -26,6 +26,7 @@ class Rollout:
     baseline_texts: list[str] | None = None
     rows: torch.Tensor | None = None  # (n,) the dataset row of each sample's prompt (reward functions read its columns)
     split: str = "train"  # which split `rows` index
+    ref_logprobs: torch.Tensor | None = None  # (n, R) the frozen reference's log-probs, 0 after EOS, when the source computed them
     extras: dict = field(default_factory=dict)
 
     @property

@@ -39,7 +39,8 @@ class SyncSource:
         """What the learner samples evaluation completions with."""
         return self.generator
 
-    def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0) -> None:
+    def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0, reference=None) -> None:
+        """Sync mode leaves the reference log-probs to the learner, between generation and update."""
         self.seed = seed
         self.rank = distributed.rank()
 
