@@ -28,6 +28,22 @@ def test_required_version_by_hand():
     assert [required_version(i, 1, 2) for i in range(6)] == [0, 0, 0, 2, 2, 4]
 
 
+@pytest.mark.parametrize("staleness, sync_every", [(0, 1), (1, 1), (2, 1), (4, 1), (1, 2), (3, 2), (2, 3)])
+def test_a_weight_slot_is_never_rewritten_before_the_generator_reads_it(staleness, sync_every):
+    """When the generator starts batch j (reading version need = required_version(j)), the learner may
+    have pushed every version up to j (its step j waits for batch j): none of those after `need` may
+    have gone into need's slot."""
+    import torch
+
+    from rlhflab.rollout.async_source import SharedWeights
+
+    ring = SharedWeights(torch.nn.Linear(2, 2), staleness, sync_every)
+    for j in range(40):
+        need = required_version(j, staleness, sync_every)
+        pushed_since = [v for v in range(need + 1, j + 1) if v % sync_every == 0]
+        assert all(ring.slot(v) != ring.slot(need) for v in pushed_since), (j, need, pushed_since)
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_staleness_is_exactly_n_after_warmup(make_cfg, n):
     cfg = make_cfg("mode=async", f"staleness={n}", "trainer.max_steps=8")

@@ -51,12 +51,45 @@ def required_version(batch: int, staleness: int, sync_every: int) -> int:
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
-    """The tensors an update changes: what has to travel to the generator.
+    """The tensors an update changes: what has to travel to the generator (with LoRA, the adapter).
 
-    Whole (a sharded parameter is gathered: a collective every rank joins), and copied to host
-    memory: a CUDA tensor in a queue is an IPC handle the learner would have to keep alive.
+    Whole (a sharded parameter is gathered: a collective every rank joins), on the host.
     """
-    return {n: full(p).detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+    return {n: full(p).detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class SharedWeights:
+    """Pushed weights in host shared memory, made before the generator starts: a ring of `slots` copies of
+    the trainable tensors. The learner writes version v into slot (v // sync_every) % slots and sends only
+    (v, slot) down a pipe; the generator copies the slot into its own parameters.
+
+    Through a queue, the 360 KB of the tiny default policy crossed a 64 KB pipe in chunks, each written by the
+    learner's feeder thread when it got the GIL: the generator waited 7-9 ms per batch for weights pushed
+    long before. A slot is rewritten only with version v + slots * sync_every, which the learner reaches only
+    after training on a batch the generator made after reading v (slots = staleness // sync_every + 2), so no
+    read and write of one slot overlap.
+    """
+
+    def __init__(self, model, staleness: int, sync_every: int) -> None:
+        self.sync_every = sync_every
+        state = trainable_state(model)
+        self.slots = [{n: torch.empty(t.shape, dtype=t.dtype, device="cpu").share_memory_() for n, t in state.items()}
+                      for _ in range(staleness // sync_every + 2)]
+
+    def slot(self, version: int) -> int:
+        return (version // self.sync_every) % len(self.slots)
+
+    def write(self, model, version: int) -> int:
+        slot = self.slots[self.slot(version)]
+        with torch.no_grad():
+            for name, t in trainable_state(model).items():
+                slot[name].copy_(t)
+        return self.slot(version)
+
+    def read(self, slot: int, params: dict[str, torch.nn.Parameter]) -> None:
+        with torch.no_grad():
+            for name, t in self.slots[slot].items():
+                params[name].copy_(t)
 
 
 def pin_cuda_device(device: str) -> str:
@@ -89,7 +122,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
-                    weights_q, out_q, parent, start_version, rank, reference):
+                    weights, weights_rx, out_q, parent, start_version, rank, reference):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle; it then stops us
     die_with_parent(parent)
     torch.set_num_threads(threads)
@@ -103,20 +136,18 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
         for query, index, batch in batches:  # the learner's stream, from the learner's first batch
             j = int(batch)
             need = required_version(j, staleness, sync_every)
-            while version < need:
-                try:
-                    msg = weights_q.get(timeout=POLL_S)
-                except queue.Empty:
-                    if os.getppid() != parent:
-                        out_q.cancel_join_thread()  # nobody will read what is queued: exit without flushing it
-                        return  # the learner is gone
-                    continue
-                if msg is None:
-                    return
-                version, tensors = msg
-                with torch.no_grad():
-                    for name, t in tensors.items():
-                        params[name].copy_(t)
+            if version < need:
+                while version < need:  # the pushes come in order; only the one this batch needs is read
+                    if not weights_rx.poll(POLL_S):
+                        if os.getppid() != parent:
+                            out_q.cancel_join_thread()  # nobody will read what is queued: exit without flushing it
+                            return  # the learner is gone
+                        continue
+                    msg = weights_rx.recv()
+                    if msg is None:
+                        return
+                    version, slot = msg
+                weights.read(slot, params)
             prompts = [train_prompts[i] for i in index.tolist()]
             t0 = time.perf_counter()
             with seeded(seed, j, rank):
@@ -187,7 +218,10 @@ class AsyncSource(SyncSource):
     def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0, reference=None) -> None:
         """Start the generator on `batches` (after any pending ones) with the learner's weights, `version`."""
         ctx = mp.get_context(self.start_method)
-        self.weights_q, self.out_q = ctx.Queue(), ctx.Queue()
+        self.out_q = ctx.Queue()
+        # Pushes are small (version, slot) notes sent from the learner's own thread (no feeder thread to wait for).
+        self.weights_rx, self.weights_tx = ctx.Pipe(duplex=False)
+        self.weights = SharedWeights(model, self.staleness, self.sync_every)
         torch.set_num_threads(self.learner_threads)
         # fork: the child's copy is the parent's memory at fork time (copy on write). spawn pickles
         # the arguments, so hand it a host copy rather than shared handles to the learner's weights.
@@ -196,7 +230,7 @@ class AsyncSource(SyncSource):
         if device and device.startswith("cuda") and distributed.world_size() > 1:  # rank r: GPU N + its local rank
             device = f"cuda:{int(device.partition(':')[2] or 0) + int(os.environ.get('LOCAL_RANK', 0))}"
         args = (self.generator, gen_model, batches, train_prompts, (algo.samples_per_prompt, algo.needs_greedy_baseline),
-                seed, self.staleness, self.sync_every, self.generator_threads, device, self.weights_q, self.out_q,
+                seed, self.staleness, self.sync_every, self.generator_threads, device, self.weights, self.weights_rx, self.out_q,
                 os.getpid(), version, distributed.rank(), reference if self.reference == "generator" else None)
         self.proc = ctx.Process(target=_generator_main, args=args, daemon=True, name="rlhflab-generator")
         self.proc.start()
@@ -253,13 +287,13 @@ class AsyncSource(SyncSource):
         if self.pending and self.pending[0].extras["batch"] == version - 1:
             self.pending.pop(0)  # batch version-1 is trained on
         if version % self.sync_every == 0:
-            self.weights_q.put((version, trainable_state(model)))
+            self.weights_tx.send((version, self.weights.write(model, version)))
 
     def close(self) -> None:
         if self.proc is None:
             return
         if self.proc.is_alive():
-            self.weights_q.put(None)
+            self.weights_tx.send(None)
             self.proc.join(timeout=2)
         if self.proc.is_alive():
             self.proc.terminate()
@@ -267,7 +301,9 @@ class AsyncSource(SyncSource):
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
-        for q in (self.weights_q, self.out_q):
-            q.cancel_join_thread()  # don't block exit on rollouts nobody will read
-            q.close()
+        self.out_q.cancel_join_thread()  # don't block exit on rollouts nobody will read
+        self.out_q.close()
+        self.weights_tx.close()
+        self.weights_rx.close()
+        self.weights = None
         self.proc = None
