@@ -1,7 +1,7 @@
 """rlhflab against TRL, side by side: same SFT policy, prompts, rule reward and settings, interleaved runs.
 
     pip install -e ".[bench]"          # TRL (never a runtime dependency of rlhflab)
-    nice -n 19 python benchmarks/vs_trl.py                      # 60 steps, 3 reps, RLOO / GRPO / online DPO
+    nice -n 19 python benchmarks/vs_trl.py                      # 60 steps, 3 reps, RLOO / GRPO / online DPO, sync + async
     python benchmarks/vs_trl.py --steps 5 --reps 1 --algos rloo  # a smoke run
     python benchmarks/vs_trl.py --model llama100m --max-new-tokens 32 --steps 4 --reps 1  # a second setting
 
@@ -16,10 +16,24 @@ What is compared
   without EOS; TRL's own `missing_eos_penalty` subtracts instead, so it is applied inside the reward function).
 - The settings: RLHFLAB_OVERRIDES and TRL_COMMON / TRL_ALGO below, every TRL default that differs set to rlhflab's.
 
+Three sides
+- `rlhflab sync`: mode=sync, one process, 1 torch thread: generate with the current weights, then learn (as TRL).
+- `rlhflab async`: mode=async staleness=1 mode.reference=generator: a forked generator process (1 torch thread)
+  makes batch i with the weights after update i-1, and its reference log-probs, while the learner (1 torch
+  thread) trains on batch i-1. Two processes, so both of the machine's 2 cores; batches are one update stale.
+- `TRL`: one process, 1 torch thread. TRL has no way to put a second CPU core to work but intra-op threads,
+  and on this model they slow it down: online DPO with torch.set_num_threads(2) ran 857 completions/s against
+  1,766 with 1 thread, side by side (2026-11-23). 1 thread is TRL's best on this machine.
+
 How it is measured
 - Every run is its own subprocess (the same Python, torch and thread settings: OMP_WAIT_POLICY=PASSIVE,
-  1 torch thread), run interleaved: for each rep, for each algorithm, rlhflab and TRL (the order alternates
-  between reps). Peak RSS is the child's ru_maxrss from os.wait4 (imports, model load and all).
+  1 torch thread per process), run interleaved: for each rep, for each algorithm, each side (the order turns
+  between reps).
+- Memory, two ways: peak RSS, the child's ru_maxrss from os.wait4 (imports, model load and all; for a process
+  tree, the largest process's); and peak PSS of the whole process tree, sampled once a second from
+  /proc/<pid>/smaps_rollup (pages shared after fork counted once: the async side's generator and learner together).
+  Reading smaps_rollup of a 700 MB process took 22 ms of kernel time: sampled every 50 ms it took ~40% of a core
+  from the runs (the async side, which uses both cores, lost most); the peak is a plateau from model load to exit.
 - completions/s = completions of steps 2..N / wall time from the end of step 1 to the end of step N, on both
   sides (model load, startup, first-step warm-up and rlhflab's before/after evaluation excluded). The end of a
   step is the time rlhflab logs its step metrics (the MLflow metric timestamp, taken in the step after its
@@ -84,6 +98,11 @@ RLHFLAB_ALGO = {
     "online_dpo": ["algo.beta=0.1", "algo.loss_type=sigmoid", "algo.ties=keep", "algo.loss_agg=seq-mean-token-sum",
                    "algo.epochs=1", "algo.num_minibatches=1"],
 }
+
+# The async side: these replace "mode=sync" (1 torch thread per process: 1 + 1 on the 2 cores)
+RLHFLAB_ASYNC = ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1", "mode.learner_threads=1"]
+SIDES = ("rlhflab", "rlhflab_async", "trl")
+SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_async": "rlhflab async", "trl": "TRL"}
 
 # ---- TRL's side: every TRL default that differs from rlhflab's, set to rlhflab's ----
 TRL_COMMON = {
@@ -173,28 +192,83 @@ def child_env() -> dict:
     return env
 
 
-def run_child(cmd: list[str], log: Path, timeout: float, env: dict) -> tuple[int, float, float]:
-    """Run cmd in its own process group -> (exit code, peak RSS MB of the child, wall seconds)."""
+def tree_pids(pid: int) -> set[int]:
+    """A process and all its descendants."""
+    pids, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        pids.add(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # gone meanwhile
+    return pids
+
+
+def pss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
+def tree_pss_kb(pid: int) -> int | None:
+    """PSS (KiB) of a process and its descendants (shared pages split between the processes mapping them),
+    or None when the tree changed while it was read: a process forked between two reads (MLflow runs `git`)
+    would have its parent's pages counted at full size in the one and at half in the other."""
+    pids = tree_pids(pid)
+    total = sum(pss_kb(p) for p in pids)
+    return total if tree_pids(pid) == pids else None
+
+
+class PeakPss(threading.Thread):
+    """Samples tree_pss_kb(pid) every `every` seconds until stopped; .peak_mb is the largest sample."""
+
+    def __init__(self, pid: int, every: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every, self.peak_kb = pid, every, 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.every):
+            self.peak_kb = max(self.peak_kb, tree_pss_kb(self.pid) or 0)
+
+    @property
+    def peak_mb(self) -> float:
+        return self.peak_kb / 1024
+
+
+def run_child(cmd: list[str], log: Path, timeout: float, env: dict) -> tuple[int, float, float, float]:
+    """Run cmd in its own process group -> (exit code, peak RSS MB of the child, peak PSS MB of its tree, wall seconds)."""
     t0 = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
         timer.start()
+        pss = PeakPss(proc.pid)
+        pss.start()
         try:
             _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (ru_maxrss in KiB on Linux)
         finally:
+            pss.done.set()
+            pss.join()
             timer.cancel()
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # anything it left behind
             except ProcessLookupError:
                 pass
         proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss / 1024, time.perf_counter() - t0
+    return proc.returncode, usage.ru_maxrss / 1024, pss.peak_mb, time.perf_counter() - t0
 
 
-def rlhflab_cmd(a, algo: str, sft: str | None, steps: int, out_dir: Path, extra: list[str]) -> list[str]:
+def rlhflab_cmd(a, algo: str, sft: str | None, steps: int, out_dir: Path, extra: list[str], mode: str = "sync") -> list[str]:
     k = a.k if algo != "online_dpo" else 2
-    cmd = [sys.executable, str(TRAIN), f"model={a.model}", f"algo={algo}", *RLHFLAB_OVERRIDES, *RLHFLAB_ALGO[algo],
+    overrides = RLHFLAB_OVERRIDES if mode == "sync" else [o for o in RLHFLAB_OVERRIDES if o != "mode=sync"] + RLHFLAB_ASYNC
+    cmd = [sys.executable, str(TRAIN), f"model={a.model}", f"algo={algo}", *overrides, *RLHFLAB_ALGO[algo],
            f"algo.samples_per_prompt={k}", f"trainer.max_steps={steps}", f"rl.prompts_per_step={a.prompts_per_step}",
            f"rl.lr={a.lr}", f"generator.temperature={a.temperature}", "model.dtype=float32",
            f"generator.max_new_tokens={a.max_new_tokens if a.max_new_tokens else 'null'}",
@@ -295,7 +369,7 @@ def prepare(a, work: Path, env: dict) -> str:
     db = work / "prep.db"
     env = env | {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "RLHFLAB_CACHE": str(a.cache)}
     cmd = rlhflab_cmd(a, "rloo", None, 1, out, PREP.get(a.model, []) + a.prep_override)
-    code, _, wall = run_child(cmd, work / "prep.log", a.timeout, env)
+    code, _, _, wall = run_child(cmd, work / "prep.log", a.timeout, env)
     if code != 0:
         raise SystemExit(f"preparing the SFT policy failed (exit {code}); see {work / 'prep.log'}")
     run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
@@ -309,10 +383,10 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
     d.mkdir(parents=True, exist_ok=True)
     k = 2 if algo == "online_dpo" else a.k
     per_step = a.prompts_per_step * k
-    if side == "rlhflab":
+    if side.startswith("rlhflab"):
         db = d / "mlflow.db"
-        cmd = rlhflab_cmd(a, algo, sft, a.steps, d / "run", a.rlhflab_override)
-        code, rss, wall = run_child(cmd, d / "log.txt", a.timeout,
+        cmd = rlhflab_cmd(a, algo, sft, a.steps, d / "run", a.rlhflab_override, "async" if side == "rlhflab_async" else "sync")
+        code, rss, pss, wall = run_child(cmd, d / "log.txt", a.timeout,
                                     env | {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "RLHFLAB_CACHE": str(a.cache)})
         if code != 0:
             raise SystemExit(f"rlhflab {algo} rep {rep} failed (exit {code}); see {d / 'log.txt'}")
@@ -328,15 +402,15 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
             cmd += ["--max-new-tokens", str(a.max_new_tokens)]
         if a.eos_penalty is not None:
             cmd += ["--eos-penalty", str(a.eos_penalty)]
-        code, rss, wall = run_child(cmd, d / "log.txt", a.timeout, env)
+        code, rss, pss, wall = run_child(cmd, d / "log.txt", a.timeout, env)
         if code != 0:
             raise SystemExit(f"TRL {algo} rep {rep} failed (exit {code}); see {d / 'log.txt'}")
         raw = json.loads(js.read_text())
         res = summarize(raw["step_end"], raw["rewards"], per_step) | {"startup_s": raw["startup_s"], "settings": raw["settings"]}
-    res |= {"peak_rss_mb": rss, "wall_s": wall}
-    print(f"  rep {rep} {algo:10s} {side:7s}: {res['completions_per_s']:7.1f} completions/s over steps 2..{res['steps']}, "
-          f"RL {res['rl_s']:.1f} s, peak RSS {rss:.0f} MB, reward(last {LAST}) {res['final_reward']:+.3f}, wall {wall:.0f} s",
-          flush=True)
+    res |= {"peak_rss_mb": rss, "peak_pss_mb": pss, "wall_s": wall}
+    print(f"  rep {rep} {algo:10s} {side:13s}: {res['completions_per_s']:7.1f} completions/s over steps 2..{res['steps']}, "
+          f"RL {res['rl_s']:.1f} s, peak RSS {rss:.0f} MB, tree PSS {pss:.0f} MB, reward(last {LAST}) "
+          f"{res['final_reward']:+.3f}, wall {wall:.0f} s", flush=True)
     return res
 
 
@@ -352,34 +426,47 @@ def num(x: float) -> str:
 
 def table(a, results: dict) -> str:
     med = statistics.median
+    sides = [side for side in a.sides if any(results[algo][side] for algo in a.algos)]
+    ours = [side for side in sides if side != "trl"]
+    labels = [SIDE_LABEL[side] for side in sides]
     lines = [
         f"`python benchmarks/vs_trl.py {' '.join(a.argv)}`".replace(" `", "`"),
         "",
         f"rlhflab vs TRL: model={a.model}, {a.prompts_per_step} prompts/step, k={a.k} (online DPO 2), "
         f"max_new_tokens={a.max_new_tokens or 'task (9)'}, lr {a.lr}, temperature {a.temperature}, "
-        f"eos_penalty {a.eos_penalty}, {a.steps} steps, 1 torch thread, float32; medians of {a.reps} interleaved reps.",
+        f"eos_penalty {a.eos_penalty}, {a.steps} steps, 1 torch thread per process, float32; medians of {a.reps} "
+        f"interleaved reps. rlhflab async: mode=async staleness=1 mode.reference=generator (2 processes, 1 thread each).",
         f"({versions()}; {os.cpu_count()} CPUs; OMP_WAIT_POLICY=PASSIVE)",
         "",
-        "| algo | rlhflab completions/s | TRL completions/s | ratio | peak RSS rlhflab / TRL | final reward rlhflab / TRL |",
-        "|---|---|---|---|---|---|",
+        "| algo | " + " | ".join(f"{label} completions/s" for label in labels)
+        + "".join(f" | {SIDE_LABEL[side]} / TRL" for side in ours if "trl" in sides)
+        + " | peak RSS MB " + " / ".join(labels) + " | peak tree PSS MB " + " / ".join(labels)
+        + " | final reward " + " / ".join(labels) + " |",
+        "|---" * (1 + len(sides) + (len(ours) if "trl" in sides else 0) + 3) + "|",
     ]
     for algo in a.algos:
-        r, t = results[algo]["rlhflab"], results[algo]["trl"]
-        if not r or not t:
+        runs = {side: results[algo][side] for side in sides}
+        if not all(runs.values()):
             continue
-        rc, tc = med(x["completions_per_s"] for x in r), med(x["completions_per_s"] for x in t)
-        rr, tr = med(x["peak_rss_mb"] for x in r), med(x["peak_rss_mb"] for x in t)
-        rf, tf = med(x["final_reward"] for x in r), med(x["final_reward"] for x in t)
-        lines.append(f"| {LABEL[algo]} | {num(rc)} | {num(tc)} | {rc / tc:.2f}x | {rr:.0f} / {tr:.0f} MB ({rr / tr:.2f}x) "
-                     f"| {rf:.3f} / {tf:.3f} |")
+        m = {side: {key: med(x[key] for x in rs) for key in ("completions_per_s", "peak_rss_mb", "peak_pss_mb", "final_reward")}
+             for side, rs in runs.items()}
+        cells = [num(m[side]["completions_per_s"]) for side in sides]
+        if "trl" in sides:
+            cells += [f"{m[side]['completions_per_s'] / m['trl']['completions_per_s']:.2f}x" for side in ours]
+        cells += [" / ".join(f"{m[side][key]:.0f}" for side in sides) for key in ("peak_rss_mb", "peak_pss_mb")]
+        cells.append(" / ".join(f"{m[side]['final_reward']:.3f}" for side in sides))
+        lines.append(f"| {LABEL[algo]} | " + " | ".join(cells) + " |")
     lines += ["", f"completions/s: completions of steps 2..N over the wall time from the end of step 1 to the end of step N; "
-              f"final reward: mean batch gold reward over the last {LAST} steps; peak RSS: the child process's ru_maxrss."]
+              f"final reward: mean batch gold reward over the last {LAST} steps; peak RSS: the child process's ru_maxrss "
+              "(for the async side, its largest process); peak tree PSS: the child and its descendants together, sampled "
+              "once a second."]
     return "\n".join(lines)
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset of rloo,grpo,online_dpo")
+    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of rlhflab,rlhflab_async,trl")
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (the table gives medians)")
     p.add_argument("--steps", type=int, default=60, help="RL steps (optimizer updates) per run")
     p.add_argument("--model", default="tiny", help="rlhflab model preset (tiny, llama100m)")
@@ -404,6 +491,10 @@ def parse(argv=None):
     bad = [x for x in a.algos if x not in ALGOS]
     if bad:
         p.error(f"unknown algos {bad}; choose from {', '.join(ALGOS)}")
+    a.sides = [x.strip() for x in a.sides.split(",") if x.strip()]
+    bad = [x for x in a.sides if x not in SIDES]
+    if bad:
+        p.error(f"unknown sides {bad}; choose from {', '.join(SIDES)}")
     return a
 
 
@@ -438,11 +529,11 @@ def main(argv=None) -> None:
     print(f"work directory: {work}", flush=True)
     try:
         sft = prepare(a, work, env)
-        results = {algo: {"rlhflab": [], "trl": []} for algo in a.algos}
+        results = {algo: {side: [] for side in a.sides} for algo in a.algos}
         for rep in range(1, a.reps + 1):
             for algo in a.algos:
-                order = ("rlhflab", "trl") if rep % 2 else ("trl", "rlhflab")
-                for side in order:
+                turn = (rep - 1) % len(a.sides)  # each side goes first in turn
+                for side in a.sides[turn:] + a.sides[:turn]:
                     results[algo][side].append(one_run(a, side, algo, rep, sft, work, env))
         text = table(a, results)
         print("\n" + text)

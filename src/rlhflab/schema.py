@@ -284,7 +284,7 @@ class AsyncMode:
     learner_threads: int = setting(ge=1)
     device: Optional[str] = MISSING
     start_method: str = setting(choices=("fork", "spawn"))
-    reference: str = setting(choices=("learner", "generator"))
+    reference: str = setting(choices=("auto", "learner", "generator"))
 
 
 @dataclass

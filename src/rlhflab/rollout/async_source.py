@@ -174,7 +174,7 @@ class AsyncSource(SyncSource):
     start_method: fork (CPU; 0.1 s) or spawn (required once CUDA is initialised; 4-6 s of imports).
     reference: which process computes the frozen reference's log-probs: `learner` (between generation and
       update) or `generator` (after generating each batch, so the learner's step loses a forward; fork only:
-      the forked process shares the reference's weights, copy on write).
+      the forked process shares the reference's weights, copy on write); `auto`: generator when forked.
     correction: the off-policy correction (`off_policy=`) for stale samples.
     """
 
@@ -182,7 +182,7 @@ class AsyncSource(SyncSource):
 
     def __init__(self, generator, correction=None, staleness: int = 1, sync_every: int = 1, generator_threads: int = 1,
                  learner_threads: int = 1, device: str | None = None, start_method: str = "fork",
-                 reference: str = "learner") -> None:
+                 reference: str = "auto") -> None:
         super().__init__(generator, correction)
         if staleness < 0:
             raise ConfigError(f"staleness={staleness}: must be >= 0")
@@ -199,11 +199,11 @@ class AsyncSource(SyncSource):
         if generator.needs_spawn and start_method == "fork":
             raise ConfigError(f"mode.start_method=fork: {type(generator).__name__} starts an engine in the generator process, "
                               "which needs a fresh one; set mode.start_method=spawn")
-        if reference not in ("learner", "generator"):
-            raise ConfigError(f"mode.reference={reference!r}: use learner or generator")
+        if reference not in ("auto", "learner", "generator"):
+            raise ConfigError(f"mode.reference={reference!r}: use auto, learner or generator")
         self.device = device
         self.start_method = start_method
-        self.reference = reference
+        self.reference = reference if reference != "auto" else "generator" if start_method == "fork" else "learner"
         self.proc = None
 
     @property
