@@ -65,16 +65,17 @@ class SharedWeights:
 
     Through a queue, the 360 KB of the tiny default policy crossed a 64 KB pipe in chunks, each written by the
     learner's feeder thread when it got the GIL: the generator waited 7-9 ms per batch for weights pushed
-    long before. A slot is rewritten only with version v + slots * sync_every, which the learner reaches only
-    after training on a batch the generator made after reading v (slots = staleness // sync_every + 2), so no
-    read and write of one slot overlap.
+    long before. When the generator reads version v for batch j, the learner may have pushed the versions
+    after v up to j (its step j waits for batch j): ceil(staleness / sync_every) of them at most, so with one
+    slot more no push lands in v's slot before the generator has read it. For a full fine-tune that is
+    2 host copies of the policy at staleness 1 (the queue held pickled copies instead).
     """
 
     def __init__(self, model, staleness: int, sync_every: int) -> None:
         self.sync_every = sync_every
         state = trainable_state(model)
         self.slots = [{n: torch.empty(t.shape, dtype=t.dtype, device="cpu").share_memory_() for n, t in state.items()}
-                      for _ in range(staleness // sync_every + 2)]
+                      for _ in range(-(-staleness // sync_every) + 1)]
 
     def slot(self, version: int) -> int:
         return (version // self.sync_every) % len(self.slots)
