@@ -1,0 +1,59 @@
+"""benchmarks/vs_trl.py's memory measurement: a process tree's PSS counts pages shared after fork once."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MB = 1024  # KiB
+
+# A child holds 64 MiB, forks, and the grandchild writes 64 MiB of its own; both say "ready" and wait on stdin.
+TREE = r"""
+import os, sys
+held = bytearray(64 << 20)
+for i in range(0, len(held), 4096):
+    held[i] = 1
+r, w = os.pipe()
+if os.fork() == 0:
+    own = bytearray(64 << 20)
+    for i in range(0, len(own), 4096):
+        own[i] = 1
+    print("ready", flush=True)
+    sys.stdin.read()
+    os._exit(0)
+print("ready", flush=True)
+sys.stdin.read()
+os.wait()
+"""
+
+
+def load_vs_trl():
+    spec = importlib.util.spec_from_file_location("vs_trl", ROOT / "benchmarks" / "vs_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # stdlib only at import time (TRL is imported by the child runs)
+    return module
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux /proc/<pid>/smaps_rollup")
+def test_tree_pss_counts_the_grandchild_and_shared_pages_once():
+    vs_trl = load_vs_trl()
+    proc = subprocess.Popen([sys.executable, "-c", TREE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert [proc.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]  # both processes hold their memory
+        pids = vs_trl.tree_pids(proc.pid)
+        assert len(pids) == 2
+        tree = vs_trl.tree_pss_kb(proc.pid)
+        child = vs_trl.pss_kb(proc.pid)
+        # 64 MiB shared after fork (once) + 64 MiB the grandchild wrote: a sum of RSS would count 192 MiB or more.
+        assert tree is not None and 128 * MB < tree < 180 * MB, tree / MB
+        assert child < tree - 60 * MB  # the grandchild's own 64 MiB is not the child's
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        finally:
+            proc.kill()
+            proc.wait()
