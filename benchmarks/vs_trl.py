@@ -23,7 +23,7 @@ Three sides
   thread) trains on batch i-1. Two processes, so both of the machine's 2 cores; batches are one update stale.
 - `TRL`: one process, 1 torch thread. TRL has no way to put a second CPU core to work but intra-op threads,
   and on this model they slow it down: online DPO with torch.set_num_threads(2) ran 857 completions/s against
-  1,766 with 1 thread, side by side (2026-11-23). 1 thread is TRL's best on this machine.
+  1,766 with 1 thread, in two consecutive runs (2026-11-23, not interleaved). 1 thread is TRL's best here.
 
 How it is measured
 - Every run is its own subprocess (the same Python, torch and thread settings: OMP_WAIT_POLICY=PASSIVE,
