@@ -81,11 +81,12 @@ class SharedWeights:
         return (version // self.sync_every) % len(self.slots)
 
     def write(self, model, version: int) -> int:
-        slot = self.slots[self.slot(version)]
+        """Copy the model's trainable tensors into version's slot -> the slot's index."""
+        index = self.slot(version)
         with torch.no_grad():
             for name, t in trainable_state(model).items():
-                slot[name].copy_(t)
-        return self.slot(version)
+                self.slots[index][name].copy_(t)
+        return index
 
     def read(self, slot: int, params: dict[str, torch.nn.Parameter]) -> None:
         with torch.no_grad():
@@ -137,17 +138,18 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
         for query, index, batch in batches:  # the learner's stream, from the learner's first batch
             j = int(batch)
             need = required_version(j, staleness, sync_every)
-            if version < need:
-                while version < need:  # the pushes come in order; only the one this batch needs is read
-                    if not weights_rx.poll(POLL_S):
-                        if os.getppid() != parent:
-                            out_q.cancel_join_thread()  # nobody will read what is queued: exit without flushing it
-                            return  # the learner is gone
-                        continue
-                    msg = weights_rx.recv()
-                    if msg is None:
-                        return
-                    version, slot = msg
+            slot = None
+            while version < need:  # the pushes come in order; only the one this batch needs is read
+                if not weights_rx.poll(POLL_S):
+                    if os.getppid() != parent:
+                        out_q.cancel_join_thread()  # nobody will read what is queued: exit without flushing it
+                        return  # the learner is gone
+                    continue
+                msg = weights_rx.recv()
+                if msg is None:
+                    return
+                version, slot = msg
+            if slot is not None:
                 weights.read(slot, params)
             prompts = [train_prompts[i] for i in index.tolist()]
             t0 = time.perf_counter()
