@@ -289,6 +289,9 @@ class RLHFModule(L.LightningModule):
                     opt.zero_grad(set_to_none=True)
                     return None
                 opt.step()
+                # Free the gradients now, not before the next backward: otherwise they stay allocated through the
+                # next batch's generation and forward passes and add a policy-sized tensor to the step's peak.
+                opt.zero_grad(set_to_none=True)
                 self.updates += 1
                 m["train/loss"] = loss.detach()
                 for key, value in m.items():
