@@ -95,7 +95,7 @@ def test_lora_ppo_reward_is_the_critic_backbone_with_its_adapter_off(make_cfg):
     assert lora.memory.reward_model is None and lora.memory.reward_head is not None
     rollout = eval_rollout(lora)
     q, r = rollout.query, rollout.response
-    assert any(p.grad is not None and p.abs().sum() > 0 for n, p in lora.memory.value_model.named_parameters() if "lora_B" in n)
+    assert any(p.abs().sum() > 0 for n, p in lora.memory.value_model.named_parameters() if "lora_B" in n)  # (B starts at 0)
     with torch.no_grad():
         torch.testing.assert_close(lora.memory.scores(q, r), full.scores(q, r), rtol=1e-5, atol=1e-5)
 
