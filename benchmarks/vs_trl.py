@@ -16,8 +16,12 @@ What is compared
   without EOS; TRL's own `missing_eos_penalty` subtracts instead, so it is applied inside the reward function).
 - The settings: RLHFLAB_OVERRIDES and TRL_COMMON / TRL_ALGO below, every TRL default that differs set to rlhflab's.
 
-Three sides
-- `rlhflab sync`: mode=sync, one process, 1 torch thread: generate with the current weights, then learn (as TRL).
+Four sides
+- `rlhflab sync`: mode=sync, one process, 1 torch thread per Python thread: generate with the current weights,
+  then learn (as TRL), with the reference's forward in a second thread beside the update's policy forward
+  (mode.reference=thread, what the default `auto` picks here): the same numbers, on the second core.
+- `rlhflab sync 1 thread`: the same with mode.reference=learner: one thread, the reference's forward before the
+  update's, exactly TRL's use of the machine.
 - `rlhflab async`: mode=async staleness=1 mode.reference=generator: a forked generator process (1 torch thread)
   makes batch i with the weights after update i-1, and its reference log-probs, while the learner (1 torch
   thread) trains on batch i-1. Two processes, so both of the machine's 2 cores; batches are one update stale.
@@ -101,8 +105,12 @@ RLHFLAB_ALGO = {
 
 # The async side: these replace "mode=sync" (1 torch thread per process: 1 + 1 on the 2 cores)
 RLHFLAB_ASYNC = ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1", "mode.learner_threads=1"]
-SIDES = ("rlhflab", "rlhflab_async", "trl")
-SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_async": "rlhflab async", "trl": "TRL"}
+# The sync sides: the reference's forward in a second thread beside the update's policy forward (the default,
+# mode.reference=auto, on this machine), or in the one thread before it (exactly TRL's use of the machine).
+RLHFLAB_SYNC = {"sync": ["mode.reference=thread"], "sync1": ["mode.reference=learner"]}
+SIDES = ("rlhflab", "rlhflab_1thread", "rlhflab_async", "trl")
+SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_async": "rlhflab async", "trl": "TRL"}
+SIDE_MODE = {"rlhflab": "sync", "rlhflab_1thread": "sync1", "rlhflab_async": "async"}
 
 # ---- TRL's side: every TRL default that differs from rlhflab's, set to rlhflab's ----
 TRL_COMMON = {
@@ -267,7 +275,8 @@ def run_child(cmd: list[str], log: Path, timeout: float, env: dict) -> tuple[int
 
 def rlhflab_cmd(a, algo: str, sft: str | None, steps: int, out_dir: Path, extra: list[str], mode: str = "sync") -> list[str]:
     k = a.k if algo != "online_dpo" else 2
-    overrides = RLHFLAB_OVERRIDES if mode == "sync" else [o for o in RLHFLAB_OVERRIDES if o != "mode=sync"] + RLHFLAB_ASYNC
+    overrides = (RLHFLAB_OVERRIDES + RLHFLAB_SYNC[mode] if mode in RLHFLAB_SYNC
+                 else [o for o in RLHFLAB_OVERRIDES if o != "mode=sync"] + RLHFLAB_ASYNC)
     cmd = [sys.executable, str(TRAIN), f"model={a.model}", f"algo={algo}", *overrides, *RLHFLAB_ALGO[algo],
            f"algo.samples_per_prompt={k}", f"trainer.max_steps={steps}", f"rl.prompts_per_step={a.prompts_per_step}",
            f"rl.lr={a.lr}", f"generator.temperature={a.temperature}", "model.dtype=float32",
@@ -385,7 +394,7 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
     per_step = a.prompts_per_step * k
     if side.startswith("rlhflab"):
         db = d / "mlflow.db"
-        cmd = rlhflab_cmd(a, algo, sft, a.steps, d / "run", a.rlhflab_override, "async" if side == "rlhflab_async" else "sync")
+        cmd = rlhflab_cmd(a, algo, sft, a.steps, d / "run", a.rlhflab_override, SIDE_MODE[side])
         code, rss, pss, wall = run_child(cmd, d / "log.txt", a.timeout,
                                     env | {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "RLHFLAB_CACHE": str(a.cache)})
         if code != 0:
@@ -435,7 +444,9 @@ def table(a, results: dict) -> str:
         f"rlhflab vs TRL: model={a.model}, {a.prompts_per_step} prompts/step, k={a.k} (online DPO 2), "
         f"max_new_tokens={a.max_new_tokens or 'task (9)'}, lr {a.lr}, temperature {a.temperature}, "
         f"eos_penalty {a.eos_penalty}, {a.steps} steps, 1 torch thread per process, float32; medians of {a.reps} "
-        f"interleaved reps. rlhflab async: mode=async staleness=1 mode.reference=generator (2 processes, 1 thread each).",
+        f"interleaved reps. rlhflab sync: mode.reference=thread (the reference forward in a second thread beside the "
+        f"update's policy forward); sync 1 thread: mode.reference=learner; async: mode=async staleness=1 "
+        f"mode.reference=generator (2 processes, 1 thread each).",
         f"({versions()}; {os.cpu_count()} CPUs; OMP_WAIT_POLICY=PASSIVE)",
         "",
         "| algo | " + " | ".join(f"{label} completions/s" for label in labels)
@@ -466,7 +477,7 @@ def table(a, results: dict) -> str:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset of rloo,grpo,online_dpo")
-    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of rlhflab,rlhflab_async,trl")
+    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of " + ",".join(SIDES))
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (the table gives medians)")
     p.add_argument("--steps", type=int, default=60, help="RL steps (optimizer updates) per run")
     p.add_argument("--model", default="tiny", help="rlhflab model preset (tiny, llama100m)")

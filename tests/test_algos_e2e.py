@@ -1,5 +1,7 @@
 """Every algorithm, through the one LightningModule, raises the gold reward on the embedded task."""
 
+import threading
+
 import pytest
 import torch
 
@@ -33,3 +35,19 @@ def test_remax_takes_several_samples_per_prompt(make_cfg):
     result = train(make_cfg("algo=remax", "algo.samples_per_prompt=2", "trainer.max_steps=2"))
     assert result.module.policy_version == 2
 
+
+
+@pytest.mark.parametrize("algo", ["rloo", "grpo", "online_dpo"])
+def test_reference_in_a_thread_gives_the_learners_numbers(make_cfg, tmp_path, algo):
+    """mode=sync mode.reference=thread runs the reference forward beside the update's policy forward: the
+    same losses, KLs and weights as computing it first (bit for bit: the same forwards, the same order)."""
+    results = {where: train(make_cfg(f"algo={algo}", "trainer.max_steps=3", f"mode.reference={where}",
+                                     f"output.dir={tmp_path / where}"))
+               for where in ("learner", "thread")}
+    assert results["thread"].module.reference_beside_update and not results["learner"].module.reference_beside_update
+    learner, thread = (results[w].module.memory for w in ("learner", "thread"))
+    assert all(torch.equal(a, b) for a, b in zip(learner.policy.parameters(), thread.policy.parameters()))
+    learned = {w: {k: v for k, v in r.metrics.items() if not k.startswith("perf/")} for w, r in results.items()}
+    assert learned["learner"] == learned["thread"]
+    assert learned["learner"]["eval/kl"] > 0  # the reference is in the numbers
+    assert not [t for t in threading.enumerate() if t.name.startswith("rlhflab-reference")]  # it ended with its run

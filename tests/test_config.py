@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import os
+
 import pytest
 from hydra.utils import instantiate
 
@@ -106,6 +108,11 @@ def test_real_preset_loads_through_from_pretrained_names():
         ("staleness=2", "staleness"),
         ("mode=async mode.reference=gpu", "mode.reference"),
         ("mode=async mode.reference=generator mode.start_method=spawn", "mode.reference"),
+        ("mode.reference=generator", "mode.reference"),
+        ("mode.reference=thread memory=lora", "mode.reference=thread"),
+        ("mode.reference=thread algo=ppo", "mode.reference=thread"),
+        ("mode.reference=thread algo.epochs=2", "mode.reference=thread"),
+        ("mode.reference=thread torch_threads=64", "mode.reference=thread"),
         ("model.sft_path=/nonexistent/sft", "model.sft_path"),
         ("model.name_or_path=./no/such/model", "model.name_or_path"),
         ("algo.kl_estimator=k9", "algo.kl_estimator"),
@@ -146,3 +153,20 @@ def test_cli_bad_task_file_is_one_line_and_loads_nothing(tmp_path):
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "cache").exists()  # failed before building any model
     assert not (tmp_path / "mlflow.db").exists()  # and before creating an MLflow run
+
+
+@pytest.mark.parametrize(
+    "override, where",
+    [
+        ("", "thread"),  # the default: memory=full, one pass, trainer=cpu, torch_threads=1 on a 2-core machine
+        ("memory=lora", "learner"),  # the reference is the policy with its adapter off: same modules
+        ("algo=ppo", "learner"),
+        ("algo.num_minibatches=2", "learner"),
+        ("torch_threads=64", "learner"),  # no core left free
+        ("mode.reference=learner", "learner"),
+    ],
+)
+def test_sync_reference_auto_takes_a_thread_only_where_it_can_run(override, where):
+    if len(os.sched_getaffinity(0)) < 2 and where == "thread":
+        pytest.skip("one core: auto never takes a thread")
+    assert validate(compose_cfg(override.split(), shrink=False)).source.reference == where

@@ -6,7 +6,10 @@ wrong, and how to fix it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+import torch
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -15,7 +18,7 @@ from omegaconf import DictConfig
 from rlhflab.algos.registry import Algorithm
 from rlhflab.contracts import Generator, MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.errors import ConfigError
-from rlhflab.schema import check
+from rlhflab.schema import check, ranks
 from rlhflab.tracking import MlflowTracker
 
 REQUIRED_GROUPS = ("task", "model", "algo", "reward", "memory", "mode", "off_policy", "generator", "trainer", "logger")
@@ -43,6 +46,27 @@ def _instantiate(group: str, node: DictConfig, **kwargs):
         if isinstance(cause, ConfigError):
             raise cause from None
         raise ConfigError(f"{group}: {str(cause or err).splitlines()[0]}") from None
+
+
+def resolve_sync_reference(cfg: DictConfig, source, algo, memory) -> None:
+    """mode=sync, mode.reference: `thread` runs the reference's forward in a second thread beside the update's
+    policy forward, which needs a reference model of its own, one pass over the batch in one mini-batch, one
+    CPU process and a core its torch threads leave free; `auto` picks it when all hold, else `learner`."""
+    if source.name != "sync":
+        return
+    free = len(os.sched_getaffinity(0)) - (cfg.torch_threads or torch.get_num_threads())
+    why_not = (
+        f"memory={memory.name} computes the reference with the policy's own modules (its adapter off)" if memory.name != "full"
+        else f"{algo.name} updates a value model in the same step" if algo.needs_values
+        else "it needs one pass over each batch in one mini-batch (algo.epochs=1, algo.num_minibatches=1)"
+        if algo.epochs != 1 or algo.num_minibatches != 1
+        else "it runs beside the update in one CPU process (trainer=cpu)" if cfg.trainer.accelerator != "cpu" or ranks(cfg.trainer) > 1
+        else f"torch_threads={cfg.torch_threads} leaves no core free for it" if free < 1
+        else None
+    )
+    if source.reference == "thread" and why_not:
+        raise ConfigError(f"mode.reference=thread: {why_not}; use mode.reference=learner (or auto)")
+    source.reference = "thread" if source.reference in ("auto", "thread") and why_not is None else "learner"
 
 
 def validate(cfg: DictConfig) -> Plan:
@@ -84,6 +108,7 @@ def validate(cfg: DictConfig) -> Plan:
             "give a ready reward model or use reward=rule"
         )
     memory.check(cfg.model, task, reward.needs_reward_model)
+    resolve_sync_reference(cfg, source, algo, memory)
     generator.check_model(cfg.model)
     if not cfg.model.get("name_or_path") and not cfg.model.get("arch"):
         raise ConfigError("model.name_or_path: null and no model.arch to build from; give a from_pretrained name/path")

@@ -273,6 +273,7 @@ class LoraMemory(FullMemory):  # lora, hydra
 @dataclass
 class SyncMode:
     _target_: str = "rlhflab.rollout.sources.SyncSource"
+    reference: str = setting(choices=("auto", "learner", "thread"))
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import lightning as L
@@ -68,6 +69,7 @@ class RLHFModule(L.LightningModule):
         self.consistent = True  # False while a batch's updates are under way (no checkpoint can be taken then)
         self.sharded = False  # trainer=fsdp
         self.run_id: str | None = None  # the MLflow run, kept by checkpoints so that a resume continues it
+        self._reference_pool: ThreadPoolExecutor | None = None  # mode.reference=thread (sync)
 
     def prompt_batches(self, start: int | None = None) -> PromptBatches:
         """The prompt stream from batch `start` (default: the next to train on)."""
@@ -198,15 +200,19 @@ class RLHFModule(L.LightningModule):
             # 3. where the ratios start (the source's off-policy correction), reference log-probs, values
             old_logprobs, is_weights, metrics = self.source.old_policy(rollout, lambda: self._logprobs(rollout))
             ref_logprobs = rollout.ref_logprobs  # mode.reference=generator: computed beside generation
-            if ref_logprobs is None:
+            beside = ref_logprobs is None and self.reference_beside_update
+            if ref_logprobs is None and not beside:
                 ref_logprobs = self._reference_logprobs(rollout.query, rollout.response) * mask
             values = self.memory.values(rollout.query, rollout.response) if self.algo.needs_values else None
+        first = None
+        if beside:  # mode.reference=thread: the reference's forward runs beside the update's own policy forward
+            ref_logprobs, first = self._reference_beside_forward(rollout)
         # 4. + 5. rewards and advantages
         targets, algo_metrics = self.algo.prepare(Scored(scores, old_logprobs, ref_logprobs, mask, values, baseline))
         experience = Experience(rollout.query, rollout.response, mask, old_logprobs, ref_logprobs, targets, is_weights)
         # 6. updates: epochs x mini-batches of whole prompt groups
         self.consistent = False
-        updates = self._update(experience)
+        updates = self._update(experience, first)
         if updates is None:
             return self._skip(rollout)
         metrics = metrics | algo_metrics | updates | reward_parts
@@ -258,8 +264,36 @@ class RLHFModule(L.LightningModule):
         """(n, R) the current policy's log-probs of the rollout's responses, 0 on padding."""
         return self.memory.policy_logprobs(rollout.query, rollout.response, self.temperature) * rollout.response_mask
 
-    def _update(self, experience: Experience) -> dict | None:
-        """The optimizer steps on one batch -> mean metrics, or None when a non-finite value stopped them."""
+    def _order(self, n: int) -> torch.Tensor:
+        """One pass's order over n samples: whole prompt groups shuffled, each group's samples together."""
+        k = self.algo.samples_per_prompt
+        groups = F.divide_exact(n, k, "rollout samples per prompt group")
+        return torch.randperm(groups).repeat_interleave(k) * k + torch.arange(k).repeat(groups)
+
+    @property
+    def reference_beside_update(self) -> bool:
+        """Sync mode, mode.reference=thread: one pass over the batch in one mini-batch, a reference of its own."""
+        return getattr(self.source, "reference", None) == "thread"
+
+    def _reference_beside_forward(self, rollout: Rollout) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The reference's log-probs, computed in a second thread while this one runs the update's policy forward
+        (with grad) over the pass's order -> (reference log-probs, (order, policy log-probs)). Both forwards are the
+        ones the sequential path runs, in the same order of the random stream: the numbers are the same."""
+        if self._reference_pool is None:
+            self._reference_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhflab-reference")
+        mask = rollout.response_mask
+        pending = self._reference_pool.submit(self._reference_logprobs, rollout.query, rollout.response)
+        try:
+            order = self._order(len(mask)).to(mask.device)
+            with self.activations.track():
+                logprobs = self.memory.policy_logprobs(rollout.query[order], rollout.response[order], self.temperature) * mask[order]
+        finally:
+            ref = pending.result()  # waited for even when the forward failed: no thread outlives its step
+        return ref * mask, (order, logprobs)
+
+    def _update(self, experience: Experience, first: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict | None:
+        """The optimizer steps on one batch -> mean metrics, or None when a non-finite value stopped them.
+        first: (order, policy log-probs) of a one-pass, one-mini-batch update whose forward ran already."""
         opt = self.optimizers()
         k = self.algo.samples_per_prompt
         n = len(experience)
@@ -268,13 +302,16 @@ class RLHFModule(L.LightningModule):
         sums: dict[str, float] = {}
         count = 0
         for _ in range(self.algo.epochs):
-            order = torch.randperm(groups).repeat_interleave(k) * k + torch.arange(k).repeat(groups)
+            order = first[0] if first is not None else self._order(n)
             for start in range(0, n, per_mb):
                 batch = experience.select(order[start : start + per_mb].to(experience.response.device))
                 if distributed.world_size() > 1:  # means over the global mini-batch, not the mean of ranks' means
                     batch = replace(batch, **{k: distributed.total(v) / distributed.world_size() for k, v in counts(batch).items()})
                 with self.activations.track():
-                    logprobs = self.memory.policy_logprobs(batch.query, batch.response, self.temperature) * batch.response_mask
+                    if first is not None:
+                        logprobs = first[1]
+                    else:
+                        logprobs = self.memory.policy_logprobs(batch.query, batch.response, self.temperature) * batch.response_mask
                     values = self.memory.values(batch.query, batch.response) if self.algo.needs_values else None
                     loss, m = self.algo.loss(logprobs, values, batch)
                 if not self._finite(loss, "train/loss"):
@@ -367,6 +404,11 @@ class RLHFModule(L.LightningModule):
     def on_train_end(self) -> None:
         if not self.eval_history or self.eval_history[-1][0] != self.policy_version:
             self.evaluate()
+
+    def teardown(self, stage: str) -> None:
+        if self._reference_pool is not None:  # mode.reference=thread: its thread ends with the run
+            self._reference_pool.shutdown()
+            self._reference_pool = None
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

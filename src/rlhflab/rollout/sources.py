@@ -7,6 +7,8 @@ so the LightningModule never knows how fresh a batch is.
 
 from __future__ import annotations
 
+import logging
+
 from rlhflab import distributed
 from rlhflab.contracts import Generator, OffPolicyCorrection
 from rlhflab.rollout.batch import Rollout
@@ -20,6 +22,9 @@ def seeded(seed: int, batch: int, rank: int = 0):
     return fixed_seed(seed * 1_000_003 + batch + rank * 100_000_007)
 
 
+log = logging.getLogger("rlhflab")
+
+
 class SyncSource:
     """Generate each batch with the current weights, then train on it (staleness 0)."""
 
@@ -27,9 +32,10 @@ class SyncSource:
     staleness = 0
     max_staleness = 0
 
-    def __init__(self, generator: Generator, correction: OffPolicyCorrection | None = None) -> None:
+    def __init__(self, generator: Generator, correction: OffPolicyCorrection | None = None, reference: str = "learner") -> None:
         self.generator = generator
         self.correction = correction or Behaviour()
+        self.reference = reference  # mode.reference: learner, or thread (beside the update's policy forward)
         self.seed = 0
         self.rank = 0
         self.pending: list[Rollout] = []  # rollouts made ahead of their step and kept by a checkpoint (async)
@@ -40,9 +46,12 @@ class SyncSource:
         return self.generator
 
     def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0, reference=None) -> None:
-        """Sync mode leaves the reference log-probs to the learner, between generation and update."""
+        """Sync mode leaves the reference log-probs to the learner: between generation and update, or (thread)
+        in a second thread beside the update's own policy forward."""
         self.seed = seed
         self.rank = distributed.rank()
+        if self.reference == "thread":
+            log.info("mode sync: reference log-probs in a second thread, beside the update's policy forward")
 
     def get(self, model, query, prompts: list[str], version: int, algo, batch: int) -> Rollout:
         """Generate training batch `batch` (its index in the run's prompt stream) with the current weights."""
