@@ -163,6 +163,8 @@ def test_cli_bad_task_file_is_one_line_and_loads_nothing(tmp_path):
         ("algo=ppo", "learner"),
         ("algo.num_minibatches=2", "learner"),
         ("torch_threads=64", "learner"),  # no core left free
+        ("trainer=gpu", "learner"),  # on a GPU both forwards would queue on one stream
+        ("trainer=ddp trainer.devices=2", "learner"),  # two processes
         ("mode.reference=learner", "learner"),
     ],
 )
