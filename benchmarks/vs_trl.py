@@ -81,7 +81,6 @@ LAST = 10  # final reward: mean batch reward over the last LAST steps
 RLHFLAB_OVERRIDES = [
     "reward=rule",                       # the task's gold rule scores completions (no reward model)
     "memory=full",                       # separate policy and frozen reference copy (as TRL)
-    "mode=sync",                         # generate with the current weights, then learn (as TRL)
     "generator=hf",                      # HF generate(), as TRL without vLLM
     "trainer=cpu",
     "trainer.precision=32-true",         # float32, no autocast
@@ -103,14 +102,17 @@ RLHFLAB_ALGO = {
                    "algo.epochs=1", "algo.num_minibatches=1"],
 }
 
-# The async side: these replace "mode=sync" (1 torch thread per process: 1 + 1 on the 2 cores)
-RLHFLAB_ASYNC = ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1", "mode.learner_threads=1"]
-# The sync sides: the reference's forward in a second thread beside the update's policy forward (the default,
-# mode.reference=auto, on this machine), or in the one thread before it (exactly TRL's use of the machine).
-RLHFLAB_SYNC = {"sync": ["mode.reference=thread"], "sync1": ["mode.reference=learner"]}
-SIDES = ("rlhflab", "rlhflab_1thread", "rlhflab_async", "trl")
+# Each rlhflab side's mode. Sync (generate with the current weights, then learn, as TRL) with the reference's forward
+# in a second thread beside the update's policy forward (what the default mode.reference=auto picks on this
+# machine), or in the one thread before it (exactly TRL's use of the machine); async: a forked generator process,
+# 1 torch thread per process, so 1 + 1 on the 2 cores.
+SIDE_MODE = {
+    "rlhflab": ["mode=sync", "mode.reference=thread"],
+    "rlhflab_1thread": ["mode=sync", "mode.reference=learner"],
+    "rlhflab_async": ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1", "mode.learner_threads=1"],
+}
+SIDES = (*SIDE_MODE, "trl")
 SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_async": "rlhflab async", "trl": "TRL"}
-SIDE_MODE = {"rlhflab": "sync", "rlhflab_1thread": "sync1", "rlhflab_async": "async"}
 
 # ---- TRL's side: every TRL default that differs from rlhflab's, set to rlhflab's ----
 TRL_COMMON = {
@@ -273,11 +275,9 @@ def run_child(cmd: list[str], log: Path, timeout: float, env: dict) -> tuple[int
     return proc.returncode, usage.ru_maxrss / 1024, pss.peak_mb, time.perf_counter() - t0
 
 
-def rlhflab_cmd(a, algo: str, sft: str | None, steps: int, out_dir: Path, extra: list[str], mode: str = "sync") -> list[str]:
+def rlhflab_cmd(a, algo: str, sft: str | None, steps: int, out_dir: Path, extra: list[str], side: str = "rlhflab") -> list[str]:
     k = a.k if algo != "online_dpo" else 2
-    overrides = (RLHFLAB_OVERRIDES + RLHFLAB_SYNC[mode] if mode in RLHFLAB_SYNC
-                 else [o for o in RLHFLAB_OVERRIDES if o != "mode=sync"] + RLHFLAB_ASYNC)
-    cmd = [sys.executable, str(TRAIN), f"model={a.model}", f"algo={algo}", *overrides, *RLHFLAB_ALGO[algo],
+    cmd = [sys.executable, str(TRAIN), f"model={a.model}", f"algo={algo}", *RLHFLAB_OVERRIDES, *SIDE_MODE[side], *RLHFLAB_ALGO[algo],
            f"algo.samples_per_prompt={k}", f"trainer.max_steps={steps}", f"rl.prompts_per_step={a.prompts_per_step}",
            f"rl.lr={a.lr}", f"generator.temperature={a.temperature}", "model.dtype=float32",
            f"generator.max_new_tokens={a.max_new_tokens if a.max_new_tokens else 'null'}",
@@ -394,7 +394,7 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
     per_step = a.prompts_per_step * k
     if side.startswith("rlhflab"):
         db = d / "mlflow.db"
-        cmd = rlhflab_cmd(a, algo, sft, a.steps, d / "run", a.rlhflab_override, SIDE_MODE[side])
+        cmd = rlhflab_cmd(a, algo, sft, a.steps, d / "run", a.rlhflab_override, side)
         code, rss, pss, wall = run_child(cmd, d / "log.txt", a.timeout,
                                     env | {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "RLHFLAB_CACHE": str(a.cache)})
         if code != 0:
