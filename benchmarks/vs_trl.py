@@ -16,7 +16,7 @@ What is compared
   without EOS; TRL's own `missing_eos_penalty` subtracts instead, so it is applied inside the reward function).
 - The settings: RLHFLAB_OVERRIDES and TRL_COMMON / TRL_ALGO below, every TRL default that differs set to rlhflab's.
 
-Four sides
+Sides (--sides; the default is the first four)
 - `rlhflab sync`: mode=sync, one process, 1 torch thread per Python thread: generate with the current weights,
   then learn (as TRL), with the reference's forward in a second thread beside the update's policy forward
   (mode.reference=thread, what the default `auto` picks here): the same numbers, on the second core.
@@ -25,13 +25,18 @@ Four sides
 - `rlhflab async`: mode=async staleness=1 mode.reference=generator: a forked generator process (1 torch thread)
   makes batch i with the weights after update i-1, and its reference log-probs, while the learner (1 torch
   thread) trains on batch i-1. Two processes, so both of the machine's 2 cores; batches are one update stale.
-- `TRL`: one process, 1 torch thread. TRL has no way to put a second CPU core to work but intra-op threads,
-  and on this model they slow it down: online DPO with torch.set_num_threads(2) ran 857 completions/s against
-  1,766 with 1 thread, in two consecutive runs (2026-11-23, not interleaved). 1 thread is TRL's best here.
+- `TRL`: one process, 1 torch thread. TRL has no way to put a second CPU core to work but intra-op threads.
+- `TRL 2 threads` and `rlhflab sync 2 threads` (mode.reference=learner, torch_threads=2): each framework's use of
+  both cores through intra-op threads. Which thread count is a framework's best depends on the model, so the
+  ratios are taken against the fastest TRL side run ("best TRL"). On the tiny model 2 threads slow both down
+  (TRL 1,122-1,321 against 1,391-1,794 completions/s with 1 thread, 3 reps, 2026-11-23); on llama100m, whose
+  matmuls are large, they speed both up ~1.5x, and TRL's best there is 2 threads.
+- `TRL + MLflow`: TRL with report_to="mlflow" (its MLflowCallback, a metric set every step as logging_steps=1) into
+  a SQLite store like rlhflab's: both frameworks tracking the same way, for the memory comparison.
 
 How it is measured
 - Every run is its own subprocess (the same Python, torch and thread settings: OMP_WAIT_POLICY=PASSIVE,
-  1 torch thread per process), run interleaved: for each rep, for each algorithm, each side (the order turns
+  the side's torch threads), run interleaved: for each rep, for each algorithm, each side (the order turns
   between reps).
 - Memory, two ways: peak RSS, the child's ru_maxrss from os.wait4 (imports, model load and all; for a process
   tree, the largest process's); and peak PSS of the whole process tree, sampled once a second from
@@ -48,7 +53,8 @@ How it is measured
 
 Unfairness that is not removed (see also the comments in TRL_COMMON / TRL_ALGO)
 - rlhflab logs ~20-40 metrics per step to MLflow (SQLite, written in one batch a second, logger.flush_every_s) and runs its evaluation at start and
-  end (64 prompts x 4 samples, outside the timed window); TRL logs to nothing (`report_to="none"`), its best case.
+  end (64 prompts x 4 samples, outside the timed window); TRL logs to nothing (`report_to="none"`), its best case,
+  except on the `TRL + MLflow` side.
 - Optimizer: both AdamW (lr, betas, eps 1e-5, no weight decay, clip 1.0); TRL keeps its default fused
   implementation (`adamw_torch_fused`), rlhflab uses torch.optim.AdamW's default.
 - Prompt order: each side shuffles the same prompt pool with its own seeded sampler.
@@ -85,7 +91,6 @@ RLHFLAB_OVERRIDES = [
     "trainer=cpu",
     "trainer.precision=32-true",         # float32, no autocast
     "memory.gradient_checkpointing=false",
-    "torch_threads=1",
     "rl.eval_every=0",                   # evaluate only before and after RL (outside the timed window)
     "trainer.enable_progress_bar=false",
     "output.log_policy=false",           # do not copy the policy into MLflow's artifact store at the end
@@ -102,17 +107,26 @@ RLHFLAB_ALGO = {
                    "algo.epochs=1", "algo.num_minibatches=1"],
 }
 
-# Each rlhflab side's mode. Sync (generate with the current weights, then learn, as TRL) with the reference's forward
-# in a second thread beside the update's policy forward (what the default mode.reference=auto picks on this
-# machine), or in the one thread before it (exactly TRL's use of the machine); async: a forked generator process,
-# 1 torch thread per process, so 1 + 1 on the 2 cores.
+# Each rlhflab side's mode and torch threads. Sync (generate with the current weights, then learn, as TRL) with the
+# reference's forward in a second thread beside the update's policy forward (what the default mode.reference=auto
+# picks on this machine), or in the one thread before it (exactly TRL's use of the machine), or that with 2 intra-op
+# threads; async: a forked generator process, 1 torch thread per process, so 1 + 1 on the 2 cores.
 SIDE_MODE = {
-    "rlhflab": ["mode=sync", "mode.reference=thread"],
-    "rlhflab_1thread": ["mode=sync", "mode.reference=learner"],
-    "rlhflab_async": ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1", "mode.learner_threads=1"],
+    "rlhflab": ["mode=sync", "mode.reference=thread", "torch_threads=1"],
+    "rlhflab_1thread": ["mode=sync", "mode.reference=learner", "torch_threads=1"],
+    "rlhflab_2threads": ["mode=sync", "mode.reference=learner", "torch_threads=2"],
+    "rlhflab_async": ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1",
+                      "mode.learner_threads=1", "torch_threads=1"],
 }
-SIDES = (*SIDE_MODE, "trl")
-SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_async": "rlhflab async", "trl": "TRL"}
+# TRL's sides: torch.set_num_threads in its one process, and its tracker (report_to): none, or MLflow into a
+# SQLite store in the run's directory as rlhflab's (TRL's MLflowCallback, logging every step as logging_steps=1).
+TRL_SIDE = {"trl": {"threads": 1, "report_to": "none"}, "trl_2threads": {"threads": 2, "report_to": "none"},
+            "trl_mlflow": {"threads": 1, "report_to": "mlflow"}}
+SIDES = (*SIDE_MODE, *TRL_SIDE)
+DEFAULT_SIDES = ("rlhflab", "rlhflab_1thread", "rlhflab_async", "trl")
+SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
+              "rlhflab_async": "rlhflab async", "trl": "TRL", "trl_2threads": "TRL 2 threads",
+              "trl_mlflow": "TRL + MLflow"}
 
 # ---- TRL's side: every TRL default that differs from rlhflab's, set to rlhflab's ----
 TRL_COMMON = {
@@ -303,7 +317,7 @@ def trl_child(a) -> None:
     """One TRL run (this process is the measured child): writes step end times and batch rewards to a.json."""
     import torch
 
-    torch.set_num_threads(1)  # rlhflab torch_threads=1
+    torch.set_num_threads(a.threads)  # as rlhflab's torch_threads
     torch.manual_seed(a.seed)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -334,7 +348,7 @@ def trl_child(a) -> None:
             ends.append(time.perf_counter())
 
     ds = Dataset.from_dict({"prompt": task.prompts("train")})
-    settings = {**TRL_COMMON, **TRL_ALGO[a.algo], "temperature": a.temperature, "learning_rate": a.lr,
+    settings = {**TRL_COMMON, **TRL_ALGO[a.algo], "report_to": a.report_to, "temperature": a.temperature, "learning_rate": a.lr,
                 "max_steps": a.steps, "output_dir": str(Path(a.json).parent / "trl-out")}
     if a.algo in ("rloo", "grpo"):
         from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -392,7 +406,7 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
     d.mkdir(parents=True, exist_ok=True)
     k = 2 if algo == "online_dpo" else a.k
     per_step = a.prompts_per_step * k
-    if side.startswith("rlhflab"):
+    if side in SIDE_MODE:
         db = d / "mlflow.db"
         cmd = rlhflab_cmd(a, algo, sft, a.steps, d / "run", a.rlhflab_override, side)
         code, rss, pss, wall = run_child(cmd, d / "log.txt", a.timeout,
@@ -406,12 +420,14 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
         js = d / "trl.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "_trl", "--algo", algo, "--sft", sft, "--json", str(js),
                "--steps", str(a.steps), "--prompts-per-step", str(a.prompts_per_step), "--k", str(k), "--lr", str(a.lr),
-               "--temperature", str(a.temperature), "--seed", str(a.seed), "--response-words", str(a.response_words)]
+               "--temperature", str(a.temperature), "--seed", str(a.seed), "--response-words", str(a.response_words),
+               "--threads", str(TRL_SIDE[side]["threads"]), "--report-to", TRL_SIDE[side]["report_to"]]
         if a.max_new_tokens:
             cmd += ["--max-new-tokens", str(a.max_new_tokens)]
         if a.eos_penalty is not None:
             cmd += ["--eos-penalty", str(a.eos_penalty)]
-        code, rss, pss, wall = run_child(cmd, d / "log.txt", a.timeout, env)
+        code, rss, pss, wall = run_child(cmd, d / "log.txt", a.timeout,
+                                         env | {"MLFLOW_TRACKING_URI": f"sqlite:///{d / 'mlflow.db'}"})
         if code != 0:
             raise SystemExit(f"TRL {algo} rep {rep} failed (exit {code}); see {d / 'log.txt'}")
         raw = json.loads(js.read_text())
@@ -424,36 +440,54 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
 
 
 def versions() -> str:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    return ", ".join(f"{p} {version(p)}" for p in ("torch", "transformers", "trl", "accelerate", "lightning", "mlflow"))
+    def one(package: str) -> str:
+        try:
+            return f"{package} {version(package)}"
+        except PackageNotFoundError:
+            return f"{package} not installed"
+
+    return ", ".join(one(p) for p in ("torch", "transformers", "trl", "accelerate", "lightning", "mlflow"))
 
 
 def num(x: float) -> str:
     return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
 
 
+def side_threads(side: str) -> str:
+    """Torch threads of a side's runs, as the table's header states them."""
+    if side in TRL_SIDE:
+        return str(TRL_SIDE[side]["threads"])
+    n = next(o.split("=")[1] for o in SIDE_MODE[side] if o.startswith("torch_threads="))
+    return f"{n} + {n} (2 processes)" if "mode=async" in SIDE_MODE[side] else n
+
+
 def table(a, results: dict) -> str:
     med = statistics.median
     sides = [side for side in a.sides if any(results[algo][side] for algo in a.algos)]
-    ours = [side for side in sides if side != "trl"]
+    trls = [side for side in sides if side in TRL_SIDE]
+    ours = [side for side in sides if side in SIDE_MODE]
+    base = "TRL" if trls == ["trl"] else "best TRL"  # with several TRL sides, each algorithm's fastest one
     labels = [SIDE_LABEL[side] for side in sides]
+    threads = "; ".join(f"{SIDE_LABEL[side]}: {side_threads(side)}" for side in sides)
     lines = [
         f"`python benchmarks/vs_trl.py {' '.join(a.argv)}`".replace(" `", "`"),
         "",
         f"rlhflab vs TRL: model={a.model}, {a.prompts_per_step} prompts/step, k={a.k} (online DPO 2), "
         f"max_new_tokens={a.max_new_tokens or 'task (9)'}, lr {a.lr}, temperature {a.temperature}, "
-        f"eos_penalty {a.eos_penalty}, {a.steps} steps, 1 torch thread per process, float32; medians of {a.reps} "
-        f"interleaved reps. rlhflab sync: mode.reference=thread (the reference forward in a second thread beside the "
-        f"update's policy forward); sync 1 thread: mode.reference=learner; async: mode=async staleness=1 "
+        f"eos_penalty {a.eos_penalty}, {a.steps} steps, float32; medians of {a.reps} interleaved reps. "
+        f"Torch threads per process: {threads}. "
+        f"rlhflab sync: mode.reference=thread (the reference forward in a second thread beside the "
+        f"update's policy forward); sync 1 (2) thread(s): mode.reference=learner; async: mode=async staleness=1 "
         f"mode.reference=generator (2 processes, 1 thread each).",
         f"({versions()}; {os.cpu_count()} CPUs; OMP_WAIT_POLICY=PASSIVE)",
         "",
         "| algo | " + " | ".join(f"{label} completions/s" for label in labels)
-        + "".join(f" | {SIDE_LABEL[side]} / TRL" for side in ours if "trl" in sides)
+        + "".join(f" | {SIDE_LABEL[side]} / {base}" for side in ours if trls)
         + " | peak RSS MB " + " / ".join(labels) + " | peak tree PSS MB " + " / ".join(labels)
         + " | final reward " + " / ".join(labels) + " |",
-        "|---" * (1 + len(sides) + (len(ours) if "trl" in sides else 0) + 3) + "|",
+        "|---" * (1 + len(sides) + (len(ours) if trls else 0) + 3) + "|",
     ]
     for algo in a.algos:
         runs = {side: results[algo][side] for side in sides}
@@ -462,8 +496,9 @@ def table(a, results: dict) -> str:
         m = {side: {key: med(x[key] for x in rs) for key in ("completions_per_s", "peak_rss_mb", "peak_pss_mb", "final_reward")}
              for side, rs in runs.items()}
         cells = [num(m[side]["completions_per_s"]) for side in sides]
-        if "trl" in sides:
-            cells += [f"{m[side]['completions_per_s'] / m['trl']['completions_per_s']:.2f}x" for side in ours]
+        if trls:
+            best = max(m[side]["completions_per_s"] for side in trls)
+            cells += [f"{m[side]['completions_per_s'] / best:.2f}x" for side in ours]
         cells += [" / ".join(f"{m[side][key]:.0f}" for side in sides) for key in ("peak_rss_mb", "peak_pss_mb")]
         cells.append(" / ".join(f"{m[side]['final_reward']:.3f}" for side in sides))
         lines.append(f"| {LABEL[algo]} | " + " | ".join(cells) + " |")
@@ -477,7 +512,7 @@ def table(a, results: dict) -> str:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset of rloo,grpo,online_dpo")
-    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of " + ",".join(SIDES))
+    p.add_argument("--sides", default=",".join(DEFAULT_SIDES), help="comma-separated subset of " + ",".join(SIDES))
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (the table gives medians)")
     p.add_argument("--steps", type=int, default=60, help="RL steps (optimizer updates) per run")
     p.add_argument("--model", default="tiny", help="rlhflab model preset (tiny, llama100m)")
@@ -523,6 +558,8 @@ def parse_child(argv):
     p.add_argument("--response-words", type=int, required=True)
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--eos-penalty", type=float, default=None)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--report-to", default="none")
     return p.parse_args(argv)
 
 

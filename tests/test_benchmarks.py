@@ -57,3 +57,14 @@ def test_tree_pss_counts_the_grandchild_and_shared_pages_once():
         finally:
             proc.kill()
             proc.wait()
+
+
+def test_table_takes_ratios_against_the_fastest_trl_side():
+    vs_trl = load_vs_trl()
+    a = vs_trl.parse(["--algos", "rloo", "--sides", "rlhflab_2threads,trl,trl_2threads"])
+    run = lambda cps: {"completions_per_s": cps, "peak_rss_mb": 1.0, "peak_pss_mb": 1.0, "final_reward": 0.5}  # noqa: E731
+    results = {"rloo": {"rlhflab_2threads": [run(30.0)], "trl": [run(10.0)], "trl_2threads": [run(20.0)]}}
+    row = next(line for line in vs_trl.table(a, results).splitlines() if line.startswith("| RLOO"))
+    assert "| 1.50x |" in row  # 30 / max(10, 20), not 30 / 10
+    assert "rlhflab sync 2 threads / best TRL" in vs_trl.table(a, results)
+    assert "TRL 2 threads: 2" in vs_trl.table(a, results)
