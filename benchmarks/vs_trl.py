@@ -3,7 +3,8 @@
     pip install -e ".[bench]"          # TRL (never a runtime dependency of rlhflab)
     nice -n 19 python benchmarks/vs_trl.py                      # 60 steps, 3 reps, RLOO / GRPO / online DPO, sync + async
     python benchmarks/vs_trl.py --steps 5 --reps 1 --algos rloo  # a smoke run
-    python benchmarks/vs_trl.py --model llama100m --max-new-tokens 32 --steps 4 --reps 1  # a second setting
+    # a second setting, with each framework's best thread count (2 intra-op threads pay on a 113M model):
+    python benchmarks/vs_trl.py --model llama100m --max-new-tokens 32 --prompts-per-step 8 --steps 5 --reps 1 --sides rlhflab,rlhflab_2threads,rlhflab_async,trl,trl_2threads
 
 What is compared
 - The policy: the SFT policy of rlhflab's default run (stage `sft` of `python src/train.py`), made once by
