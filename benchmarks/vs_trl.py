@@ -456,12 +456,12 @@ def num(x: float) -> str:
     return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
 
 
-def side_threads(side: str) -> str:
-    """Torch threads of a side's runs, as the table's header states them."""
+def side_settings(side: str) -> str:
+    """How a side runs, as the table's header states it: an rlhflab side's own overrides (SIDE_MODE), TRL's threads
+    and tracker (TRL_SIDE)."""
     if side in TRL_SIDE:
-        return str(TRL_SIDE[side]["threads"])
-    n = next(o.split("=")[1] for o in SIDE_MODE[side] if o.startswith("torch_threads="))
-    return f"{n} + {n} (2 processes)" if "mode=async" in SIDE_MODE[side] else n
+        return f"{TRL_SIDE[side]['threads']} torch thread(s), report_to={TRL_SIDE[side]['report_to']}"
+    return " ".join(SIDE_MODE[side])
 
 
 def table(a, results: dict) -> str:
@@ -471,17 +471,14 @@ def table(a, results: dict) -> str:
     ours = [side for side in sides if side in SIDE_MODE]
     base = "TRL" if trls == ["trl"] else "best TRL"  # with several TRL sides, each algorithm's fastest one
     labels = [SIDE_LABEL[side] for side in sides]
-    threads = "; ".join(f"{SIDE_LABEL[side]}: {side_threads(side)}" for side in sides)
+    settings = "; ".join(f"{SIDE_LABEL[side]}: {side_settings(side)}" for side in sides)
     lines = [
         f"`python benchmarks/vs_trl.py {' '.join(a.argv)}`".replace(" `", "`"),
         "",
         f"rlhflab vs TRL: model={a.model}, {a.prompts_per_step} prompts/step, k={a.k} (online DPO 2), "
         f"max_new_tokens={a.max_new_tokens or 'task (9)'}, lr {a.lr}, temperature {a.temperature}, "
         f"eos_penalty {a.eos_penalty}, {a.steps} steps, float32; medians of {a.reps} interleaved reps. "
-        f"Torch threads per process: {threads}. "
-        f"rlhflab sync: mode.reference=thread (the reference forward in a second thread beside the "
-        f"update's policy forward); sync 1 (2) thread(s): mode.reference=learner; async: mode=async staleness=1 "
-        f"mode.reference=generator (2 processes, 1 thread each).",
+        f"Sides: {settings}.",
         f"({versions()}; {os.cpu_count()} CPUs; OMP_WAIT_POLICY=PASSIVE)",
         "",
         "| algo | " + " | ".join(f"{label} completions/s" for label in labels)
