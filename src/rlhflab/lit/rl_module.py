@@ -308,8 +308,8 @@ class RLHFModule(L.LightningModule):
                 if distributed.world_size() > 1:  # means over the global mini-batch, not the mean of ranks' means
                     batch = replace(batch, **{k: distributed.total(v) / distributed.world_size() for k, v in counts(batch).items()})
                 with self.activations.track():
-                    if first is not None:
-                        logprobs = first[1]
+                    if first is not None:  # used once: it is the forward of the weights before any step
+                        logprobs, first = first[1], None
                     else:
                         logprobs = self.memory.policy_logprobs(batch.query, batch.response, self.temperature) * batch.response_mask
                     values = self.memory.values(batch.query, batch.response) if self.algo.needs_values else None
