@@ -36,7 +36,6 @@ def test_remax_takes_several_samples_per_prompt(make_cfg):
     assert result.module.policy_version == 2
 
 
-
 @pytest.mark.parametrize("algo", ["rloo", "grpo", "online_dpo"])
 def test_reference_in_a_thread_gives_the_learners_numbers(make_cfg, tmp_path, algo):
     """mode=sync mode.reference=thread runs the reference forward beside the update's policy forward: the

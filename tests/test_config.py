@@ -1,10 +1,9 @@
 """Every config option composes and instantiates; bad input fails in one line before any model loads."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
-
-import os
 
 import pytest
 from hydra.utils import instantiate

@@ -15,14 +15,13 @@ from rlhflab.rollout.batch import Rollout
 from rlhflab.rng import fixed_seed
 from rlhflab.rollout.off_policy import Behaviour
 
+log = logging.getLogger("rlhflab")
+
 
 def seeded(seed: int, batch: int, rank: int = 0):
     """Sampling noise that depends only on (seed, batch index, rank): sync and async draw the same
     samples, and ranks sampling their shares of one batch draw different noise."""
     return fixed_seed(seed * 1_000_003 + batch + rank * 100_000_007)
-
-
-log = logging.getLogger("rlhflab")
 
 
 class SyncSource:
