@@ -49,7 +49,14 @@ How it is measured
   step is the time rlhflab logs its step metrics (the MLflow metric timestamp, taken in the step after its
   optimizer update) and TRL's `on_step_end` callback (after its optimizer update).
 - final reward = the mean batch reward (mean gold score of the step's completions, before any KL term) over the
-  last 10 steps: rlhflab's `train/reward`, TRL's reward function's mean on each call (once per step).
+  last 10 steps: rlhflab's `train/reward`, TRL's reward function's mean on each call (once per step). On the async
+  side a step's batch was sampled by the policy one update older, so a rising curve reads one step low there.
+- policy reward = the trained policy itself, judged after the run by one piece of code for every side (`_eval`, its
+  own process, outside every measurement): each side saves its final policy (rlhflab: the run's `policy/`; TRL:
+  `trainer.save_model`), which is loaded with `from_pretrained` and samples --eval-samples completions for each of
+  --eval-prompts held-out prompts (the task's eval split, which never shares a seed with the train prompts) at the
+  training temperature and token budget, with the same torch seed for every side; the mean gold reward. This is
+  "learning per step" without the async lag: every side's policy after the same number of updates.
 - The table gives medians over reps.
 
 Unfairness that is not removed (see also the comments in TRL_COMMON / TRL_ALGO)
@@ -202,6 +209,9 @@ EVAL = {
     "llama100m": ["rl.eval_samples_per_prompt=1", "task.num_eval_prompts=8"],
 }
 
+# Per model, the policy reward's held-out prompts x samples: 4,096 completions judge a tiny policy in seconds to a
+# standard error of ~0.005; a 113M policy samples ~10 completions/s on this CPU.
+JUDGE = {"tiny": (512, 8), "llama100m": (32, 4)}
 
 # ---------------------------------------------------------------------------------------------------------
 # Children
@@ -366,10 +376,54 @@ def trl_child(a) -> None:
                                    callbacks=[Clock()])
     t_ready = time.perf_counter()
     trainer.train()
+    trainer.save_model(str(Path(a.json).parent / "policy"))  # after the timed steps: for the policy reward
     Path(a.json).write_text(json.dumps({"step_end": ends, "rewards": rewards, "startup_s": t_ready - t_start,
                                         "settings": {k: v for k, v in cfg.to_dict().items() if k in settings or k in
                                                      ("per_device_train_batch_size", "num_generations", "max_completion_length",
                                                       "max_new_tokens", "optim")}}))
+
+
+def policy_reward(policy: str, temperature: float, max_new_tokens: int | None, response_words: int, num_prompts: int,
+                  samples: int, seed: int) -> tuple[float, float]:
+    """(mean, standard error) of the gold reward of a saved policy's sampled completions on held-out prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhflab.tasks.sentiment import SentimentTask
+
+    task = SentimentTask(response_words=response_words, num_eval_prompts=num_prompts, seed=seed)
+    tok = AutoTokenizer.from_pretrained(policy, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    rewards = []
+    prompts = task.prompts("eval")
+    for i in range(0, len(prompts), 64):
+        batch = prompts[i:i + 64]
+        enc = tok(batch, add_special_tokens=False, padding=True, return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                                 max_new_tokens=max_new_tokens or task.max_new_tokens, num_return_sequences=samples,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        rewards.append(task.gold_reward([p for p in batch for _ in range(samples)], texts))
+    r = torch.cat(rewards)
+    return float(r.mean()), float(r.std() / len(r) ** 0.5)
+
+
+def eval_child(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    for name in ("--policy", "--json"):
+        p.add_argument(name, required=True)
+    for name in ("--response-words", "--prompts", "--samples", "--seed"):
+        p.add_argument(name, type=int, required=True)
+    p.add_argument("--temperature", type=float, required=True)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    a = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    mean, se = policy_reward(a.policy, a.temperature, a.max_new_tokens, a.response_words, a.prompts, a.samples, a.seed)
+    Path(a.json).write_text(json.dumps({"policy_reward": mean, "policy_reward_se": se}))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -434,10 +488,27 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
         raw = json.loads(js.read_text())
         res = summarize(raw["step_end"], raw["rewards"], per_step) | {"startup_s": raw["startup_s"], "settings": raw["settings"]}
     res |= {"peak_rss_mb": rss, "peak_pss_mb": pss, "wall_s": wall}
+    if a.eval_prompts:
+        res |= judge_policy(a, d / "run" / "policy" if side in SIDE_MODE else d / "policy", d, env)
+    judged = f", policy reward {res['policy_reward']:+.3f}" if a.eval_prompts else ""
     print(f"  rep {rep} {algo:10s} {side:13s}: {res['completions_per_s']:7.1f} completions/s over steps 2..{res['steps']}, "
           f"RL {res['rl_s']:.1f} s, peak RSS {rss:.0f} MB, tree PSS {pss:.0f} MB, reward(last {LAST}) "
-          f"{res['final_reward']:+.3f}, wall {wall:.0f} s", flush=True)
+          f"{res['final_reward']:+.3f}{judged}, wall {wall:.0f} s", flush=True)
     return res
+
+
+def judge_policy(a, policy: Path, d: Path, env: dict) -> dict:
+    """The policy reward of a run's saved policy (eval_child in its own process, after the run)."""
+    js = d / "eval.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_eval", "--policy", str(policy), "--json", str(js),
+           "--response-words", str(a.response_words), "--prompts", str(a.eval_prompts), "--samples", str(a.eval_samples),
+           "--seed", str(a.seed), "--temperature", str(a.temperature)]
+    if a.max_new_tokens:
+        cmd += ["--max-new-tokens", str(a.max_new_tokens)]
+    code, *_ = run_child(cmd, d / "eval.log", a.timeout, env)
+    if code != 0:
+        raise SystemExit(f"judging the policy {policy} failed (exit {code}); see {d / 'eval.log'}")
+    return json.loads(js.read_text())
 
 
 def versions() -> str:
@@ -471,6 +542,7 @@ def table(a, results: dict) -> str:
     ours = [side for side in sides if side in SIDE_MODE]
     base = "TRL" if trls == ["trl"] else "best TRL"  # with several TRL sides, each algorithm's fastest one
     labels = [SIDE_LABEL[side] for side in sides]
+    judged = all("policy_reward" in x for algo in a.algos for side in sides for x in results[algo][side])
     settings = "; ".join(f"{SIDE_LABEL[side]}: {side_settings(side)}" for side in sides)
     lines = [
         f"`python benchmarks/vs_trl.py {' '.join(a.argv)}`".replace(" `", "`"),
@@ -484,24 +556,27 @@ def table(a, results: dict) -> str:
         "| algo | " + " | ".join(f"{label} completions/s" for label in labels)
         + "".join(f" | {SIDE_LABEL[side]} / {base}" for side in ours if trls)
         + " | peak RSS MB " + " / ".join(labels) + " | peak tree PSS MB " + " / ".join(labels)
-        + " | final reward " + " / ".join(labels) + " |",
-        "|---" * (1 + len(sides) + (len(ours) if trls else 0) + 3) + "|",
+        + " | final reward " + " / ".join(labels) + " |" + (" policy reward " + " / ".join(labels) + " |" if judged else ""),
+        "|---" * (1 + len(sides) + (len(ours) if trls else 0) + 3 + judged) + "|",
     ]
     for algo in a.algos:
         runs = {side: results[algo][side] for side in sides}
         if not all(runs.values()):
             continue
-        m = {side: {key: med(x[key] for x in rs) for key in ("completions_per_s", "peak_rss_mb", "peak_pss_mb", "final_reward")}
-             for side, rs in runs.items()}
+        keys = ("completions_per_s", "peak_rss_mb", "peak_pss_mb", "final_reward") + (("policy_reward",) if judged else ())
+        m = {side: {key: med(x[key] for x in rs) for key in keys} for side, rs in runs.items()}
         cells = [num(m[side]["completions_per_s"]) for side in sides]
         if trls:
             best = max(m[side]["completions_per_s"] for side in trls)
             cells += [f"{m[side]['completions_per_s'] / best:.2f}x" for side in ours]
         cells += [" / ".join(f"{m[side][key]:.0f}" for side in sides) for key in ("peak_rss_mb", "peak_pss_mb")]
-        cells.append(" / ".join(f"{m[side]['final_reward']:.3f}" for side in sides))
+        cells += [" / ".join(f"{m[side][key]:.3f}" for side in sides) for key in keys[3:]]
         lines.append(f"| {LABEL[algo]} | " + " | ".join(cells) + " |")
     lines += ["", f"completions/s: completions of steps 2..N over the wall time from the end of step 1 to the end of step N; "
-              f"final reward: mean batch gold reward over the last {LAST} steps; peak RSS: the child process's ru_maxrss "
+              f"final reward: mean batch gold reward over the last {LAST} steps; "
+              + (f"policy reward: the final policy's mean gold reward on {a.eval_prompts} held-out prompts x {a.eval_samples} "
+                 "samples, judged by one piece of code for every side; " if judged else "")
+              + "peak RSS: the child process's ru_maxrss "
               "(for the async side, its largest process); peak tree PSS: the child and its descendants together, sampled "
               "once a second."]
     return "\n".join(lines)
@@ -522,6 +597,9 @@ def parse(argv=None):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--eos-penalty", type=float, default=None, help="score of a completion without EOS, both sides (default none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-prompts", type=int, default=None,
+                   help="held-out prompts for the policy reward (0: do not judge; default per model, JUDGE)")
+    p.add_argument("--eval-samples", type=int, default=None, help="samples per held-out prompt for the policy reward")
     p.add_argument("--sft", default=None, help="a ready SFT policy directory (default: rlhflab's stage sft, made into --cache)")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "rlhflab" / "vs_trl", help="RLHFLAB_CACHE of the runs")
     p.add_argument("--prep-override", action="append", default=[], help="extra rlhflab override for the SFT-making run")
@@ -536,6 +614,9 @@ def parse(argv=None):
     if bad:
         p.error(f"unknown algos {bad}; choose from {', '.join(ALGOS)}")
     a.sides = [x.strip() for x in a.sides.split(",") if x.strip()]
+    prompts, samples = JUDGE.get(a.model, JUDGE["tiny"])
+    a.eval_prompts = prompts if a.eval_prompts is None else a.eval_prompts
+    a.eval_samples = samples if a.eval_samples is None else a.eval_samples
     bad = [x for x in a.sides if x not in SIDES]
     if bad:
         p.error(f"unknown sides {bad}; choose from {', '.join(SIDES)}")
@@ -565,6 +646,8 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_trl"]:
         return trl_child(parse_child(argv[1:]))
+    if argv[:1] == ["_eval"]:
+        return eval_child(argv[1:])
     a = parse(argv)
     try:
         import trl  # noqa: F401

@@ -68,3 +68,30 @@ def test_table_takes_ratios_against_the_fastest_trl_side():
     assert "| 1.50x |" in row  # 30 / max(10, 20), not 30 / 10
     assert "rlhflab sync 2 threads / best TRL" in vs_trl.table(a, results)
     assert "TRL 2 threads: 2" in vs_trl.table(a, results)
+
+
+@pytest.mark.parametrize("favoured, expected", [("positive", 1.0), ("negative", -1.0), ("eos", 0.0)])
+def test_policy_reward_judges_only_the_completion(tmp_path, favoured, expected):
+    """A policy that always emits one word (lm_head bias) scores that word's gold reward: 8/8, -8/8, or an empty
+    response. The prompt's own words would count if the judge scored the prompt too."""
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    from rlhflab.tasks.sentiment import SentimentTask
+
+    vs_trl = load_vs_trl()
+    task = SentimentTask(response_words=8, seed=0)
+    tok = task.build_tokenizer()
+    word = {"positive": task.words.positive[0], "negative": task.words.negative[0], "eos": tok.eos_token}[favoured]
+    cfg = GPTJConfig(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, rotary_dim=4, n_positions=64,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = GPTJForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.bias.fill_(-30.0)
+        model.lm_head.bias[tok.convert_tokens_to_ids(word)] = 30.0
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    mean, se = vs_trl.policy_reward(str(tmp_path), temperature=1.0, max_new_tokens=None, response_words=8, num_prompts=70,
+                                    samples=3, seed=1)  # 70 prompts: a full batch of 64 and a partial one
+    assert mean == pytest.approx(expected) and se == pytest.approx(0.0)
