@@ -154,6 +154,19 @@ def test_cli_bad_task_file_is_one_line_and_loads_nothing(tmp_path):
     assert not (tmp_path / "mlflow.db").exists()  # and before creating an MLflow run
 
 
+def test_cli_mlflow_file_store_is_one_line_naming_the_key(tmp_path):
+    """MLflow 3 refuses its file store: the user gets one line naming the key, and no model is built."""
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}
+    out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), f"logger.tracking_uri=file://{tmp_path}/mlruns",
+                          f"cache_dir={tmp_path}/cache"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: logger.tracking_uri: MLflow cannot open 'file://{tmp_path}/mlruns'")
+    assert "sqlite:///mlflow.db" in errors[0]  # MLflow's own fix, kept
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize(
     "override, where",
     [

@@ -21,6 +21,7 @@ from pathlib import Path
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
+from rlhflab.errors import ConfigError
 from rlhflab.naming import PARENT_RUN_ENV, default_run_name, redact, run_name
 
 log = logging.getLogger(__name__)
@@ -96,12 +97,18 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
     gold-reward view. One made elsewhere (a sweep's parent, an older rlhflab, by hand) gets the kind and view as
     this one has them; a user's own description stays. The client is made under the store lock: making one
     creates (migrates) a fresh SQLite database."""
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     tags = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": EXPERIMENT_NOTE,
             f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(VIEW_STATE)}
     with store_lock(tracking_uri):
-        client = MlflowClient(tracking_uri)
+        try:
+            client = MlflowClient(tracking_uri)
+        except MlflowException as err:  # e.g. MLflow 3 refuses its file store ('./mlruns', file:...)
+            why = " ".join(str(err.message).split())
+            raise ConfigError(f"logger.tracking_uri: MLflow cannot open '{redact(tracking_uri)}' (from MLFLOW_TRACKING_URI or "
+                              f"logger.tracking_uri=): {why}") from None
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
             try:
