@@ -147,3 +147,10 @@ def test_debug_preset_runs_the_whole_pipeline_into_its_own_experiment(tmp_path):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/gold_reward")] == [0, 2, 4]
     assert len(list((tmp_path / "outputs" / "debug").glob("*/*/policy/model.safetensors"))) == 1
     assert "viewStateShareKey=rlhflab-gold" in out.stderr + out.stdout
+    # Piped (as in a cluster job's log), each log line is one line: the policy's path and the run's URL whole.
+    (policy,) = (tmp_path / "outputs" / "debug").glob("*/*/policy")
+    lines = (out.stdout + out.stderr).splitlines()
+    assert any(line.endswith(f"INFO     policy: {policy} (AutoModelForCausalLM.from_pretrained loads it)") for line in lines)
+    assert any(f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning (all" in line
+               for line in lines)
+    assert not [line for line in lines if line != line.rstrip()]  # no padding to a console width

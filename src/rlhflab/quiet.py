@@ -3,7 +3,26 @@
 from __future__ import annotations
 
 import logging
+import time
 import warnings
+
+from rich.logging import RichHandler
+
+
+class ConsoleHandler(RichHandler):
+    """Rich on a terminal (log lines above the progress bar); anywhere else (a file, a pipe, a cluster job's
+    log) one plain line per record, unwrapped: Rich would wrap it at 80 columns and pad it with spaces,
+    splitting paths and run ids that people grep for."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.console.is_terminal or self.console.is_jupyter:
+            return super().emit(record)
+        try:
+            stamp = time.strftime("%X", time.localtime(record.created))
+            self.console.file.write(f"[{stamp}] {record.levelname:<8} {self.format(record)}\n")
+            self.console.file.flush()
+        except Exception:
+            self.handleError(record)
 
 
 class _Once(logging.Filter):

@@ -10,10 +10,12 @@ the bar instead of into it.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
+from rich.console import Console
 
 
 class StageProgressBar(RichProgressBar):
@@ -21,7 +23,10 @@ class StageProgressBar(RichProgressBar):
 
     def __init__(self, stage: str) -> None:
         # A stage's bar updates in place epoch after epoch (its log line sums it up); RL's stays on screen.
-        super().__init__(leave=stage == "rl", theme=RichProgressBarTheme(metrics_format=".3f"))
+        # Not on a terminal (a file, a pipe, a cluster job's log), Rich draws the bar once, at 80 columns unless
+        # COLUMNS says otherwise: wide enough for the RL bar's fields on one line.
+        wide = {} if os.environ.get("COLUMNS") or Console().is_terminal else {"width": 160}
+        super().__init__(leave=stage == "rl", theme=RichProgressBarTheme(metrics_format=".3f"), console_kwargs=wide)
         self.stage = stage
 
     def _get_train_description(self, current_epoch: int) -> str:
