@@ -32,7 +32,7 @@ def test_learner_sees_a_sampled_pad_as_generation_did():
 def test_hf_generator_records_the_sampled_tokens_log_probs_without_keeping_every_steps_logits():
     """HFGenerator's behaviour log-probs (recorded step by step, not from generate()'s per-step logits) are the
     learner's log-probs of the same completions at the same temperature; the draws are those of plain
-    generate(temperature=T, top_k=0) with the same seed; a batch that ends early is padded to the budget."""
+    generate(temperature=T, top_k=0) with the same seed; a batch is as wide as its longest completion (generate() stops there), not the budget."""
     from rlhflab.lit.data import encode_prompts
     from rlhflab.rollout.hf import HFGenerator
     from rlhflab.tasks.sentiment import SentimentTask
@@ -55,21 +55,22 @@ def test_hf_generator_records_the_sampled_tokens_log_probs_without_keeping_every
     plain = model.generate(input_ids=q, attention_mask=(q != tok.pad_token_id).long(), do_sample=True, temperature=T,
                            top_k=0, top_p=None, max_new_tokens=R, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     drawn = plain[:, q.shape[1]:]
-    assert torch.equal(rollout.response[:, : drawn.shape[1]], drawn)
+    assert torch.equal(rollout.response, drawn)
     with torch.no_grad():
         ids, mask, positions = join(q, rollout.response, tok.pad_token_id)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         learner = token_logprobs(logits[:, q.shape[1] - 1 : -1], rollout.response, T) * rollout.response_mask
-    assert rollout.logprobs.shape == (12, R) and (rollout.logprobs[rollout.response_mask.bool()] < 0).all()
+    assert rollout.logprobs.shape == drawn.shape and (rollout.logprobs[rollout.response_mask.bool()] < 0).all()
     torch.testing.assert_close(rollout.logprobs, learner, atol=1e-5, rtol=0)
 
-    # A model that always ends at once: generate() stops after one step, the rollout still has the budget's width.
+    # A model that always ends at once: generate() stops after one step, and the rollout is one token wide, so the
+    # reference and the update run on the prompt and that token, not on the budget's R padding tokens more.
     model.lm_head = torch.nn.Linear(32, len(tok), bias=True)
     with torch.no_grad():
         model.lm_head.weight.zero_()
         model.lm_head.bias.zero_()
         model.lm_head.bias[tok.eos_token_id] = 50.0
     early = gen.generate(model, query, prompts, samples_per_prompt=2, version=0)
-    assert early.response.shape == (12, R) and (early.response[:, 0] == tok.eos_token_id).all()
-    assert (early.response[:, 1:] == tok.pad_token_id).all() and (early.logprobs[:, 1:] == 0).all()
+    assert early.response.shape == early.logprobs.shape == early.response_mask.shape == (12, 1)
+    assert (early.response[:, 0] == tok.eos_token_id).all() and (early.response_mask == 1).all()
     assert early.logprobs[:, 0].abs().max() < 1e-3  # EOS is all but certain

@@ -12,7 +12,8 @@ class Rollout:
     """Completions of one batch of prompts, tagged with the policy version that made them.
 
     n = prompts * samples_per_prompt; each prompt's samples are contiguous.
-    P = padded prompt length (left-padded), R = max_new_tokens (right-padded).
+    P = padded prompt length (left-padded), R = the batch's longest completion, at most max_new_tokens
+    (right-padded): the forwards after generation run on P + R tokens, not on the whole budget.
     """
 
     query: torch.Tensor  # (n, P) prompt token ids, left-padded

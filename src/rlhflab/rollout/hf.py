@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from rlhflab.errors import ConfigError
@@ -91,15 +90,12 @@ class HFGenerator:
             logits_processor=LogitsProcessorList([recorder] if recorder else []),
             synced_gpus=self.synced,  # a sharded model's forward is a collective: no rank may stop early
         )
+        # generate() stops once every row has finished: the batch is as wide as its longest completion, not the
+        # budget, and every forward after it (the reference, the update, a reward model) runs on that width only.
         response = sequences[:, query.shape[1] :]
-        # generate() stops early once every row has finished: pad to a fixed width.
-        width = self.max_new_tokens
-        steps = response.shape[1]
-        response = F.pad(response, (0, width - steps), value=self.tokenizer.pad_token_id)
         if recorder is None:
             return response, None
-        logprobs = F.pad(recorder.logprobs(sequences), (0, width - steps))
-        return response, logprobs
+        return response, recorder.logprobs(sequences)
 
     def generate(
         self, model, query: torch.Tensor, prompts: list[str], samples_per_prompt: int, version: int, greedy_baseline: bool = False
