@@ -102,18 +102,20 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def pad_completions(tokens: list[list[int]], logprobs: list[list[float]], width: int, pad_token_id: int):
-    """Variable-length completions (as an inference engine returns them) -> right-padded (n, width) tensors.
+def pad_completions(tokens: list[list[int]], logprobs: list[list[float]], budget: int, pad_token_id: int):
+    """Variable-length completions (as an inference engine returns them) -> right-padded (n, R) tensors, R the
+    longest completion (as HFGenerator's batches: the forwards after generation run on R, not the budget).
 
-    Returns response (n, width) token ids with `pad_token_id` after each completion and
-    logprobs (n, width) float32 with 0 there. A completion longer than `width` is an error.
+    Returns response (n, R) token ids with `pad_token_id` after each completion and
+    logprobs (n, R) float32 with 0 there. A completion longer than `budget` is an error.
     """
     n = len(tokens)
+    width = max(1, *map(len, tokens)) if tokens else 1
     response = torch.full((n, width), pad_token_id, dtype=torch.long)
     lp = torch.zeros((n, width), dtype=torch.float32)
     for i, (t, l) in enumerate(zip(tokens, logprobs, strict=True)):
-        if len(t) != len(l) or len(t) > width:
-            raise ValueError(f"completion {i}: {len(t)} tokens, {len(l)} log-probs, budget {width}")
+        if len(t) != len(l) or len(t) > budget:
+            raise ValueError(f"completion {i}: {len(t)} tokens, {len(l)} log-probs, budget {budget}")
         response[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         lp[i, : len(l)] = torch.tensor(l, dtype=torch.float32)
     return response, lp

@@ -230,5 +230,4 @@ class VLLMGenerator(HFGenerator):
             tokens.append(ids)
             logprobs.append([step[t].logprob for step, t in zip(c.logprobs, ids)])
         response, lp = pad_completions(tokens, logprobs, self.max_new_tokens, pad)
-        width = max(1, max(map(len, tokens), default=1))  # the longest completion, as HFGenerator's batches
-        return response[:, :width].to(query.device), lp[:, :width].to(query.device)
+        return response.to(query.device), lp.to(query.device)
