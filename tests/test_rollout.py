@@ -3,7 +3,7 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhflab.rollout.batch import join, response_mask_from_eos, token_logprobs
+from rlhflab.rollout.batch import by_length, completion_lengths, join, length_buckets, response_mask_from_eos, token_logprobs
 
 PAD, EOS = 0, 1
 
@@ -74,3 +74,65 @@ def test_hf_generator_records_the_sampled_tokens_log_probs_without_keeping_every
     assert early.response.shape == early.logprobs.shape == early.response_mask.shape == (12, 1)
     assert (early.response[:, 0] == tok.eos_token_id).all() and (early.response_mask == 1).all()
     assert early.logprobs[:, 0].abs().max() < 1e-3  # EOS is all but certain
+
+
+def _mask(lengths: list[int], width: int) -> torch.Tensor:
+    return (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).float()
+
+
+def test_length_buckets_cut_where_padding_is_saved():
+    """One run-on completion among short ones gets a forward of its own; equal lengths, a cut that saves
+    little, or rl.length_buckets=1 keep one forward over the batch."""
+    lengths = [3, 9, 2, 3, 32, 2, 9, 3]
+    groups = length_buckets(_mask(lengths, 32), prompt_width=5, max_buckets=4)
+    # 8 x 37 tokens -> 7 x 14 + 37; cutting the 9s off too would save 30 more, under 1/8 of 296
+    assert [sorted(lengths[i] for i in g.tolist()) for g in groups] == [[2, 2, 3, 3, 3, 9, 9], [32]]
+    assert sorted(torch.cat(groups).tolist()) == list(range(8))  # every row once
+    three = [2] * 6 + [16] * 4 + [32]
+    groups = length_buckets(_mask(three, 32), prompt_width=2, max_buckets=4)
+    assert [sorted(three[i] for i in g.tolist()) for g in groups] == [[2] * 6, [16] * 4, [32]]
+    assert len(length_buckets(_mask(three, 32), prompt_width=2, max_buckets=2)) == 2
+    assert length_buckets(_mask(lengths, 32), prompt_width=5, max_buckets=1) is None
+    assert length_buckets(_mask([9] * 8, 9), prompt_width=5, max_buckets=4) is None
+    assert length_buckets(_mask([8, 9, 9, 9], 9), prompt_width=5, max_buckets=4) is None  # saves 1 of 56 tokens
+    # A hole inside a row (a masked-out token before its end) does not shorten it.
+    holed = _mask([6, 2], 6)
+    holed[0, 2] = 0
+    assert completion_lengths(holed).tolist() == [6, 2]
+
+
+def test_by_length_gives_one_forwards_numbers_and_gradients():
+    """Each group's forward on its own rows, cut to its longest completion and its longest prompt, gives the
+    log-probs and the gradients of one forward over the padded batch, back in the batch's row order."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=64)).eval()
+    n, P, R = 8, 6, 16
+    lengths = [2, 16, 3, 2, 9, 3, 2, 9]
+    prompt_lengths = [2, 6, 2, 3, 3, 2, 2, 3]  # the long prompt is the run-on completion's
+    query = torch.full((n, P), PAD)
+    for i, p in enumerate(prompt_lengths):
+        query[i, P - p :] = torch.randint(2, 20, (p,))
+    response = torch.randint(2, 20, (n, R))
+    mask = _mask(lengths, R)
+    response[mask == 0] = PAD
+
+    def forward(q, r):
+        ids, att, pos = join(q, r, PAD)
+        return token_logprobs(model(input_ids=ids, attention_mask=att, position_ids=pos).logits[:, q.shape[1] - 1 : -1], r, 1.0)
+
+    groups = length_buckets(mask, P, max_buckets=4)
+    assert groups is not None and len(groups) >= 2
+    shapes = []
+    one = by_length(forward, query, response, mask, None, PAD)
+    one.sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    split = by_length(lambda q, r: shapes.append((q.shape, r.shape)) or forward(q, r), query, response, mask, groups, PAD)
+    split.sum().backward()
+    torch.testing.assert_close(split, one, atol=1e-5, rtol=0)
+    assert (split[mask == 0] == 0).all()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # the short rows ran without the run-on row's padding, and without its long prompt's
+    assert [(q[1], r[1]) for q, r in shapes] == [(3, 3), (6, 16)]

@@ -105,7 +105,7 @@ class RolloutSource(Protocol):
               reference: Callable | None = None) -> None:
         """Before the first step: `batches` yields (query, index, batch index) in the learner's order, from the
         first batch not pending; `model` holds the weights of policy version `version`. `reference(query,
-        response)` gives the frozen reference's (n, R) log-probs, for a source that computes them beside
+        response, response_mask)` gives the frozen reference's (n, R) log-probs, 0 on padding, for a source that computes them beside
         generation (rollout.ref_logprobs); the learner computes those a rollout lacks."""
 
     def get(self, model: nn.Module, query: torch.Tensor, prompts: list[str], version: int, algo: Any, batch: int) -> Rollout:

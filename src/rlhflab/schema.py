@@ -77,6 +77,7 @@ class RL:
     eval_seed: int = setting(ge=0)
     log_generations: int = setting(ge=0)
     on_nonfinite: str = setting(choices=("stop", "skip_batch"))
+    length_buckets: int = setting(ge=1)
 
 
 @dataclass

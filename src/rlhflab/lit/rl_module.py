@@ -23,7 +23,7 @@ from rlhflab.interrupts import STOP
 from rlhflab.lit.checkpoint import Checkpoint
 from rlhflab.models.sharding import full
 from rlhflab.rng import fixed_seed, rng_state, set_rng_state
-from rlhflab.rollout.batch import Rollout
+from rlhflab.rollout.batch import Rollout, by_length, length_buckets
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +202,8 @@ class RLHFModule(L.LightningModule):
             ref_logprobs = rollout.ref_logprobs  # mode.reference=generator: computed beside generation
             beside = ref_logprobs is None and self.reference_beside_update
             if ref_logprobs is None and not beside:
-                ref_logprobs = self._reference_logprobs(rollout.query, rollout.response) * mask
-            values = self.memory.values(rollout.query, rollout.response) if self.algo.needs_values else None
+                ref_logprobs = self._reference_logprobs(rollout.query, rollout.response, mask)
+            values = self._values(rollout.query, rollout.response, mask) if self.algo.needs_values else None
         first = None
         if beside:  # mode.reference=thread: the reference's forward runs beside the update's own policy forward
             ref_logprobs, first = self._reference_beside_forward(rollout)
@@ -256,13 +256,33 @@ class RLHFModule(L.LightningModule):
             log.warning("every completion has scored %.3f for %d steps: no learning signal (train/kl %.2f); "
                         "the policy may have collapsed; lower rl.lr", float(scores[0]), FLAT_STEPS_WARNING, float(metrics["train/kl"]))
 
-    def _reference_logprobs(self, query: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
-        """(n, R) the frozen reference's log-probs at the sampling temperature (the generator process calls this too)."""
-        return self.memory.reference_logprobs(query, response, self.temperature)
+    def _by_length(self, forward, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor,
+                   split: bool = True) -> torch.Tensor:
+        """forward(query, response) -> (n, R), 0 on padding, over groups of rows of similar completion length
+        (rl.length_buckets), each padded to its own longest row: one run-on completion no longer pads them all.
+        One forward when sharded (trainer=fsdp): every rank must run the same forwards, and their lengths differ."""
+        buckets = None
+        if split and not self.sharded:
+            buckets = length_buckets(mask, query.shape[1], self.cfg.length_buckets)
+        return by_length(forward, query, response, mask, buckets, self.memory.pad_token_id)
+
+    def _reference_logprobs(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(n, R) the frozen reference's log-probs at the sampling temperature, 0 on padding (the generator
+        process calls this too). Not split by length where the reference shares the scoring forward (hydra)."""
+        return self._by_length(lambda q, r: self.memory.reference_logprobs(q, r, self.temperature), query, response, mask,
+                               split=not getattr(self.memory, "reference_shares_scoring_forward", False))
+
+    def _policy_logprobs(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(n, R) the current policy's log-probs (with grad when enabled), 0 on padding."""
+        return self._by_length(lambda q, r: self.memory.policy_logprobs(q, r, self.temperature), query, response, mask)
+
+    def _values(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(n, R) value estimates (with grad when enabled), 0 on padding (GAE and the value loss read masked positions only)."""
+        return self._by_length(self.memory.values, query, response, mask)
 
     def _logprobs(self, rollout: Rollout) -> torch.Tensor:
         """(n, R) the current policy's log-probs of the rollout's responses, 0 on padding."""
-        return self.memory.policy_logprobs(rollout.query, rollout.response, self.temperature) * rollout.response_mask
+        return self._policy_logprobs(rollout.query, rollout.response, rollout.response_mask)
 
     def _order(self, n: int) -> torch.Tensor:
         """One pass's order over n samples: whole prompt groups shuffled, each group's samples together."""
@@ -282,14 +302,14 @@ class RLHFModule(L.LightningModule):
         if self._reference_pool is None:
             self._reference_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhflab-reference")
         mask = rollout.response_mask
-        pending = self._reference_pool.submit(self._reference_logprobs, rollout.query, rollout.response)
+        pending = self._reference_pool.submit(self._reference_logprobs, rollout.query, rollout.response, mask)
         try:
             order = self._order(len(mask)).to(mask.device)
             with self.activations.track():
-                logprobs = self.memory.policy_logprobs(rollout.query[order], rollout.response[order], self.temperature) * mask[order]
+                logprobs = self._policy_logprobs(rollout.query[order], rollout.response[order], mask[order])
         finally:
             ref = pending.result()  # waited for even when the forward failed: no thread outlives its step
-        return ref * mask, (order, logprobs)
+        return ref, (order, logprobs)
 
     def _update(self, experience: Experience, first: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict | None:
         """The optimizer steps on one batch -> mean metrics, or None when a non-finite value stopped them.
@@ -311,8 +331,8 @@ class RLHFModule(L.LightningModule):
                     if first is not None:  # used once: it is the forward of the weights before any step
                         logprobs, first = first[1], None
                     else:
-                        logprobs = self.memory.policy_logprobs(batch.query, batch.response, self.temperature) * batch.response_mask
-                    values = self.memory.values(batch.query, batch.response) if self.algo.needs_values else None
+                        logprobs = self._policy_logprobs(batch.query, batch.response, batch.response_mask)
+                    values = self._values(batch.query, batch.response, batch.response_mask) if self.algo.needs_values else None
                     loss, m = self.algo.loss(logprobs, values, batch)
                 if not self._finite(loss, "train/loss"):
                     return None
@@ -427,8 +447,8 @@ class RLHFModule(L.LightningModule):
         rollout = replace(rollout, rows=rows.repeat_interleave(k), split="eval")
         scores = self.reward.score(self.memory, self.task, rollout) if self.cfg.log_generations or not self.task.has_gold else None
         gold = self.task.gold_reward(rollout.prompts, rollout.texts, "eval", rollout.rows) if self.task.has_gold else scores
-        ref = self._reference_logprobs(rollout.query, rollout.response)
-        kl = F.masked_sum(rollout.logprobs - ref * rollout.response_mask, rollout.response_mask, dim=1)
+        ref = self._reference_logprobs(rollout.query, rollout.response, rollout.response_mask)
+        kl = F.masked_sum(rollout.logprobs - ref, rollout.response_mask, dim=1)
         eos = rollout.has_eos(self.tokenizer.eos_token_id).float()
         gathered = distributed.gather((gold.tolist(), kl.tolist(), eos.tolist()))
         gold_all, kl_all, eos_all = (torch.tensor([v for part in gathered for v in part[i]]) for i in range(3))

@@ -48,6 +48,9 @@ class HydraRLHFMemory(LoraSettings, MemoryStrategy):
     """
 
     name = "hydra"  # the user's word: memory=hydra
+    # The reference's log-probs read the frozen trunk output the reward head scored the batch with (_frozen_hidden):
+    # the RL module runs the reference over the whole batch then, not split by completion length.
+    reference_shares_scoring_forward = True
 
     # ---- stages ----------------------------------------------------------------------------
 

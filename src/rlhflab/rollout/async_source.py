@@ -158,7 +158,7 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
                                              greedy_baseline=greedy).to("cpu")
             if reference is not None:  # mode.reference=generator (fork, CPU): the frozen reference is this process's too
                 with torch.no_grad():
-                    rollout.ref_logprobs = reference(rollout.query, rollout.response) * rollout.response_mask
+                    rollout.ref_logprobs = reference(rollout.query, rollout.response, rollout.response_mask)
             rollout.extras["gen_busy_s"] = time.perf_counter() - t0
             rollout.extras["batch"] = j
             # Plain pickle copies the tensors: a shared-memory handle would die with this process

@@ -102,6 +102,77 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def completion_lengths(response_mask: torch.Tensor) -> torch.Tensor:
+    """(n, R) mask -> (n,) each row's width up to its last masked-in token (holes inside a row count)."""
+    width = response_mask.shape[1]
+    last = width - response_mask.flip(1).ne(0).int().argmax(1)
+    return torch.where(response_mask.ne(0).any(1), last, torch.zeros_like(last))
+
+
+def length_buckets(response_mask: torch.Tensor, prompt_width: int, max_buckets: int,
+                   min_saving: float = 0.125) -> list[torch.Tensor] | None:
+    """Rows grouped by completion length so that each group's forward pads to its own longest row, not the batch's.
+
+    A batch is as wide as its longest completion: one completion that runs to the budget pads every other row
+    to it, and every forward after generation (reference, old policy, update, values) pays for the padding.
+    Sorted by length, the rows are cut where a cut removes the most padded tokens (prompt_width + width per
+    row), one cut at a time, while a cut removes at least `min_saving` of the batch's tokens (each cut adds a
+    forward: its fixed cost must be paid for) and there are fewer than `max_buckets` groups.
+    Returns the groups' row indices, shortest first, or None when one forward over the batch is best.
+    """
+    n = response_mask.shape[0]
+    if max_buckets <= 1 or n < 2:
+        return None
+    lengths = completion_lengths(response_mask).clamp(min=1).cpu()
+    order = torch.argsort(lengths, stable=True)
+    ranked = lengths[order].tolist()
+    total = n * (prompt_width + ranked[-1])
+
+    def cost(a: int, b: int) -> int:  # rows a..b-1 of the sorted order, padded to the longest of them
+        return (b - a) * (prompt_width + ranked[b - 1])
+
+    cuts = [0, n]
+    while len(cuts) - 1 < max_buckets:
+        best = (0, None)
+        for a, b in zip(cuts, cuts[1:]):
+            whole = cost(a, b)
+            for c in range(a + 1, b):
+                if ranked[c - 1] < ranked[c]:  # cut only between different lengths
+                    saving = whole - cost(a, c) - cost(c, b)
+                    if saving > best[0]:
+                        best = (saving, c)
+        if best[1] is None or best[0] < min_saving * total:
+            break
+        cuts = sorted(cuts + [best[1]])
+    if len(cuts) == 2:
+        return None
+    return [order[a:b].to(response_mask.device) for a, b in zip(cuts, cuts[1:])]
+
+
+def by_length(forward, query: torch.Tensor, response: torch.Tensor, response_mask: torch.Tensor,
+              buckets: list[torch.Tensor] | None, pad_token_id: int) -> torch.Tensor:
+    """forward(query, response) -> (m, w) per group of rows (`length_buckets`), put back as (n, R) in the batch's
+    row order and multiplied by the mask. Each group's response is cut to its longest row and its query to the
+    columns where some row's prompt has begun: the cut columns are padding the forward masks out (prompt) or
+    never reads (causal attention: positions after a row's last token), so the numbers are those of one forward
+    over the batch. Gradients flow to every group's forward."""
+    if buckets is None:
+        return forward(query, response) * response_mask
+    width = response.shape[1]
+    lengths = completion_lengths(response_mask).clamp(min=1)
+    parts = []
+    for rows in buckets:
+        q = query[rows]
+        started = (q != pad_token_id).any(0)
+        first = int(started.int().argmax()) if bool(started.any()) else q.shape[1] - 1
+        w = int(lengths[rows].max())
+        out = forward(q[:, first:], response[rows, :w])
+        parts.append(torch.nn.functional.pad(out, (0, width - w)))
+    inverse = torch.empty_like(torch.cat(buckets))
+    inverse[torch.cat(buckets)] = torch.arange(len(inverse), device=inverse.device)
+    return torch.cat(parts)[inverse] * response_mask
+
+
 def pad_completions(tokens: list[list[int]], logprobs: list[list[float]], budget: int, pad_token_id: int):
     """Variable-length completions (as an inference engine returns them) -> right-padded (n, R) tensors, R the
     longest completion (as HFGenerator's batches: the forwards after generation run on R, not the budget).
