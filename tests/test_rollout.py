@@ -136,3 +136,21 @@ def test_by_length_gives_one_forwards_numbers_and_gradients():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     # the short rows ran without the run-on row's padding, and without its long prompt's
     assert [(q[1], r[1]) for q, r in shapes] == [(3, 3), (6, 16)]
+
+
+def test_prompt_batches_are_as_wide_as_their_own_longest_prompt():
+    """Prompts are padded once to the dataset's longest; each batch drops the columns that are padding in all of
+    its rows, so one long prompt in the dataset does not widen every batch's generation and forwards."""
+    from rlhflab.lit.data import PromptBatches
+
+    lengths = [2, 3, 2, 12, 3, 2, 2, 3]
+    query = torch.full((8, 12), PAD)
+    for i, n in enumerate(lengths):
+        query[i, 12 - n :] = torch.arange(2, 2 + n)
+    stream = iter(PromptBatches(query, prompts_per_step=2, seed=0, pad_token_id=PAD))
+    for _ in range(8):
+        batch, index, _ = next(stream)
+        width = max(lengths[i] for i in index.tolist())
+        assert batch.shape == (2, width) and torch.equal(batch, query[index][:, 12 - width :])
+    untrimmed, _, _ = next(iter(PromptBatches(query, prompts_per_step=2, seed=0)))
+    assert untrimmed.shape == (2, 12)

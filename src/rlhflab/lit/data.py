@@ -7,6 +7,8 @@ from itertools import count
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from rlhflab.rollout.batch import trim_left
+
 
 def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -54,12 +56,14 @@ class PromptBatches(IterableDataset):
     learner would. Under data parallelism rank r of w takes the r-th of w equal
     contiguous slices of each batch (whole prompts: their k samples stay together).
 
-    Yields (query (b, P), prompt index (b,), batch index j (0-d)).
+    Yields (query (b, P), prompt index (b,), batch index j (0-d)); with `pad_token_id`, P is the batch's
+    longest prompt, not the dataset's (`query` is padded to the dataset's longest).
     """
 
     def __init__(self, query: torch.Tensor, prompts_per_step: int, seed: int, start: int = 0, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, pad_token_id: int | None = None) -> None:
         self.query = query
+        self.pad_token_id = pad_token_id
         self.size = prompts_per_step
         self.per_epoch = len(query) // prompts_per_step
         if self.per_epoch < 1:
@@ -83,7 +87,8 @@ class PromptBatches(IterableDataset):
     def __iter__(self):
         for j in count(self.start):
             index = self.indices(j)[self.rank * self.local : (self.rank + 1) * self.local]
-            yield self.query[index], index, torch.tensor(j)
+            query = self.query[index]
+            yield query if self.pad_token_id is None else trim_left(query, self.pad_token_id), index, torch.tensor(j)
 
 
 def prompt_loader(batches: PromptBatches) -> DataLoader:

@@ -23,7 +23,7 @@ from rlhflab.interrupts import STOP
 from rlhflab.lit.checkpoint import Checkpoint
 from rlhflab.models.sharding import full
 from rlhflab.rng import fixed_seed, rng_state, set_rng_state
-from rlhflab.rollout.batch import Rollout, by_length, length_buckets
+from rlhflab.rollout.batch import Rollout, by_length, length_buckets, trim_left
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class RLHFModule(L.LightningModule):
         """The prompt stream from batch `start` (default: the next to train on)."""
         return PromptBatches(self.train_query, self.cfg.prompts_per_step, self.seed,
                              start=self.policy_version if start is None else start,
-                             rank=distributed.rank(), world_size=distributed.world_size())
+                             rank=distributed.rank(), world_size=distributed.world_size(), pad_token_id=self.tokenizer.pad_token_id)
 
     def train_dataloader(self):
         return prompt_loader(self.prompt_batches())
@@ -441,7 +441,8 @@ class RLHFModule(L.LightningModule):
         rows = torch.tensor_split(torch.arange(len(self.eval_prompts)), distributed.world_size())[distributed.rank()]
         with fixed_seed(self.cfg.eval_seed + distributed.rank()):
             rollout: Rollout = self.source.eval_generator.generate(
-                self.memory.generation_model, self.eval_query[rows].to(self.device), [self.eval_prompts[i] for i in rows], k,
+                self.memory.generation_model, trim_left(self.eval_query[rows], self.tokenizer.pad_token_id).to(self.device),
+                [self.eval_prompts[i] for i in rows], k,
                 self.policy_version,
             )
         rollout = replace(rollout, rows=rows.repeat_interleave(k), split="eval")

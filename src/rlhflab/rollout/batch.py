@@ -102,6 +102,15 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def trim_left(query: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Left-padded (n, P) prompts without the leading columns that are padding in every row: a batch is as wide
+    as its own longest prompt, not the dataset's. Those columns are masked out wherever the prompts are read
+    (generation, `join`), and positions count from each row's first real token, so nothing else changes."""
+    started = (query != pad_token_id).any(0)
+    first = int(started.int().argmax()) if bool(started.any()) else query.shape[1] - 1
+    return query[:, first:]
+
+
 def completion_lengths(response_mask: torch.Tensor) -> torch.Tensor:
     """(n, R) mask -> (n,) each row's width up to its last masked-in token (holes inside a row count)."""
     width = response_mask.shape[1]
@@ -162,11 +171,8 @@ def by_length(forward, query: torch.Tensor, response: torch.Tensor, response_mas
     lengths = completion_lengths(response_mask).clamp(min=1)
     parts = []
     for rows in buckets:
-        q = query[rows]
-        started = (q != pad_token_id).any(0)
-        first = int(started.int().argmax()) if bool(started.any()) else q.shape[1] - 1
         w = int(lengths[rows].max())
-        out = forward(q[:, first:], response[rows, :w])
+        out = forward(trim_left(query[rows], pad_token_id), response[rows, :w])
         parts.append(torch.nn.functional.pad(out, (0, width - w)))
     inverse = torch.empty_like(torch.cat(buckets))
     inverse[torch.cat(buckets)] = torch.arange(len(inverse), device=inverse.device)
