@@ -174,3 +174,31 @@ def test_generator_dies_with_a_sigkilled_learner(tmp_path, stage_cache):
         proc.kill()
         proc.wait()
         wait_for(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, 15, "the generator's end")
+
+
+@pytest.mark.parametrize("mode, correction", [("mode=async staleness=1", "decoupled"), ("mode=sync mode.reference=learner", "recompute")])
+def test_the_proximal_log_probs_are_the_updates_own_forward(make_cfg, tmp_path, monkeypatch, mode, correction):
+    """With one pass over a batch in one mini-batch, a correction that recomputes the learner's log-probs before
+    the update reads them from the update's own forward (detached): the same numbers as a forward of their own,
+    which it no longer runs (one policy forward fewer per step)."""
+    from rlhflab.lit.rl_module import RLHFModule
+    from rlhflab.memory.full import FullMemory
+
+    calls = []
+    forward = FullMemory.policy_logprobs
+    monkeypatch.setattr(FullMemory, "policy_logprobs", lambda self, *a, **kw: calls.append(1) or forward(self, *a, **kw))
+    runs = {}
+    for shared in (True, False):
+        if not shared:  # the forward of their own, as before
+            monkeypatch.setattr(RLHFModule, "proximal_from_update", property(lambda self: False))
+        cfg = make_cfg(*mode.split(), f"off_policy={correction}", "algo=grpo", "rl.length_buckets=1", "trainer.max_steps=4",
+                       f"output.dir={tmp_path / str(shared)}")
+        calls.clear()
+        result = train(cfg)
+        runs[shared] = (cfg, result, len(calls))
+    (cfg, shared, n_shared), (_, own, n_own) = runs[True], runs[False]
+    assert shared.module.policy_version == own.module.policy_version == 4
+    assert n_own - n_shared == 4  # every step's own recompute forward is gone
+    keys = ["train/loss", "train/kl", "train/reward", "train/clipfrac", "train/approx_kl"]
+    for key in keys + (["off_policy/weight_mean"] if correction == "decoupled" else []):
+        assert history(cfg, shared.run_id, key) == pytest.approx(history(cfg, own.run_id, key), rel=1e-5, abs=1e-6), key

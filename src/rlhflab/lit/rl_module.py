@@ -30,6 +30,13 @@ log = logging.getLogger(__name__)
 FLAT_STEPS_WARNING = 10
 
 
+def unordered(order: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """Rows computed in `order` back in the batch's order, detached: out[order[i]] = logprobs[i]."""
+    out = torch.empty_like(logprobs, requires_grad=False)
+    out[order] = logprobs.detach()
+    return out
+
+
 class RLHFModule(L.LightningModule):
     """Generate -> score -> old/reference log-probs -> advantages -> updates, one prompt batch per step.
 
@@ -197,16 +204,20 @@ class RLHFModule(L.LightningModule):
             if not self._finite(scores, "the rewards (train/reward)") or (baseline is not None and not self._finite(baseline, "the greedy baseline's rewards")):
                 return self._skip(rollout)
             reward_parts = dict(getattr(self.reward, "components", {}))  # reward=function: train/reward/<name>
-            # 3. where the ratios start (the source's off-policy correction), reference log-probs, values
-            old_logprobs, is_weights, metrics = self.source.old_policy(rollout, lambda: self._logprobs(rollout))
+            # 3. reference log-probs, values, and where the ratios start (the source's off-policy correction)
             ref_logprobs = rollout.ref_logprobs  # mode.reference=generator: computed beside generation
             beside = ref_logprobs is None and self.reference_beside_update
             if ref_logprobs is None and not beside:
                 ref_logprobs = self._reference_logprobs(rollout.query, rollout.response, mask)
             values = self._values(rollout.query, rollout.response, mask) if self.algo.needs_values else None
-        first = None
+        first = None  # the update's own policy forward, run now where it serves twice
         if beside:  # mode.reference=thread: the reference's forward runs beside the update's own policy forward
             ref_logprobs, first = self._reference_beside_forward(rollout)
+        elif self.proximal_from_update:
+            first = self._first_forward(rollout)
+        with torch.no_grad():
+            recompute = (lambda: unordered(*first)) if first is not None else (lambda: self._logprobs(rollout))
+            old_logprobs, is_weights, metrics = self.source.old_policy(rollout, recompute)
         # 4. + 5. rewards and advantages
         targets, algo_metrics = self.algo.prepare(Scored(scores, old_logprobs, ref_logprobs, mask, values, baseline))
         experience = Experience(rollout.query, rollout.response, mask, old_logprobs, ref_logprobs, targets, is_weights)
@@ -304,12 +315,27 @@ class RLHFModule(L.LightningModule):
         mask = rollout.response_mask
         pending = self._reference_pool.submit(self._reference_logprobs, rollout.query, rollout.response, mask)
         try:
-            order = self._order(len(mask)).to(mask.device)
-            with self.activations.track():
-                logprobs = self._policy_logprobs(rollout.query[order], rollout.response[order], mask[order])
+            first = self._first_forward(rollout)
         finally:
             ref = pending.result()  # waited for even when the forward failed: no thread outlives its step
-        return ref, (order, logprobs)
+        return ref, first
+
+    @property
+    def proximal_from_update(self) -> bool:
+        """An off-policy correction that recomputes the learner's log-probs before this batch's steps
+        (off_policy=recompute/tis/decoupled) reads them from the update's own forward, detached, where there is one
+        pass over the batch in one mini-batch: that forward runs on exactly those weights, so no forward of their own."""
+        correction = getattr(self.source, "correction", None)
+        return bool(getattr(correction, "needs_recompute", False)) and self.algo.epochs == 1 and self.algo.num_minibatches == 1
+
+    def _first_forward(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order, policy log-probs with grad) of a one-pass, one-mini-batch update: its forward, run before the
+        update over the pass's order (the same forward `_update` would run, in the same order of the random stream)."""
+        mask = rollout.response_mask
+        order = self._order(len(mask)).to(mask.device)
+        with self.activations.track():
+            logprobs = self._policy_logprobs(rollout.query[order], rollout.response[order], mask[order])
+        return order, logprobs
 
     def _update(self, experience: Experience, first: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict | None:
         """The optimizer steps on one batch -> mean metrics, or None when a non-finite value stopped them.
