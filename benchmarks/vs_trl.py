@@ -107,8 +107,10 @@ RLHFLAB_OVERRIDES = [
 RLHFLAB_ALGO = {
     "rloo": ["algo.kl_coef=0.05", "algo.kl_estimator=k1", "algo.clip_eps=0.2", "algo.loss_agg=seq-mean-token-sum",
              "algo.epochs=1", "algo.num_minibatches=1"],
+    # off_policy=decoupled (algo=grpo's default): in sync mode pi_prox = the update's own forward, TRL's old
+    # log-probs at num_iterations=1; in async mode AReaL's correction of the one-update-stale samples.
     "grpo": ["algo.kl_loss_coef=0.04", "algo.clip_eps=0.2", "algo.scale_by_std=true", "algo.loss_agg=seq-mean-token-mean",
-             "algo.epochs=1", "algo.num_minibatches=1"],
+             "algo.epochs=1", "algo.num_minibatches=1", "off_policy=decoupled"],
     # ties=keep: TRL's OnlineDPOTrainer has no tie handling (a tied pair trains its first sample over its
     # second, `first >= second`); rlhflab's default skips tied groups, `keep` does what TRL does.
     "online_dpo": ["algo.beta=0.1", "algo.loss_type=sigmoid", "algo.ties=keep", "algo.loss_agg=seq-mean-token-sum",

@@ -184,3 +184,16 @@ def test_sync_reference_auto_takes_a_thread_only_where_it_can_run(override, wher
     if len(os.sched_getaffinity(0)) < 2 and where == "thread":
         pytest.skip("one core: auto never takes a thread")
     assert validate(compose_cfg(override.split(), shrink=False)).source.reference == where
+
+
+@pytest.mark.parametrize("overrides, correction", [
+    (["algo=grpo"], "Decoupled"),                            # grpo's own choice (conf/algo/grpo.yaml)
+    (["algo=grpo", "off_policy=behaviour"], "Behaviour"),    # the command line still decides
+    (["algo=grpo", "mode=async", "off_policy.cap=3.0"], "Decoupled"),
+    (["algo=rloo"], "Behaviour"),
+    (["algo=online_dpo"], "Behaviour"),                      # decoupled would be refused: DPO has no ratio
+])
+def test_an_algorithm_can_choose_its_off_policy_correction(overrides, correction):
+    cfg = compose_cfg(overrides)
+    assert cfg.off_policy._target_.rsplit(".", 1)[1] == correction
+    validate(cfg)  # and the composed choice passes every check
