@@ -127,6 +127,9 @@ SIDE_MODE = {
     "rlhflab_2threads": ["mode=sync", "mode.reference=learner", "torch_threads=2"],
     "rlhflab_async": ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1",
                       "mode.learner_threads=1", "torch_threads=1"],
+    # The same with each batch's reference rows split between generator and learner so both are equally busy.
+    "rlhflab_async_balance": ["mode=async", "staleness=1", "mode.reference=balance", "mode.generator_threads=1",
+                              "mode.learner_threads=1", "torch_threads=1"],
 }
 # TRL's sides: torch.set_num_threads in its one process, and its tracker (report_to): none, or MLflow into a
 # SQLite store in the run's directory as rlhflab's (TRL's MLflowCallback, logging every step as logging_steps=1).
@@ -135,7 +138,8 @@ TRL_SIDE = {"trl": {"threads": 1, "report_to": "none"}, "trl_2threads": {"thread
 SIDES = (*SIDE_MODE, *TRL_SIDE)
 DEFAULT_SIDES = ("rlhflab", "rlhflab_1thread", "rlhflab_async", "trl")
 SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
-              "rlhflab_async": "rlhflab async", "trl": "TRL", "trl_2threads": "TRL 2 threads",
+              "rlhflab_async": "rlhflab async", "rlhflab_async_balance": "rlhflab async balance", "trl": "TRL",
+              "trl_2threads": "TRL 2 threads",
               "trl_mlflow": "TRL + MLflow"}
 
 # ---- TRL's side: every TRL default that differs from rlhflab's, set to rlhflab's ----

@@ -130,15 +130,39 @@ def test_importance_weighted_corrections_run_and_learn(make_cfg, correction):
 
 @pytest.mark.parametrize("memory", ["full", "lora"])
 def test_reference_in_the_generator_matches_the_learners(make_cfg, memory):
-    """mode.reference=generator moves the reference forward into the (forked) generator: same numbers."""
+    """mode.reference=generator moves the reference forward into the (forked) generator, and balance splits each
+    batch's rows between the two: same numbers."""
+    places = ("learner", "generator", "balance")
     runs = {where: make_cfg(f"memory={memory}", "mode=async", "staleness=1", "trainer.max_steps=4", f"mode.reference={where}")
-            for where in ("learner", "generator")}
+            for where in places}
     results = {where: train(cfg) for where, cfg in runs.items()}
     for key in ("train/kl", "train/loss", "train/reward"):
-        learner, generator = (history(runs[w], results[w].run_id, key) for w in ("learner", "generator"))
-        assert len(learner) == 4 and learner == pytest.approx(generator, rel=1e-5, abs=1e-6), key
+        learner, *others = (history(runs[w], results[w].run_id, key) for w in places)
+        for where, other in zip(places[1:], others):
+            assert len(learner) == 4 and learner == pytest.approx(other, rel=1e-5, abs=1e-6), (key, where)
     assert history(runs["learner"], results["learner"].run_id, "train/kl")[-1] != 0.0  # the reference is in the numbers
+    split = history(runs["balance"], results["balance"].run_id, "perf/ref_rows_generator")
+    assert len(split) == 4 and split[0] == 0.5 and all(0 <= s <= 1 for s in split)  # half until both sides reported
     assert not live_children()
+
+
+def test_the_reference_split_evens_out_the_busy_time():
+    """ReferenceSplit: m rows in the generator make G + m g = L + (n - m) l."""
+    from rlhflab.rollout.async_source import ReferenceSplit
+
+    split = ReferenceSplit()
+    assert split.rows(64) == 32  # nothing measured yet
+    split.generated(0.4, 0.2, 32)  # generation 0.4 s, 32 reference rows in 0.2 s
+    assert split.rows(64) == 32  # the learner has not reported
+    split.learned((0.3, 0.1 / 32))  # its step without the reference 0.3 s, its 32 rows in 0.1 s
+    m = split.rows(64)
+    assert m == 11  # (0.3 + 64 * 0.1/32 - 0.4) / (0.3/32) = 10.7
+    assert 0.4 + m * 0.2 / 32 == pytest.approx(0.3 + (64 - m) * 0.1 / 32, abs=0.2 / 32)
+    split.generated(2.4, 0.0, 0)  # a slow batch, no rows: the per-row cost is kept, the time halfway there (1.4 s)
+    assert split.costs["G"] == pytest.approx(1.4) and split.costs["g"] == pytest.approx(0.2 / 32)
+    assert split.rows(64) == 0  # the generator is the slow side even without rows
+    split.learned((5.0, None))
+    assert split.rows(64) == 64
 
 
 def test_spawned_generator_matches_the_forked_one(make_cfg):

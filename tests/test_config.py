@@ -107,6 +107,8 @@ def test_real_preset_loads_through_from_pretrained_names():
         ("staleness=2", "staleness"),
         ("mode=async mode.reference=gpu", "mode.reference"),
         ("mode=async mode.reference=generator mode.start_method=spawn", "mode.reference"),
+        ("mode=async mode.reference=balance mode.start_method=spawn", "mode.reference"),
+        ("mode.reference=balance", "mode.reference"),  # sync mode has no generator process to share the reference with
         ("mode.reference=generator", "mode.reference"),
         ("mode.reference=thread memory=lora", "mode.reference=thread"),
         ("mode.reference=thread algo=ppo", "mode.reference=thread"),
@@ -184,6 +186,22 @@ def test_sync_reference_auto_takes_a_thread_only_where_it_can_run(override, wher
     if len(os.sched_getaffinity(0)) < 2 and where == "thread":
         pytest.skip("one core: auto never takes a thread")
     assert validate(compose_cfg(override.split(), shrink=False)).source.reference == where
+
+
+@pytest.mark.parametrize(
+    "override, where",
+    [
+        ("", "generator"),  # forked: the generator shares the reference model and the learner's step loses a forward
+        ("mode.start_method=spawn", "learner"),
+        ("memory=lora", "generator"),
+        ("memory=hydra", "learner"),  # it reads the trunk output the reward head scored with (reward=model): free there
+        ("memory=hydra reward=rule", "generator"),  # no reward head: the reference is a forward wherever it runs
+        ("memory=hydra mode.reference=generator", "generator"),  # asked for: kept
+        ("mode.reference=balance", "balance"),
+    ],
+)
+def test_async_reference_auto_is_the_generator_unless_the_learners_costs_nothing(override, where):
+    assert validate(compose_cfg(["mode=async", *override.split()])).source.reference == where
 
 
 @pytest.mark.parametrize("overrides, correction", [

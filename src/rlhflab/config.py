@@ -48,11 +48,18 @@ def _instantiate(group: str, node: DictConfig, **kwargs):
         raise ConfigError(f"{group}: {str(cause or err).splitlines()[0]}") from None
 
 
-def resolve_sync_reference(cfg: DictConfig, source, algo, memory) -> None:
-    """mode=sync, mode.reference: `thread` runs the reference's forward in a second thread beside the update's
+def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
+    """mode.reference=auto, and whether `thread` can run.
+
+    mode=async: `auto` is the generator (AsyncSource) unless the learner's reference costs no forward: memory=hydra
+    scoring with its reward head, whose trunk output the reference reads (then `learner`).
+    mode=sync: `thread` runs the reference's forward in a second thread beside the update's
     policy forward, which needs a reference model of its own, one pass over the batch in one mini-batch, one
     CPU process and a core its torch threads leave free; `auto` picks it when all hold, else `learner`."""
     if source.name != "sync":
+        free_in_learner = getattr(memory, "reference_shares_scoring_forward", False) and reward.needs_reward_model
+        if cfg.mode.reference == "auto" and free_in_learner:
+            source.reference = "learner"
         return
     free = len(os.sched_getaffinity(0)) - (cfg.torch_threads or torch.get_num_threads())
     why_not = (
@@ -108,7 +115,7 @@ def validate(cfg: DictConfig) -> Plan:
             "give a ready reward model or use reward=rule"
         )
     memory.check(cfg.model, task, reward.needs_reward_model)
-    resolve_sync_reference(cfg, source, algo, memory)
+    resolve_reference(cfg, source, algo, memory, reward)
     generator.check_model(cfg.model)
     if not cfg.model.get("name_or_path") and not cfg.model.get("arch"):
         raise ConfigError("model.name_or_path: null and no model.arch to build from; give a from_pretrained name/path")

@@ -106,10 +106,15 @@ class RolloutSource(Protocol):
         """Before the first step: `batches` yields (query, index, batch index) in the learner's order, from the
         first batch not pending; `model` holds the weights of policy version `version`. `reference(query,
         response, response_mask)` gives the frozen reference's (n, R) log-probs, 0 on padding, for a source that computes them beside
-        generation (rollout.ref_logprobs); the learner computes those a rollout lacks."""
+        generation (rollout.ref_logprobs, for all rows or, mode.reference=balance, the first ones); the learner computes
+        those a rollout lacks."""
 
     def get(self, model: nn.Module, query: torch.Tensor, prompts: list[str], version: int, algo: Any, batch: int) -> Rollout:
         """The rollout of training batch `batch` (its index in the run's prompt stream)."""
+
+    def finish_reference(self, rollout: Rollout, reference: Callable) -> torch.Tensor:
+        """(n, R) reference log-probs of a rollout whose rollout.ref_logprobs holds only its first rows: the rest
+        computed with `reference` (query, response, response_mask) and put after them."""
 
     def old_policy(self, rollout: Rollout, recompute) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """(old log-probs, importance weights or None, metrics) for `rollout`; `recompute()` gives the

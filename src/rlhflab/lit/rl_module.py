@@ -206,6 +206,8 @@ class RLHFModule(L.LightningModule):
             reward_parts = dict(getattr(self.reward, "components", {}))  # reward=function: train/reward/<name>
             # 3. reference log-probs, values, and where the ratios start (the source's off-policy correction)
             ref_logprobs = rollout.ref_logprobs  # mode.reference=generator: computed beside generation
+            if ref_logprobs is not None and len(ref_logprobs) < rollout.num_samples:  # balance: the generator's first rows
+                ref_logprobs = self.source.finish_reference(rollout, self._reference_logprobs)
             beside = ref_logprobs is None and self.reference_beside_update
             if ref_logprobs is None and not beside:
                 ref_logprobs = self._reference_logprobs(rollout.query, rollout.response, mask)
@@ -402,6 +404,8 @@ class RLHFModule(L.LightningModule):
         if self.source.name != "sync":
             # 1.0 = the step took only as long as the slower side (perfect overlap)
             metrics["perf/overlap_eff"] = max(gen_busy, train_busy) / t_step
+        if "ref_rows_generator" in rollout.extras:  # mode.reference=balance: the generator's share of the reference rows
+            metrics["perf/ref_rows_generator"] = rollout.extras["ref_rows_generator"]
         if "engine_sync_s" in rollout.extras:  # generator=vllm: loading new weights into the engine
             metrics["perf/engine_sync_s"] = rollout.extras["engine_sync_s"]
         return metrics | self.memory_metrics()

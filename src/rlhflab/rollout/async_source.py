@@ -94,6 +94,47 @@ class SharedWeights:
                 params[name].copy_(t)
 
 
+class ReferenceSplit:
+    """mode.reference=balance: the generator computes the reference's log-probs of a batch's first m rows, the
+    learner those of the rest, with m chosen so that both sides are equally busy.
+
+    For a batch of n rows the generator is busy G + m g (generation, then its rows of the reference) and the
+    learner L + (n - m) l (its step without the reference, then the other rows): equal at
+    m = (L + n l - G) / (g + l), clamped to [0, n]. The generator measures G and g; L and l come with each
+    weights push. Every estimate is smoothed (half the last, half the new one), and m is n / 2 until both
+    sides have reported. The split follows timings, so a rerun gives the same numbers only to float rounding
+    (the rows' forwards are grouped differently), not bit for bit.
+    """
+
+    SMOOTH = 0.5  # weight of the newest measurement
+
+    def __init__(self) -> None:
+        self.costs: dict[str, float] = {}  # G, g (generator), L, l (learner): seconds, seconds per row
+
+    def _update(self, key: str, value: float | None) -> None:
+        if value is not None:
+            old = self.costs.get(key)
+            self.costs[key] = value if old is None else (1 - self.SMOOTH) * old + self.SMOOTH * value
+
+    def generated(self, gen_s: float, reference_s: float, rows: int) -> None:
+        """The generator's last batch: its generation time, and its reference time over `rows` rows."""
+        self._update("G", gen_s)
+        self._update("g", reference_s / rows if rows else None)
+
+    def learned(self, stats: tuple[float, float | None]) -> None:
+        """The learner's last step: (busy seconds without the reference, reference seconds per row or None)."""
+        self._update("L", stats[0])
+        self._update("l", stats[1])
+
+    def rows(self, n: int) -> int:
+        """How many of a batch's n rows the generator takes."""
+        if len(self.costs) < 4:
+            return n // 2
+        c = self.costs
+        m = (c["L"] + n * c["l"] - c["G"]) / max(c["g"] + c["l"], 1e-9)
+        return min(n, max(0, round(m)))
+
+
 def pin_cuda_device(device: str) -> str:
     """In a fresh (spawned) process, make `cuda:N` the only visible GPU and return its new name, cuda:0.
 
@@ -124,7 +165,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
-                    weights, weights_rx, out_q, parent, start_version, rank, reference):
+                    weights, weights_rx, out_q, parent, start_version, rank, reference, split):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle; it then stops us
     die_with_parent(parent)
     torch.set_num_threads(threads)
@@ -148,7 +189,9 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
                 msg = weights_rx.recv()
                 if msg is None:
                     return
-                version, slot = msg
+                version, slot, learner = msg
+                if split is not None and learner is not None:
+                    split.learned(learner)
             if slot is not None:
                 weights.read(slot, params)
             prompts = [train_prompts[i] for i in index.tolist()]
@@ -156,9 +199,15 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
             with seeded(seed, j, rank):
                 rollout = generator.generate(model, query.to(device or "cpu"), prompts, samples_per_prompt, version,
                                              greedy_baseline=greedy).to("cpu")
-            if reference is not None:  # mode.reference=generator (fork, CPU): the frozen reference is this process's too
+            if reference is not None:  # mode.reference=generator/balance (fork, CPU): the frozen reference is ours too
+                n = rollout.num_samples
+                m = n if split is None else split.rows(n)  # balance: the first m rows here, the rest in the learner
+                t1 = time.perf_counter()
                 with torch.no_grad():
-                    rollout.ref_logprobs = reference(rollout.query, rollout.response, rollout.response_mask)
+                    rollout.ref_logprobs = reference(rollout.query[:m], rollout.response[:m], rollout.response_mask[:m])
+                if split is not None:
+                    split.generated(t1 - t0, time.perf_counter() - t1, m)
+                    rollout.extras["ref_rows_generator"] = m / n
             rollout.extras["gen_busy_s"] = time.perf_counter() - t0
             rollout.extras["batch"] = j
             # Plain pickle copies the tensors: a shared-memory handle would die with this process
@@ -176,8 +225,10 @@ class AsyncSource(SyncSource):
     device: where the generator's copy of the policy runs (null: CPU); e.g. cuda:1 beside a learner on cuda:0.
     start_method: fork (CPU; 0.1 s) or spawn (required once CUDA is initialised; 4-6 s of imports).
     reference: which process computes the frozen reference's log-probs: `learner` (between generation and
-      update) or `generator` (after generating each batch, so the learner's step loses a forward; fork only:
-      the forked process shares the reference's weights, copy on write); `auto`: generator when forked.
+      update), `generator` (after generating each batch, so the learner's step loses a forward; fork only:
+      the forked process shares the reference's weights, copy on write) or `balance` (fork only: the generator
+      takes a batch's first rows, the learner the rest, split so both are equally busy; ReferenceSplit);
+      `auto`: generator when forked (the run config makes it learner where the learner's costs nothing, hydra).
     correction: the off-policy correction (`off_policy=`) for stale samples.
     """
 
@@ -202,8 +253,8 @@ class AsyncSource(SyncSource):
         if generator.needs_spawn and start_method == "fork":
             raise ConfigError(f"mode.start_method=fork: {type(generator).__name__} starts an engine in the generator process, "
                               "which needs a fresh one; set mode.start_method=spawn")
-        if reference not in ("auto", "learner", "generator"):
-            raise ConfigError(f"mode.reference={reference!r}: use auto, learner or generator")
+        if reference not in ("auto", "learner", "generator", "balance"):
+            raise ConfigError(f"mode.reference={reference!r}: use auto, learner, generator or balance")
         self.device = device
         self.start_method = start_method
         self.reference = reference if reference != "auto" else "generator" if start_method == "fork" else "learner"
@@ -234,12 +285,14 @@ class AsyncSource(SyncSource):
             device = f"cuda:{int(device.partition(':')[2] or 0) + int(os.environ.get('LOCAL_RANK', 0))}"
         args = (self.generator, gen_model, batches, train_prompts, (algo.samples_per_prompt, algo.needs_greedy_baseline),
                 seed, self.staleness, self.sync_every, self.generator_threads, device, self.weights, self.weights_rx, self.out_q,
-                os.getpid(), version, distributed.rank(), reference if self.reference == "generator" else None)
+                os.getpid(), version, distributed.rank(), reference if self.reference in ("generator", "balance") else None,
+                ReferenceSplit() if self.reference == "balance" else None)
+        self._got = None  # when the learner got its last rollout: its busy time goes to the generator (balance)
         self.proc = ctx.Process(target=_generator_main, args=args, daemon=True, name="rlhflab-generator")
         self.proc.start()
         log.info("mode async: generator process %d started (staleness %d, weights every %d updates, threads %d+%d, "
-                 "reference log-probs in the %s)", self.proc.pid, self.staleness, self.sync_every, self.generator_threads,
-                 self.learner_threads, self.reference)
+                 "reference log-probs: %s)", self.proc.pid, self.staleness, self.sync_every, self.generator_threads,
+                 self.learner_threads, "split between generator and learner" if self.reference == "balance" else self.reference)
 
     def _receive(self) -> Rollout:
         """The generator's next rollout; fails fast if it crashed or died, stops if a stop was asked for."""
@@ -264,6 +317,8 @@ class AsyncSource(SyncSource):
             raise RuntimeError(f"generator sent batch {rollout.extras['batch']} for batch {batch}: prompt streams diverged")
         if version - rollout.version > self.max_staleness:
             raise RuntimeError(f"rollout of version {rollout.version} at learner version {version}: staler than {self.max_staleness}")
+        self._got = time.perf_counter()
+        self.reference_s, self.reference_rows = 0.0, 0
         return rollout
 
     def can_checkpoint(self, version: int) -> bool:
@@ -290,7 +345,15 @@ class AsyncSource(SyncSource):
         if self.pending and self.pending[0].extras["batch"] == version - 1:
             self.pending.pop(0)  # batch version-1 is trained on
         if version % self.sync_every == 0:
-            self.weights_tx.send((version, self.weights.write(model, version)))
+            self.weights_tx.send((version, self.weights.write(model, version), self._learner_costs()))
+
+    def _learner_costs(self) -> tuple[float, float | None] | None:
+        """mode.reference=balance: (the last step's busy seconds without the reference, its reference seconds per
+        row, None if it had no rows) for ReferenceSplit; None otherwise."""
+        if self.reference != "balance" or self._got is None:
+            return None
+        busy = time.perf_counter() - self._got - self.reference_s
+        return busy, (self.reference_s / self.reference_rows if self.reference_rows else None)
 
     def close(self) -> None:
         if self.proc is None:

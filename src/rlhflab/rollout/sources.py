@@ -8,6 +8,9 @@ so the LightningModule never knows how fresh a batch is.
 from __future__ import annotations
 
 import logging
+import time
+
+import torch
 
 from rlhflab import distributed
 from rlhflab.contracts import Generator, OffPolicyCorrection
@@ -38,6 +41,7 @@ class SyncSource:
         self.seed = 0
         self.rank = 0
         self.pending: list[Rollout] = []  # rollouts made ahead of their step and kept by a checkpoint (async)
+        self.reference_s, self.reference_rows = 0.0, 0  # the learner's share of the last batch's reference (balance)
 
     @property
     def eval_generator(self) -> Generator:
@@ -58,6 +62,17 @@ class SyncSource:
             return self.generator.generate(
                 model, query, prompts, algo.samples_per_prompt, version, greedy_baseline=algo.needs_greedy_baseline
             )
+
+    def finish_reference(self, rollout: Rollout, reference) -> torch.Tensor:
+        """(n, R) reference log-probs of a rollout whose source computed only its first rows (mode.reference=balance):
+        `reference(query, response, response_mask)` computes the rest, which go after them. Its time and rows are
+        kept (`reference_s`, `reference_rows`) for the source to balance the next batches with."""
+        done = rollout.ref_logprobs
+        m = len(done)
+        t0 = time.perf_counter()
+        rest = reference(rollout.query[m:], rollout.response[m:], rollout.response_mask[m:])
+        self.reference_s, self.reference_rows = time.perf_counter() - t0, len(rest)
+        return torch.cat([done, rest])
 
     def old_policy(self, rollout: Rollout, recompute):
         """(old log-probs, importance weights or None, metrics) from the correction; `recompute()` is
