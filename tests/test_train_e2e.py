@@ -8,8 +8,21 @@ from rlhflab.train import train
 
 REQUIRED_METRICS = [
     "train/reward", "train/kl", "train/loss", "eval/gold_reward",
-    "perf/samples_per_s", "perf/gen_s", "perf/train_s", "rollout/staleness",
+    "perf/samples_per_s", "perf/gen_s", "perf/train_s", "rollout/staleness", "train/grad_norm",
 ]
+
+
+def test_the_gradient_norm_is_logged_before_clipping(make_cfg):
+    """train/grad_norm is the norm the clip sees (as TRL's grad_norm), not the clipped one; the update is clipped."""
+    cfg = make_cfg("trainer.max_steps=2", "rl.max_grad_norm=1e-6")
+    result = train(cfg)
+    norms = [m.value for m in MlflowClient(cfg.logger.tracking_uri).get_metric_history(result.run_id, "train/grad_norm")]
+    assert len(norms) == 2 and all(n > 1e-4 for n in norms), norms
+    unclipped = train(make_cfg("trainer.max_steps=2", "rl.max_grad_norm=null"))
+    unclipped_norms = [m.value for m in MlflowClient(cfg.logger.tracking_uri).get_metric_history(unclipped.run_id, "train/grad_norm")]
+    assert unclipped_norms[0] == pytest.approx(norms[0], rel=1e-6)  # the same first batch and weights: the same gradient
+    # The clip changed the update (AdamW's state scales with the gradients it saw), so the second gradients differ.
+    assert unclipped_norms[1] != pytest.approx(norms[1], rel=1e-3)
 
 
 def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_path):

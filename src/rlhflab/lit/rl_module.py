@@ -367,18 +367,21 @@ class RLHFModule(L.LightningModule):
                 opt.zero_grad(set_to_none=True)
                 self.manual_backward(loss)
                 self.activations.reset()
-                if self.cfg.max_grad_norm:
-                    self.clip_gradients(opt, gradient_clip_val=self.cfg.max_grad_norm, gradient_clip_algorithm="norm")
+                # The norm before clipping (as TRL's and verl's grad_norm): finite exactly when the clipped one is.
                 grads = [p.grad for g in opt.optimizer.param_groups for p in g["params"] if p.grad is not None]
-                if not self._finite(full(torch.nn.utils.get_total_norm(grads)), "the gradient norm"):
+                grad_norm = full(torch.nn.utils.get_total_norm(grads))
+                if not self._finite(grad_norm, "the gradient norm"):
                     opt.zero_grad(set_to_none=True)
                     return None
+                if self.cfg.max_grad_norm:
+                    self.clip_gradients(opt, gradient_clip_val=self.cfg.max_grad_norm, gradient_clip_algorithm="norm")
                 opt.step()
                 # Free the gradients now, not before the next backward: otherwise they stay allocated through the
                 # next batch's generation and forward passes and add a policy-sized tensor to the step's peak.
                 opt.zero_grad(set_to_none=True)
                 self.updates += 1
                 m["train/loss"] = loss.detach()
+                m["train/grad_norm"] = grad_norm
                 for key, value in m.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
                 count += 1
