@@ -146,6 +146,22 @@ def test_reference_in_the_generator_matches_the_learners(make_cfg, memory):
     assert not live_children()
 
 
+def test_a_split_that_leaves_either_side_no_rows_gives_the_same_numbers(make_cfg, monkeypatch):
+    """balance with every row in the learner (the generator sends an empty (0, R) block; a forward over no rows
+    would fail) and with every row in the generator (the learner adds none)."""
+    from rlhflab.rollout.async_source import ReferenceSplit
+
+    runs = {}
+    for share in (0.0, 1.0):
+        monkeypatch.setattr(ReferenceSplit, "rows", lambda self, n, share=share: int(share * n))  # forked: the child's too
+        cfg = make_cfg("mode=async", "staleness=1", "trainer.max_steps=3", "mode.reference=balance")
+        run_id = train(cfg).run_id
+        assert history(cfg, run_id, "perf/ref_rows_generator") == [share] * 3
+        runs[share] = history(cfg, run_id, "train/kl")
+    assert runs[0.0] == pytest.approx(runs[1.0], rel=1e-5, abs=1e-6) and runs[0.0][-1] != 0.0
+    assert not live_children()
+
+
 def test_the_reference_split_evens_out_the_busy_time():
     """ReferenceSplit: m rows in the generator make G + m g = L + (n - m) l."""
     from rlhflab.rollout.async_source import ReferenceSplit

@@ -203,8 +203,9 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
                 n = rollout.num_samples
                 m = n if split is None else split.rows(n)  # balance: the first m rows here, the rest in the learner
                 t1 = time.perf_counter()
-                with torch.no_grad():
-                    rollout.ref_logprobs = reference(rollout.query[:m], rollout.response[:m], rollout.response_mask[:m])
+                with torch.no_grad():  # no rows (balance): no forward, which a model cannot run on an empty batch
+                    rollout.ref_logprobs = (reference(rollout.query[:m], rollout.response[:m], rollout.response_mask[:m]) if m
+                                            else rollout.logprobs.new_zeros((0, rollout.logprobs.shape[1])))
                 if split is not None:
                     split.generated(t1 - t0, time.perf_counter() - t1, m)
                     rollout.extras["ref_rows_generator"] = m / n
@@ -273,7 +274,8 @@ class AsyncSource(SyncSource):
         """Start the generator on `batches` (after any pending ones) with the learner's weights, `version`."""
         ctx = mp.get_context(self.start_method)
         self.out_q = ctx.Queue()
-        # Pushes are small (version, slot) notes sent from the learner's own thread (no feeder thread to wait for).
+        # Pushes are small (version, slot, learner costs or None) notes sent from the learner's own thread (no
+        # feeder thread to wait for).
         self.weights_rx, self.weights_tx = ctx.Pipe(duplex=False)
         self.weights = SharedWeights(model, self.staleness, self.sync_every)
         torch.set_num_threads(self.learner_threads)
