@@ -51,15 +51,16 @@ def _instantiate(group: str, node: DictConfig, **kwargs):
 def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
     """mode.reference=auto, and whether `thread` can run.
 
-    mode=async: `auto` is the generator (AsyncSource) unless the learner's reference costs no forward: memory=hydra
-    scoring with its reward head, whose trunk output the reference reads (then `learner`).
+    mode=async: `auto` is the generator when it is forked (it shares the reference model), else the learner; the
+    learner too where its reference costs no forward: memory=hydra scoring with its reward head, whose trunk
+    output the reference reads.
     mode=sync: `thread` runs the reference's forward in a second thread beside the update's
     policy forward, which needs a reference model of its own, one pass over the batch in one mini-batch, one
     CPU process and a core its torch threads leave free; `auto` picks it when all hold, else `learner`."""
     if source.name != "sync":
         free_in_learner = getattr(memory, "reference_shares_scoring_forward", False) and reward.needs_reward_model
-        if cfg.mode.reference == "auto" and free_in_learner:
-            source.reference = "learner"
+        if source.reference == "auto":
+            source.reference = "generator" if source.start_method == "fork" and not free_in_learner else "learner"
         return
     free = len(os.sched_getaffinity(0)) - (cfg.torch_threads or torch.get_num_threads())
     why_not = (

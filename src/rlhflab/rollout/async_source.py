@@ -229,7 +229,8 @@ class AsyncSource(SyncSource):
       update), `generator` (after generating each batch, so the learner's step loses a forward; fork only:
       the forked process shares the reference's weights, copy on write) or `balance` (fork only: the generator
       takes a batch's first rows, the learner the rest, split so both are equally busy; ReferenceSplit);
-      `auto`: generator when forked (the run config makes it learner where the learner's costs nothing, hydra).
+      `auto`: config.resolve_reference picks generator when forked, else learner (and learner where the learner's
+      costs nothing: hydra with a reward head).
     correction: the off-policy correction (`off_policy=`) for stale samples.
     """
 
@@ -258,7 +259,8 @@ class AsyncSource(SyncSource):
             raise ConfigError(f"mode.reference={reference!r}: use auto, learner, generator or balance")
         self.device = device
         self.start_method = start_method
-        self.reference = reference if reference != "auto" else "generator" if start_method == "fork" else "learner"
+        self.reference = reference  # `auto` is resolved with the rest of the run's config (config.resolve_reference)
+        self.reference_s, self.reference_rows = 0.0, 0  # the learner's share of the last batch's reference (balance)
         self.proc = None
 
     @property
@@ -348,6 +350,13 @@ class AsyncSource(SyncSource):
             self.pending.pop(0)  # batch version-1 is trained on
         if version % self.sync_every == 0:
             self.weights_tx.send((version, self.weights.write(model, version), self._learner_costs()))
+
+    def finish_reference(self, rollout: Rollout, reference) -> torch.Tensor:
+        """The rows the generator left (balance), timed for ReferenceSplit."""
+        t0 = time.perf_counter()
+        full_reference = super().finish_reference(rollout, reference)
+        self.reference_s, self.reference_rows = time.perf_counter() - t0, rollout.num_samples - len(rollout.ref_logprobs)
+        return full_reference
 
     def _learner_costs(self) -> tuple[float, float | None] | None:
         """mode.reference=balance: (the last step's busy seconds without the reference, its reference seconds per

@@ -8,7 +8,6 @@ so the LightningModule never knows how fresh a batch is.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -41,7 +40,6 @@ class SyncSource:
         self.seed = 0
         self.rank = 0
         self.pending: list[Rollout] = []  # rollouts made ahead of their step and kept by a checkpoint (async)
-        self.reference_s, self.reference_rows = 0.0, 0  # the learner's share of the last batch's reference (balance)
 
     @property
     def eval_generator(self) -> Generator:
@@ -65,14 +63,9 @@ class SyncSource:
 
     def finish_reference(self, rollout: Rollout, reference) -> torch.Tensor:
         """(n, R) reference log-probs of a rollout whose source computed only its first rows (mode.reference=balance):
-        `reference(query, response, response_mask)` computes the rest, which go after them. Its time and rows are
-        kept (`reference_s`, `reference_rows`) for the source to balance the next batches with."""
-        done = rollout.ref_logprobs
-        m = len(done)
-        t0 = time.perf_counter()
-        rest = reference(rollout.query[m:], rollout.response[m:], rollout.response_mask[m:])
-        self.reference_s, self.reference_rows = time.perf_counter() - t0, len(rest)
-        return torch.cat([done, rest])
+        `reference(query, response, response_mask)` computes the rest, which go after them."""
+        m = len(rollout.ref_logprobs)
+        return torch.cat([rollout.ref_logprobs, reference(rollout.query[m:], rollout.response[m:], rollout.response_mask[m:])])
 
     def old_policy(self, rollout: Rollout, recompute):
         """(old log-probs, importance weights or None, metrics) from the correction; `recompute()` is
