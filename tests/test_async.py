@@ -118,6 +118,20 @@ def test_only_the_adapter_travels_under_lora(make_cfg):
     assert sum(t.numel() for t in sent.values()) < 0.5 * total
 
 
+def test_the_generator_stops_by_itself_when_the_batch_it_queued_ahead_is_never_read(make_cfg, caplog):
+    """With staleness 1 the generator has made one batch more than the run reads. A rollout larger than a pipe's
+    buffer (64 KiB; here 64 prompts x 4 samples x 32 tokens) once kept its queue's feeder thread, and so the
+    process, from exiting: close() waited 2 s, then its SIGTERM met the learner's handler, inherited by the fork."""
+    import logging
+
+    cfg = make_cfg("mode=async", "staleness=1", "trainer.max_steps=2", "algo=rloo", "algo.samples_per_prompt=4",
+                   "rl.prompts_per_step=64", "generator.max_new_tokens=32", "rl.eos_penalty=null")
+    with caplog.at_level(logging.WARNING, logger="rlhflab"):
+        train(cfg)
+    assert not [r.getMessage() for r in caplog.records if "did not stop" in r.getMessage()]
+    assert not live_children()
+
+
 @pytest.mark.parametrize("correction", ["tis off_policy.cap=1.5", "decoupled"])
 def test_importance_weighted_corrections_run_and_learn(make_cfg, correction):
     name, *settings = correction.split()

@@ -167,6 +167,9 @@ def die_with_parent(parent: int) -> None:
 def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
                     weights, weights_rx, out_q, parent, start_version, rank, reference, split):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle; it then stops us
+    # A forked child inherits the learner's SIGTERM handler (stop at the next step boundary, with a warning): here
+    # SIGTERM is the learner's last resort in close(), and must end this process at once.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     die_with_parent(parent)
     torch.set_num_threads(threads)
     if device is not None:
@@ -187,7 +190,8 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
                         return  # the learner is gone
                     continue
                 msg = weights_rx.recv()
-                if msg is None:
+                if msg is None:  # the learner is done: the batch queued ahead (staleness) will never be read, and
+                    out_q.cancel_join_thread()  # one larger than the pipe's buffer would block this process's exit
                     return
                 version, slot, learner = msg
                 if split is not None and learner is not None:
@@ -373,6 +377,7 @@ class AsyncSource(SyncSource):
             self.weights_tx.send(None)
             self.proc.join(timeout=2)
         if self.proc.is_alive():
+            log.warning("mode async: generator process %d did not stop within 2 s of the last batch; terminating it", self.proc.pid)
             self.proc.terminate()
             self.proc.join(timeout=2)
         if self.proc.is_alive():
