@@ -166,10 +166,11 @@ def die_with_parent(parent: int) -> None:
 
 def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
                     weights, weights_rx, out_q, parent, start_version, rank, reference, split):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle; it then stops us
-    # A forked child inherits the learner's SIGTERM handler (stop at the next step boundary, with a warning): here
-    # SIGTERM is the learner's last resort in close(), and must end this process at once.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Ctrl-C and SIGTERM (a scheduler's preemption, often sent to the whole process group) are the learner's to
+    # handle: it finishes its step, writes a checkpoint, then stops us. A forked child would otherwise inherit the
+    # learner's handler and announce a checkpoint it does not write.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     die_with_parent(parent)
     torch.set_num_threads(threads)
     if device is not None:
@@ -376,11 +377,8 @@ class AsyncSource(SyncSource):
         if self.proc.is_alive():
             self.weights_tx.send(None)
             self.proc.join(timeout=2)
-        if self.proc.is_alive():
-            log.warning("mode async: generator process %d did not stop within 2 s of the last batch; terminating it", self.proc.pid)
-            self.proc.terminate()
-            self.proc.join(timeout=2)
-        if self.proc.is_alive():
+        if self.proc.is_alive():  # it ignores SIGTERM (see _generator_main)
+            log.warning("mode async: generator process %d did not stop within 2 s of the last batch; killing it", self.proc.pid)
             self.proc.kill()
             self.proc.join()
         self.out_q.cancel_join_thread()  # don't block exit on rollouts nobody will read
