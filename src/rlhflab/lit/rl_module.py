@@ -21,6 +21,7 @@ from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
 from rlhflab.rewards.builtin import score_rollout
 from rlhflab.interrupts import STOP
 from rlhflab.lit.checkpoint import Checkpoint
+from rlhflab.lit.optim import adamw
 from rlhflab.models.sharding import full
 from rlhflab.rng import fixed_seed, rng_state, set_rng_state
 from rlhflab.rollout.batch import Rollout, by_length, length_buckets, trim_left
@@ -183,7 +184,7 @@ class RLHFModule(L.LightningModule):
         groups = [{"params": self.memory.policy_parameters(), "lr": self.cfg.lr}]
         if self.algo.needs_values:
             groups.append({"params": self.memory.value_parameters(), "lr": self.cfg.value_lr or self.cfg.lr})
-        return torch.optim.AdamW(groups, weight_decay=0.0, eps=1e-5)
+        return adamw(groups, self.trainer.precision, weight_decay=0.0, eps=1e-5)
 
     # ---- the training step ---------------------------------------------------------------
 

