@@ -16,7 +16,7 @@ What is compared
   --eos-penalty X gives both sides the same one (rlhflab's semantics: it replaces the score of a completion
   without EOS; TRL's own `missing_eos_penalty` subtracts instead, so it is applied inside the reward function).
 - The settings: RLHFLAB_OVERRIDES and TRL_COMMON / TRL_ALGO below, every TRL default that differs set to rlhflab's.
-- The optimizer: AdamW on PyTorch's fused kernel on both sides (TRL's default `adamw_torch_fused`; rlhflab's
+- The optimizer: AdamW on PyTorch's fused kernel on both sides (TRL's default `adamw_torch_fused`; rlhflab's RL update:
   `rlhflab.lit.optim.adamw`, since 2026-11-25; the tables measured before then had rlhflab on torch's per-tensor
   loop, 0.4 ms of a 30-40 ms tiny step), lr, betas, eps 1e-5, no weight decay, clip 1.0.
 

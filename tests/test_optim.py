@@ -1,4 +1,4 @@
-"""The optimizer every stage builds: AdamW on PyTorch's fused kernel, stepping as the per-tensor loop does."""
+"""The RL update's optimizer: AdamW on PyTorch's fused kernel, stepping as the per-tensor loop does."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from rlhflab.errors import NonFiniteError
-from rlhflab.lit.optim import adamw
 from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
 from rlhflab.models.sharding import shard, warm_up
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
@@ -59,7 +58,7 @@ class SFTModule(L.LightningModule):
                                      **{k.replace("perf/", "sft/"): v for k, v in state.items()}})
 
     def configure_optimizers(self):
-        return adamw(self.model.parameters(), self.trainer.precision, lr=self.lr)
+        return torch.optim.AdamW(self.model.parameters(), lr=self.lr)
 
 
 class RewardModule(L.LightningModule):
@@ -91,7 +90,7 @@ class RewardModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return adamw(self.model.parameters(), self.trainer.precision, lr=self.lr)
+        return torch.optim.AdamW(self.model.parameters(), lr=self.lr)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -145,7 +144,6 @@ class HydraSFTModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return adamw(
-            [{"params": self.causal_lm.parameters(), "lr": self.lm_lr}, {"params": self.reward_head.parameters(), "lr": self.reward_lr}],
-            self.trainer.precision,
+        return torch.optim.AdamW(
+            [{"params": self.causal_lm.parameters(), "lr": self.lm_lr}, {"params": self.reward_head.parameters(), "lr": self.reward_lr}]
         )
