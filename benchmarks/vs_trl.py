@@ -20,10 +20,13 @@ What is compared
   `rlhflab.lit.optim.adamw`, since 2026-11-25; the tables measured before then had rlhflab on torch's per-tensor
   loop, 0.4 ms of a 30-40 ms tiny step), lr, betas, eps 1e-5, no weight decay, clip 1.0.
 
-Sides (--sides; the default is the first four)
+Sides (--sides; the default is the first five)
 - `rlhflab sync`: mode=sync, one process, 1 torch thread per Python thread: generate with the current weights,
   then learn (as TRL), with the reference's forward in a second thread beside the update's policy forward
   (mode.reference=thread, what the default `auto` picks here): the same numbers, on the second core.
+- `rlhflab sync process`: the same with mode.reference=process: the reference's forward in a forked process
+  beside the update's policy forward instead of a thread (its own GIL; on the tiny model the thread's two forwards
+  partly take turns for it). The same numbers again.
 - `rlhflab sync 1 thread`: the same with mode.reference=learner: one thread, the reference's forward before the
   update's, exactly TRL's use of the machine.
 - `rlhflab async`: mode=async staleness=1 mode.reference=generator: a forked generator process (1 torch thread)
@@ -120,10 +123,11 @@ RLHFLAB_ALGO = {
 
 # Each rlhflab side's mode and torch threads. Sync (generate with the current weights, then learn, as TRL) with the
 # reference's forward in a second thread beside the update's policy forward (what the default mode.reference=auto
-# picks on this machine), or in the one thread before it (exactly TRL's use of the machine), or that with 2 intra-op
+# picks on this machine) or in a forked process beside it, or in the one thread before it (exactly TRL's use of the machine), or that with 2 intra-op
 # threads; async: a forked generator process, 1 torch thread per process, so 1 + 1 on the 2 cores.
 SIDE_MODE = {
     "rlhflab": ["mode=sync", "mode.reference=thread", "torch_threads=1"],
+    "rlhflab_process": ["mode=sync", "mode.reference=process", "torch_threads=1"],
     "rlhflab_1thread": ["mode=sync", "mode.reference=learner", "torch_threads=1"],
     "rlhflab_2threads": ["mode=sync", "mode.reference=learner", "torch_threads=2"],
     "rlhflab_async": ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1",
@@ -137,8 +141,8 @@ SIDE_MODE = {
 TRL_SIDE = {"trl": {"threads": 1, "report_to": "none"}, "trl_2threads": {"threads": 2, "report_to": "none"},
             "trl_mlflow": {"threads": 1, "report_to": "mlflow"}}
 SIDES = (*SIDE_MODE, *TRL_SIDE)
-DEFAULT_SIDES = ("rlhflab", "rlhflab_1thread", "rlhflab_async", "trl")
-SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
+DEFAULT_SIDES = ("rlhflab", "rlhflab_process", "rlhflab_1thread", "rlhflab_async", "trl")
+SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_process": "rlhflab sync process", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
               "rlhflab_async": "rlhflab async", "rlhflab_async_balance": "rlhflab async balance", "trl": "TRL",
               "trl_2threads": "TRL 2 threads",
               "trl_mlflow": "TRL + MLflow"}

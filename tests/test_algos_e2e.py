@@ -1,5 +1,6 @@
 """Every algorithm, through the one LightningModule, raises the gold reward on the embedded task."""
 
+import multiprocessing
 import threading
 
 import pytest
@@ -37,16 +38,21 @@ def test_remax_takes_several_samples_per_prompt(make_cfg):
 
 
 @pytest.mark.parametrize("algo", ["rloo", "grpo", "online_dpo"])
-def test_reference_in_a_thread_gives_the_learners_numbers(make_cfg, tmp_path, algo):
-    """mode=sync mode.reference=thread runs the reference forward beside the update's policy forward: the
-    same losses, KLs and weights as computing it first (bit for bit: the same forwards, the same order)."""
+def test_reference_in_a_thread_or_a_process_gives_the_learners_numbers(make_cfg, tmp_path, algo):
+    """mode=sync mode.reference=thread / process runs the reference forward beside the update's policy forward
+    (in a second thread / a forked process): the same losses, KLs and weights as computing it first (bit for bit:
+    the same forwards, the same order)."""
     results = {where: train(make_cfg(f"algo={algo}", "trainer.max_steps=3", f"mode.reference={where}",
                                      f"output.dir={tmp_path / where}"))
-               for where in ("learner", "thread")}
-    assert results["thread"].module.reference_beside_update and not results["learner"].module.reference_beside_update
-    learner, thread = (results[w].module.memory for w in ("learner", "thread"))
-    assert all(torch.equal(a, b) for a, b in zip(learner.policy.parameters(), thread.policy.parameters()))
+               for where in ("learner", "thread", "process")}
+    assert not results["learner"].module.reference_beside_update
+    assert results["thread"].module.reference_beside_update and results["process"].module.reference_beside_update
+    learner = results["learner"].module.memory
     learned = {w: {k: v for k, v in r.metrics.items() if not k.startswith("perf/")} for w, r in results.items()}
-    assert learned["learner"] == learned["thread"]
+    for where in ("thread", "process"):
+        beside = results[where].module.memory
+        assert all(torch.equal(a, b) for a, b in zip(learner.policy.parameters(), beside.policy.parameters())), where
+        assert learned["learner"] == learned[where], where
     assert learned["learner"]["eval/kl"] > 0  # the reference is in the numbers
-    assert not [t for t in threading.enumerate() if t.name.startswith("rlhflab-reference")]  # it ended with its run
+    assert not [t for t in threading.enumerate() if t.name.startswith("rlhflab-reference")]  # each ended with its run
+    assert not [c for c in multiprocessing.active_children() if c.name == "rlhflab-reference"]

@@ -55,8 +55,10 @@ def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
     learner too where its reference costs no forward: memory=hydra scoring with its reward head, whose trunk
     output the reference reads.
     mode=sync: `thread` runs the reference's forward in a second thread beside the update's
-    policy forward, which needs a reference model of its own, one pass over the batch in one mini-batch, one
-    CPU process and a core its torch threads leave free; `auto` picks it when all hold, else `learner`."""
+    policy forward, `process` in a forked process (its own GIL: faster where the model is small enough for
+    Python dispatch to set the pace); both need a reference model of its own, one pass over the batch in one
+    mini-batch, one CPU process and a core its torch threads leave free. `auto` picks `thread` when all hold,
+    else `learner`."""
     if source.name != "sync":
         free_in_learner = getattr(memory, "reference_shares_scoring_forward", False) and reward.needs_reward_model
         if source.reference == "auto":
@@ -72,9 +74,10 @@ def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
         else f"torch_threads={cfg.torch_threads} leaves no core free for it" if free < 1
         else None
     )
-    if source.reference == "thread" and why_not:
-        raise ConfigError(f"mode.reference=thread: {why_not}; use mode.reference=learner (or auto)")
-    source.reference = "thread" if source.reference in ("auto", "thread") and why_not is None else "learner"
+    if source.reference in ("thread", "process") and why_not:
+        raise ConfigError(f"mode.reference={source.reference}: {why_not}; use mode.reference=learner (or auto)")
+    if source.reference == "auto":
+        source.reference = "learner" if why_not else "thread"
 
 
 def validate(cfg: DictConfig) -> Plan:

@@ -274,7 +274,7 @@ class LoraMemory(FullMemory):  # lora, hydra
 @dataclass
 class SyncMode:
     _target_: str = "rlhflab.rollout.sources.SyncSource"
-    reference: str = setting(choices=("auto", "learner", "thread"))
+    reference: str = setting(choices=("auto", "learner", "thread", "process"))
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import lightning as L
@@ -22,6 +21,7 @@ from rlhflab.rewards.builtin import score_rollout
 from rlhflab.interrupts import STOP
 from rlhflab.lit.checkpoint import Checkpoint
 from rlhflab.lit.optim import adamw
+from rlhflab.lit.reference import WORKERS
 from rlhflab.models.sharding import full
 from rlhflab.rng import fixed_seed, rng_state, set_rng_state
 from rlhflab.rollout.batch import Rollout, by_length, length_buckets, trim_left
@@ -77,7 +77,7 @@ class RLHFModule(L.LightningModule):
         self.consistent = True  # False while a batch's updates are under way (no checkpoint can be taken then)
         self.sharded = False  # trainer=fsdp
         self.run_id: str | None = None  # the MLflow run, kept by checkpoints so that a resume continues it
-        self._reference_pool: ThreadPoolExecutor | None = None  # mode.reference=thread (sync)
+        self._reference_worker = None  # mode.reference=thread/process (sync): lit/reference.py
 
     def prompt_batches(self, start: int | None = None) -> PromptBatches:
         """The prompt stream from batch `start` (default: the next to train on)."""
@@ -214,7 +214,7 @@ class RLHFModule(L.LightningModule):
                 ref_logprobs = self._reference_logprobs(rollout.query, rollout.response, mask)
             values = self._values(rollout.query, rollout.response, mask) if self.algo.needs_values else None
         first = None  # the update's own policy forward, run now where it serves twice
-        if beside:  # mode.reference=thread: the reference's forward runs beside the update's own policy forward
+        if beside:  # mode.reference=thread/process: the reference's forward runs beside the update's own policy forward
             ref_logprobs, first = self._reference_beside_forward(rollout)
         elif self.proximal_from_update:
             first = self._first_forward(rollout)
@@ -306,21 +306,21 @@ class RLHFModule(L.LightningModule):
 
     @property
     def reference_beside_update(self) -> bool:
-        """Sync mode, mode.reference=thread: one pass over the batch in one mini-batch, a reference of its own."""
-        return getattr(self.source, "reference", None) == "thread"
+        """Sync mode, mode.reference=thread/process: one pass over the batch in one mini-batch, a reference of its own."""
+        return getattr(self.source, "reference", None) in WORKERS
 
     def _reference_beside_forward(self, rollout: Rollout) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """The reference's log-probs, computed in a second thread while this one runs the update's policy forward
-        (with grad) over the pass's order -> (reference log-probs, (order, policy log-probs)). Both forwards are the
-        ones the sequential path runs, in the same order of the random stream: the numbers are the same."""
-        if self._reference_pool is None:
-            self._reference_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhflab-reference")
-        mask = rollout.response_mask
-        pending = self._reference_pool.submit(self._reference_logprobs, rollout.query, rollout.response, mask)
+        """The reference's log-probs, computed in a second thread or a forked process while this thread runs the
+        update's policy forward (with grad) over the pass's order -> (reference log-probs, (order, policy log-probs)).
+        Both forwards are the ones the sequential path runs, in the same order of the random stream: the numbers
+        are the same."""
+        if self._reference_worker is None:  # started at the first step: a process forks the learner as it is then
+            self._reference_worker = WORKERS[self.source.reference](self._reference_logprobs)
+        result = self._reference_worker.submit(rollout.query, rollout.response, rollout.response_mask)
         try:
             first = self._first_forward(rollout)
         finally:
-            ref = pending.result()  # waited for even when the forward failed: no thread outlives its step
+            ref = result()  # waited for even when the forward failed: no step leaves its reference running
         return ref, first
 
     @property
@@ -460,9 +460,9 @@ class RLHFModule(L.LightningModule):
             self.evaluate()
 
     def teardown(self, stage: str) -> None:
-        if self._reference_pool is not None:  # mode.reference=thread: its thread ends with the run
-            self._reference_pool.shutdown()
-            self._reference_pool = None
+        if self._reference_worker is not None:  # mode.reference=thread/process: its thread or process ends with the run
+            self._reference_worker.close()
+            self._reference_worker = None
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

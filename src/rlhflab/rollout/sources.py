@@ -36,7 +36,7 @@ class SyncSource:
     def __init__(self, generator: Generator, correction: OffPolicyCorrection | None = None, reference: str = "learner") -> None:
         self.generator = generator
         self.correction = correction or Behaviour()
-        self.reference = reference  # mode.reference: learner, or thread (beside the update's policy forward)
+        self.reference = reference  # mode.reference: learner, or thread / process (beside the update's policy forward)
         self.seed = 0
         self.rank = 0
         self.pending: list[Rollout] = []  # rollouts made ahead of their step and kept by a checkpoint (async)
@@ -47,12 +47,13 @@ class SyncSource:
         return self.generator
 
     def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0, reference=None) -> None:
-        """Sync mode leaves the reference log-probs to the learner: between generation and update, or (thread)
-        in a second thread beside the update's own policy forward."""
+        """Sync mode leaves the reference log-probs to the learner: between generation and update, or beside the
+        update's own policy forward in a second thread (thread) or a forked process (process)."""
         self.seed = seed
         self.rank = distributed.rank()
-        if self.reference == "thread":
-            log.info("mode sync: reference log-probs in a second thread, beside the update's policy forward")
+        if self.reference in ("thread", "process"):
+            where = "a second thread" if self.reference == "thread" else "a forked process"
+            log.info("mode sync: reference log-probs in %s, beside the update's policy forward", where)
 
     def get(self, model, query, prompts: list[str], version: int, algo, batch: int) -> Rollout:
         """Generate training batch `batch` (its index in the run's prompt stream) with the current weights."""

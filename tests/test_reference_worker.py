@@ -1,0 +1,84 @@
+"""mode.reference=process (lit/reference.py): a forked process computes what it is given, reports a failure with
+its traceback, is noticed when it dies, ignores SIGTERM, and ends when closed."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhflab.lit.reference import ReferenceCrashed, ReferenceProcess, ReferenceThread
+
+
+def masked_sum(query, response, mask):
+    """A stand-in for the reference's log-probs: (n, R) floats from the rows it is sent."""
+    return (query.float().sum(1, keepdim=True) + response.float()) * mask
+
+
+def failing(query, response, mask):
+    raise ValueError("reference exploded on purpose")
+
+
+ROWS = (torch.arange(6).view(2, 3), torch.arange(8).view(2, 4), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).bool())
+
+
+@pytest.mark.parametrize("worker", [ReferenceThread, ReferenceProcess])
+def test_it_returns_what_the_function_computes(worker):
+    w = worker(masked_sum)
+    try:
+        for _ in range(3):  # one process serves every step
+            assert torch.equal(w.submit(*ROWS)(), masked_sum(*ROWS))
+    finally:
+        w.close()
+
+
+def test_a_failure_in_the_process_reaches_the_learner_with_its_traceback():
+    w = ReferenceProcess(failing)
+    try:
+        result = w.submit(*ROWS)
+        with pytest.raises(ReferenceCrashed, match="reference exploded on purpose") as err:
+            result()
+        assert "Traceback" in str(err.value)
+    finally:
+        w.close()
+    assert w.proc is None
+
+
+def test_a_killed_process_is_noticed_not_waited_for():
+    w = ReferenceProcess(masked_sum)
+    try:
+        os.kill(w.proc.pid, signal.SIGKILL)
+        w.proc.join(timeout=30)
+        with pytest.raises(ReferenceCrashed, match=r"died \(exit code -9\)"):
+            w.submit(*ROWS)()
+    finally:
+        w.close()
+
+
+def test_it_ignores_sigterm_which_is_the_learners_to_handle():
+    w = ReferenceProcess(masked_sum)
+    try:
+        w.submit(*ROWS)()  # running its loop
+        os.kill(w.proc.pid, signal.SIGTERM)  # the learner finishes its step and checkpoints, then closes it
+        assert torch.equal(w.submit(*ROWS)(), masked_sum(*ROWS))
+        assert w.proc.is_alive()
+    finally:
+        w.close()
+    assert w.proc is None
+
+
+def test_a_learner_that_never_closes_it_still_exits():
+    """A learner failing before its teardown: the process (which ignores SIGTERM) must not hold up the exit."""
+    code = ("import torch\n"
+            "from rlhflab.lit.reference import ReferenceProcess\n"
+            "w = ReferenceProcess(lambda q, r, m: r.float())\n"
+            "assert w.submit(torch.zeros(1, 1), torch.ones(1, 2), torch.ones(1, 2))().sum() == 2\n"
+            "print(w.proc.pid, flush=True)\n"
+            "raise SystemExit(3)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr
+    pid = int(out.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):  # reaped, not left behind
+        os.kill(pid, 0)
