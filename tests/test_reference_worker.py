@@ -58,9 +58,12 @@ def test_a_killed_process_is_noticed_not_waited_for():
 
 
 def test_it_ignores_sigterm_which_is_the_learners_to_handle():
+    """Even one that arrives while the fork is still starting up (a scheduler signalling the process group):
+    with the inherited handler it would stop the process, or announce a second checkpoint."""
     w = ReferenceProcess(masked_sum)
     try:
-        w.submit(*ROWS)()  # running its loop
+        os.kill(w.proc.pid, signal.SIGTERM)  # before it reaches its own code
+        assert torch.equal(w.submit(*ROWS)(), masked_sum(*ROWS))  # running its loop
         os.kill(w.proc.pid, signal.SIGTERM)  # the learner finishes its step and checkpoints, then closes it
         assert torch.equal(w.submit(*ROWS)(), masked_sum(*ROWS))
         assert w.proc.is_alive()

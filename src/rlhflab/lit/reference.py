@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -23,7 +22,7 @@ from typing import Callable
 import torch
 import torch.multiprocessing as mp
 
-from rlhflab.rollout.async_source import POLL_S, die_with_parent
+from rlhflab.rollout.async_source import POLL_S, die_with_parent, ignore_stop_signals, stop_signals_held
 
 Result = Callable[[], torch.Tensor]
 
@@ -49,9 +48,7 @@ class ReferenceThread:
 
 
 def _reference_main(reference, conn, parent: int, threads: int) -> None:
-    # Ctrl-C and SIGTERM are the learner's to handle (it finishes its step and stops us), as in the async generator.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_stop_signals()  # the learner's to handle: it finishes its step, then closes us
     die_with_parent(parent)
     torch.set_num_threads(threads)
     with torch.no_grad():
@@ -85,7 +82,8 @@ class ReferenceProcess:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_reference_main, args=(reference, child, os.getpid(), torch.get_num_threads()),
                                 daemon=True, name="rlhflab-reference")
-        self.proc.start()
+        with stop_signals_held():
+            self.proc.start()
         child.close()
         # Before multiprocessing's own exit handler, which would SIGTERM (ignored here) and then wait forever for a
         # process a learner that failed before its teardown never closed.

@@ -24,6 +24,7 @@ import queue
 import signal
 import time
 import traceback
+from contextlib import contextmanager
 
 import torch
 import torch.multiprocessing as mp
@@ -153,6 +154,30 @@ def pin_cuda_device(device: str) -> str:
     return "cuda:0"
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextmanager
+def stop_signals_held():
+    """Hold SIGINT and SIGTERM back while a child process starts. A child ignores them (they are its learner's to
+    handle), but a signal to the process group between the fork and its `ignore_stop_signals()` would have run the
+    learner's handler in it as well: a second `SIGTERM received`. Held, they reach the learner when this ends and
+    are dropped in the child, which inherits the mask."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def ignore_stop_signals() -> None:
+    """In a child started under stop_signals_held(): Ctrl-C and SIGTERM (a scheduler's preemption, often sent to
+    the whole process group) are the learner's to handle; it finishes its step, writes a checkpoint, then stops us."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 def die_with_parent(parent: int) -> None:
     """Have the kernel kill this process when its parent dies, however it dies (kill -9 included):
     a generator outliving its learner would block forever writing rollouts nobody reads."""
@@ -166,11 +191,8 @@ def die_with_parent(parent: int) -> None:
 
 def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
                     weights, weights_rx, out_q, parent, start_version, rank, reference, split):
-    # Ctrl-C and SIGTERM (a scheduler's preemption, often sent to the whole process group) are the learner's to
-    # handle: it finishes its step, writes a checkpoint, then stops us. A forked child would otherwise inherit the
-    # learner's handler and announce a checkpoint it does not write.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    # A forked child would otherwise inherit the learner's handler and announce a checkpoint it does not write.
+    ignore_stop_signals()
     die_with_parent(parent)
     torch.set_num_threads(threads)
     if device is not None:
@@ -298,7 +320,8 @@ class AsyncSource(SyncSource):
                 ReferenceSplit() if self.reference == "balance" else None)
         self._got = None  # when the learner got its last rollout: its busy time goes to the generator (balance)
         self.proc = ctx.Process(target=_generator_main, args=args, daemon=True, name="rlhflab-generator")
-        self.proc.start()
+        with stop_signals_held():
+            self.proc.start()
         log.info("mode async: generator process %d started (staleness %d, weights every %d updates, threads %d+%d, "
                  "reference log-probs: %s)", self.proc.pid, self.staleness, self.sync_every, self.generator_threads,
                  self.learner_threads, "split between generator and learner" if self.reference == "balance" else self.reference)
