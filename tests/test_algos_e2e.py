@@ -37,13 +37,14 @@ def test_remax_takes_several_samples_per_prompt(make_cfg):
     assert result.module.policy_version == 2
 
 
-@pytest.mark.parametrize("algo", ["rloo", "grpo", "online_dpo"])
-def test_reference_in_a_thread_or_a_process_gives_the_learners_numbers(make_cfg, tmp_path, algo):
+@pytest.mark.parametrize("algo, precision", [("rloo", "32-true"), ("grpo", "32-true"), ("online_dpo", "32-true"),
+                                             ("rloo", "bf16-mixed")])
+def test_reference_in_a_thread_or_a_process_gives_the_learners_numbers(make_cfg, tmp_path, algo, precision):
     """mode=sync mode.reference=thread / process runs the reference forward beside the update's policy forward
     (in a second thread / a forked process): the same losses, KLs and weights as computing it first (bit for bit:
-    the same forwards, the same order)."""
+    the same forwards, the same order), under autocast too (per thread: the thread must be handed it)."""
     results = {where: train(make_cfg(f"algo={algo}", "trainer.max_steps=3", f"mode.reference={where}",
-                                     f"output.dir={tmp_path / where}"))
+                                     f"trainer.precision={precision}", f"output.dir={tmp_path / where}"))
                for where in ("learner", "thread", "process")}
     assert not results["learner"].module.reference_beside_update
     assert results["thread"].module.reference_beside_update and results["process"].module.reference_beside_update

@@ -1,7 +1,8 @@
 """Sync mode's reference forward beside the update's own policy forward: `mode.reference=thread` or `process`.
 
-Both run the same function on the same rows as the learner would (`RLHFModule._reference_logprobs`), so the
-numbers are the learner's. They differ in what they share with the update's forward:
+Both run the same function on the same rows as the learner would (`RLHFModule._reference_logprobs`), under
+its autocast and grad mode (the thread is handed them; the process forks the learner's thread with them), so
+the numbers are the learner's. They differ in what they share with the update's forward:
 
 - thread: one process, one GIL. On a small model each op's Python dispatch holds it, so the two forwards
   partly take turns (the tiny model's 64-row pair: 4.8 and 4.3 ms alone, 7.5 ms side by side).
@@ -41,7 +42,16 @@ class ReferenceThread:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhflab-reference")
 
     def submit(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> Result:
-        return self.pool.submit(self.reference, query, response, mask).result
+        # Autocast and grad mode are per thread: run under the caller's, as the learner's own call would. (Without
+        # this, trainer.precision=bf16-mixed computed the reference in float32 here against bfloat16 autocast in the
+        # learner: a KL of 3e-4 at RL step 1, where policy and reference are the same model and it is exactly 0.)
+        state = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_grad_enabled()
+        return self.pool.submit(self._call, state, query, response, mask).result
+
+    def _call(self, state, *rows: torch.Tensor) -> torch.Tensor:
+        enabled, dtype, grad = state
+        with torch.autocast("cpu", dtype=dtype, enabled=enabled), torch.set_grad_enabled(grad):
+            return self.reference(*rows)
 
     def close(self) -> None:
         self.pool.shutdown()
