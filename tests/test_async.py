@@ -59,9 +59,12 @@ def test_prompt_streams_stay_aligned_across_epochs(make_cfg):
     assert train(cfg).module.policy_version == 7
 
 
-def test_async_with_zero_staleness_equals_sync(make_cfg):
-    sync = make_cfg("trainer.max_steps=6")
-    asyn = make_cfg("mode=async", "staleness=0", "off_policy=recompute", "trainer.max_steps=6")
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_async_with_zero_staleness_equals_sync(make_cfg, precision):
+    """Also under autocast, which sync mode generates in (inside the training step): the forked generator
+    enters the learner's (before, it sampled other completions at step 4 and its KL at step 1 was -8e-5, not 0)."""
+    sync = make_cfg("trainer.max_steps=6", f"trainer.precision={precision}")
+    asyn = make_cfg("mode=async", "staleness=0", "off_policy=recompute", "trainer.max_steps=6", f"trainer.precision={precision}")
     a, b = train(sync), train(asyn)
     for key in ("train/reward", "train/kl", "train/loss"):
         assert history(sync, a.run_id, key) == pytest.approx(history(asyn, b.run_id, key), rel=1e-5, abs=1e-6), key

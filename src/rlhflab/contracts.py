@@ -102,12 +102,13 @@ class RolloutSource(Protocol):
         """What the learner samples evaluation completions with."""
 
     def start(self, model: nn.Module, batches: Iterator, train_prompts: list[str], algo: Any, seed: int, version: int,
-              reference: Callable | None = None) -> None:
+              reference: Callable | None = None, autocast: dict | None = None) -> None:
         """Before the first step: `batches` yields (query, index, batch index) in the learner's order, from the
         first batch not pending; `model` holds the weights of policy version `version`. `reference(query,
         response, response_mask)` gives the frozen reference's (n, R) log-probs, 0 on padding, for a source that computes them beside
         generation (rollout.ref_logprobs, for all rows or, mode.reference=balance, the first ones); the learner computes
-        those a rollout lacks."""
+        those a rollout lacks. `autocast`: {device type: dtype} of the learner's autocast (trainer.precision=*-mixed),
+        under which a source that generates elsewhere runs its forwards, as the learner's own would run."""
 
     def get(self, model: nn.Module, query: torch.Tensor, prompts: list[str], version: int, algo: Any, batch: int) -> Rollout:
         """The rollout of training batch `batch` (its index in the run's prompt stream)."""

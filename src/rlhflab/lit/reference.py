@@ -24,6 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rlhflab.rollout.async_source import POLL_S, die_with_parent, ignore_stop_signals, stop_signals_held
+from rlhflab.rollout.sources import autocast_as, current_autocast
 
 Result = Callable[[], torch.Tensor]
 
@@ -45,12 +46,12 @@ class ReferenceThread:
         # Autocast and grad mode are per thread: run under the caller's, as the learner's own call would. (Without
         # this, trainer.precision=bf16-mixed computed the reference in float32 here against bfloat16 autocast in the
         # learner: a KL of 3e-4 at RL step 1, where policy and reference are the same model and it is exactly 0.)
-        state = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_grad_enabled()
+        state = current_autocast(), torch.is_grad_enabled()
         return self.pool.submit(self._call, state, query, response, mask).result
 
     def _call(self, state, *rows: torch.Tensor) -> torch.Tensor:
-        enabled, dtype, grad = state
-        with torch.autocast("cpu", dtype=dtype, enabled=enabled), torch.set_grad_enabled(grad):
+        autocast, grad = state
+        with autocast_as(autocast), torch.set_grad_enabled(grad):
             return self.reference(*rows)
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from rlhflab.lit.reference import WORKERS
 from rlhflab.models.sharding import full
 from rlhflab.rng import fixed_seed, rng_state, set_rng_state
 from rlhflab.rollout.batch import Rollout, by_length, length_buckets, trim_left
+from rlhflab.rollout.sources import current_autocast
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,13 @@ class RLHFModule(L.LightningModule):
         # The generator continues after the batches a checkpoint kept, with the weights of this version.
         first = self.policy_version + len(self.source.pending)
         self.source.start(self.memory.generation_model, self.prompt_batches(first), self.train_prompts, self.algo, self.seed,
-                          self.policy_version, reference=self._reference_logprobs)
+                          self.policy_version, reference=self._reference_logprobs, autocast=self._autocast())
+
+    def _autocast(self) -> dict:
+        """{device type: dtype} autocast runs in the learner's steps (trainer.precision=bf16-mixed: {"cpu": bfloat16}
+        on CPU); empty at full precision."""
+        with self.trainer.precision_plugin.forward_context():
+            return current_autocast()
 
     # ---- checkpoints ---------------------------------------------------------------------
 

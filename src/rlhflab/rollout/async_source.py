@@ -34,7 +34,7 @@ from rlhflab.errors import ConfigError
 from rlhflab.interrupts import STOP
 from rlhflab.models.sharding import full
 from rlhflab.rollout.batch import Rollout
-from rlhflab.rollout.sources import SyncSource, seeded
+from rlhflab.rollout.sources import SyncSource, autocast_as, seeded
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
-                    weights, weights_rx, out_q, parent, start_version, rank, reference, split):
+                    weights, weights_rx, out_q, parent, start_version, rank, reference, split, autocast=None):
     # A forked child would otherwise inherit the learner's handler and announce a checkpoint it does not write.
     ignore_stop_signals()
     die_with_parent(parent)
@@ -199,6 +199,9 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
         device = pin_cuda_device(device)
         model.to(device)
     samples_per_prompt, greedy = algo_needs
+    # Only the learner's autocast for the device type this process computes on (a CPU generator forked from a GPU
+    # learner must not touch CUDA).
+    autocast = {t: dtype for t, dtype in (autocast or {}).items() if t == torch.device(device or "cpu").type}
     params = dict(model.named_parameters())
     version = start_version  # the weights the process started with
     try:
@@ -223,14 +226,16 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
                 weights.read(slot, params)
             prompts = [train_prompts[i] for i in index.tolist()]
             t0 = time.perf_counter()
-            with seeded(seed, j, rank):
+            # Under the learner's autocast (trainer.precision=*-mixed), in which sync mode generates and the learner
+            # computes the reference: the same samples and log-probs as there.
+            with seeded(seed, j, rank), autocast_as(autocast):
                 rollout = generator.generate(model, query.to(device or "cpu"), prompts, samples_per_prompt, version,
                                              greedy_baseline=greedy).to("cpu")
             if reference is not None:  # mode.reference=generator/balance (fork, CPU): the frozen reference is ours too
                 n = rollout.num_samples
                 m = n if split is None else split.rows(n)  # balance: the first m rows here, the rest in the learner
                 t1 = time.perf_counter()
-                with torch.no_grad():  # no rows (balance): no forward, which a model cannot run on an empty batch
+                with torch.no_grad(), autocast_as(autocast):  # no rows (balance): no forward, which a model cannot run on an empty batch
                     rollout.ref_logprobs = (reference(rollout.query[:m], rollout.response[:m], rollout.response_mask[:m]) if m
                                             else rollout.logprobs.new_zeros((0, rollout.logprobs.shape[1])))
                 if split is not None:
@@ -299,7 +304,7 @@ class AsyncSource(SyncSource):
     def max_staleness(self) -> int:
         return self.staleness + self.sync_every - 1
 
-    def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0, reference=None) -> None:
+    def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0, reference=None, autocast=None) -> None:
         """Start the generator on `batches` (after any pending ones) with the learner's weights, `version`."""
         ctx = mp.get_context(self.start_method)
         self.out_q = ctx.Queue()
@@ -317,7 +322,7 @@ class AsyncSource(SyncSource):
         args = (self.generator, gen_model, batches, train_prompts, (algo.samples_per_prompt, algo.needs_greedy_baseline),
                 seed, self.staleness, self.sync_every, self.generator_threads, device, self.weights, self.weights_rx, self.out_q,
                 os.getpid(), version, distributed.rank(), reference if self.reference in ("generator", "balance") else None,
-                ReferenceSplit() if self.reference == "balance" else None)
+                ReferenceSplit() if self.reference == "balance" else None, autocast)
         self._got = None  # when the learner got its last rollout: its busy time goes to the generator (balance)
         self.proc = ctx.Process(target=_generator_main, args=args, daemon=True, name="rlhflab-generator")
         with stop_signals_held():

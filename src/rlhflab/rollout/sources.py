@@ -8,6 +8,7 @@ so the LightningModule never knows how fresh a batch is.
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -18,6 +19,20 @@ from rlhflab.rng import fixed_seed
 from rlhflab.rollout.off_policy import Behaviour
 
 log = logging.getLogger("rlhflab")
+
+
+def current_autocast() -> dict:
+    """{device type: dtype} for each device type autocast is on for in this thread (empty at full precision)."""
+    return {t: torch.get_autocast_dtype(t) for t in ("cpu", "cuda") if torch.is_autocast_enabled(t)}
+
+
+@contextmanager
+def autocast_as(state: dict | None):
+    """Enter autocast for each {device type: dtype} in `state` (a learner's, from another thread or process)."""
+    with ExitStack() as stack:
+        for device_type, dtype in (state or {}).items():
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        yield
 
 
 def seeded(seed: int, batch: int, rank: int = 0):
@@ -46,7 +61,7 @@ class SyncSource:
         """What the learner samples evaluation completions with."""
         return self.generator
 
-    def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0, reference=None) -> None:
+    def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0, reference=None, autocast=None) -> None:
         """Sync mode leaves the reference log-probs to the learner: between generation and update, or beside the
         update's own policy forward in a second thread (thread) or a forked process (process)."""
         self.seed = seed
