@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.multiprocessing as mp
 
-from rlhflab.rollout.async_source import POLL_S, die_with_parent, ignore_stop_signals, stop_signals_held
+from rlhflab.rollout.async_source import POLL_S, die_with_parent, end_child, ignore_stop_signals, stop_signals_held
 from rlhflab.rollout.sources import autocast_as, current_autocast
 
 Result = Callable[[], torch.Tensor]
@@ -127,15 +127,7 @@ class ReferenceProcess:
         if self.proc is None:
             return
         atexit.unregister(self.close)
-        if self.proc.is_alive():
-            try:
-                self.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(timeout=2)
-        if self.proc.is_alive():  # it ignores SIGTERM
-            self.proc.kill()
-            self.proc.join()
+        end_child(self.proc, lambda: self.conn.send(None), "mode sync: reference")
         self.conn.close()
         self.proc = None
 

@@ -178,6 +178,20 @@ def ignore_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+def end_child(proc, goodbye, what: str) -> None:
+    """Stop a child that ignores SIGINT/SIGTERM: `goodbye()` asks it to exit; one still there 2 s later is killed."""
+    if proc.is_alive():
+        try:
+            goodbye()
+        except (BrokenPipeError, OSError):  # it went meanwhile
+            pass
+        proc.join(timeout=2)
+    if proc.is_alive():
+        log.warning("%s process %d did not stop within 2 s of being asked; killing it", what, proc.pid)
+        proc.kill()
+        proc.join()
+
+
 def die_with_parent(parent: int) -> None:
     """Have the kernel kill this process when its parent dies, however it dies (kill -9 included):
     a generator outliving its learner would block forever writing rollouts nobody reads."""
@@ -402,13 +416,7 @@ class AsyncSource(SyncSource):
     def close(self) -> None:
         if self.proc is None:
             return
-        if self.proc.is_alive():
-            self.weights_tx.send(None)
-            self.proc.join(timeout=2)
-        if self.proc.is_alive():  # it ignores SIGTERM (see _generator_main)
-            log.warning("mode async: generator process %d did not stop within 2 s of the last batch; killing it", self.proc.pid)
-            self.proc.kill()
-            self.proc.join()
+        end_child(self.proc, lambda: self.weights_tx.send(None), "mode async: generator")
         self.out_q.cancel_join_thread()  # don't block exit on rollouts nobody will read
         self.out_q.close()
         self.weights_tx.close()
