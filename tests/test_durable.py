@@ -236,14 +236,16 @@ def nan_reward(*bad: int) -> list[str]:
 
 
 class NaNLossRLOO(RLOO):
-    """RLOO whose loss turns NaN at its third update."""
+    """RLOO whose loss turns NaN at its third update (and every one after it, or only those in `bad`)."""
 
     updates = 0
+    bad: set[int] | None = None
 
     def loss(self, logprobs, values, batch):
         type(self).updates += 1
         loss, metrics = super().loss(logprobs, values, batch)
-        return (loss * float("nan") if type(self).updates >= 3 else loss), metrics
+        nan = type(self).updates >= 3 if self.bad is None else type(self).updates in self.bad
+        return (loss * float("nan") if nan else loss), metrics
 
 
 def test_nan_reward_stops_naming_step_and_quantity_and_keeps_the_checkpoint(make_cfg):
@@ -258,7 +260,7 @@ def test_nan_reward_stops_naming_step_and_quantity_and_keeps_the_checkpoint(make
 
 
 def test_nan_loss_stops_before_the_update(make_cfg):
-    NaNLossRLOO.updates = 0
+    NaNLossRLOO.updates, NaNLossRLOO.bad = 0, None
     with pytest.raises(NonFiniteError, match=r"^train/loss not finite at RL step 3"):
         train(make_cfg("algo._target_=test_durable.NaNLossRLOO", "trainer.max_steps=6"))
 
@@ -269,6 +271,18 @@ def test_skip_batch_goes_on_past_a_non_finite_batch(make_cfg):
     assert (result.module.updates, result.module.skipped_batches, result.module.policy_version) == (4, 1, 5)
     skipped = history(cfg.logger.tracking_uri, result.run_id, "train/skipped_batches")
     assert skipped == [(2, 1.0)]  # logged at the step it happened after
+
+
+def test_a_batch_skipped_after_its_forward_leaves_no_activations_counted(make_cfg, tmp_path):
+    """A batch whose loss is NaN is skipped after its policy forward saved activations for a backward that never
+    runs: the meter forgets them, so the run's activation peak is that of the same run skipping the same batch
+    before any forward (a NaN reward)."""
+    NaNLossRLOO.updates, NaNLossRLOO.bad = 0, {3}
+    after = train(make_cfg(*nan_reward(), "algo._target_=test_durable.NaNLossRLOO", "trainer.max_steps=4",
+                           "rl.on_nonfinite=skip_batch", f"output.dir={tmp_path / 'after'}"))
+    before = train(make_cfg(*nan_reward(3), "trainer.max_steps=4", "rl.on_nonfinite=skip_batch", f"output.dir={tmp_path / 'before'}"))
+    assert after.module.skipped_batches == before.module.skipped_batches == 1
+    assert after.module.activations.peak == before.module.activations.peak > 0
 
 
 # ---- the stage cache --------------------------------------------------------------------------

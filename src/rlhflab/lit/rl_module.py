@@ -263,6 +263,7 @@ class RLHFModule(L.LightningModule):
 
     def _skip(self, rollout: Rollout) -> None:
         """A batch given up on (non-finite values): the weights do not change, the stream goes on."""
+        self.activations.reset()  # a forward that ran before the check saved tensors no backward will free
         self.skipped_batches += 1
         self.policy_version += 1
         self.source.after_update(self.memory.generation_model, self.policy_version)
