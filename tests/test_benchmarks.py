@@ -1,6 +1,7 @@
 """benchmarks/vs_trl.py's memory measurement: a process tree's PSS counts pages shared after fork once."""
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,32 @@ def test_policy_reward_judges_only_the_completion(tmp_path, favoured, expected):
     mean, se = vs_trl.policy_reward(str(tmp_path), temperature=1.0, max_new_tokens=None, response_words=8, num_prompts=70,
                                     samples=3, seed=1)  # 70 prompts: a full batch of 64 and a partial one
     assert mean == pytest.approx(expected) and se == pytest.approx(0.0)
+
+
+# import_rss.py: a package whose body holds 48 MiB, imported by one that holds nothing; 24 MiB more after the
+# imports; then an exit code the tool must pass on.
+FAT = "held = bytearray(48 << 20)\nfor i in range(0, len(held), 4096):\n    held[i] = 1\n"
+THIN = "import fat\nimport fat.inner\n"
+PROGRAM = ("import thin\nlater = bytearray(24 << 20)\nfor i in range(0, len(later), 4096):\n    later[i] = 1\n"
+           "raise SystemExit(3)\n")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc/self/statm")
+def test_import_rss_charges_each_package_its_own_load(tmp_path):
+    (tmp_path / "fat").mkdir()
+    (tmp_path / "fat" / "__init__.py").write_text("")
+    (tmp_path / "fat" / "inner.py").write_text(FAT)
+    (tmp_path / "thin.py").write_text(THIN)
+    (tmp_path / "program.py").write_text(PROGRAM)
+    out = tmp_path / "rss.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "import_rss.py"), "--json", str(out), "--",
+                           str(tmp_path / "program.py")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr  # the program's own exit code
+    res = json.loads(out.read_text())
+    assert 46 < res["packages_mb"]["fat"] < 56, res["packages_mb"]
+    assert res["modules_mb"]["fat.inner"] > 46  # the module whose body allocated, not its package's __init__
+    assert abs(res["packages_mb"]["thin"]) < 3  # what thin imported is fat's, not thin's
+    assert res["first_importer"]["fat"] == "thin"
+    rest = res["peak_rss_mb"] - res["start_mb"] - res["imports_mb"]
+    assert 22 < rest < 40, rest  # the 24 MiB allocated outside any import
+    assert "fat" in proc.stderr and "first imported by" in proc.stderr
