@@ -8,7 +8,7 @@ the execution of its body, `importlib._bootstrap._load_unlocked`), how much the 
 share excludes the modules it imported while loading; each package's figure is the sum of its modules' own shares.
 What the program allocates outside any import (models, tensors, allocator pools) is the rest of the peak.
 
-Printed: the peak RSS (ru_maxrss), RSS at start, the total added by imports, the rest, and the packages that added
+Printed: the peak RSS (VmHWM), RSS at start, the total added by imports, the rest, and the packages that added
 the most, each with the package whose import first pulled it in. Used in the README to say where rlhflab's peak RSS
 goes against TRL's (issue 14): `--json` keeps the full table.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import runpy
 import sys
 import time
@@ -31,6 +30,13 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 def rss_mb(statm) -> float:
     statm.seek(0)
     return int(statm.read().split()[1]) * _PAGE / 2**20
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak RSS (VmHWM). Not ru_maxrss: a child forked from a large parent (pytest, a shell
+    holding a model) reports the parent's RSS at the fork as its own ru_maxrss, even after exec."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def importer() -> str:
@@ -113,7 +119,7 @@ def main(argv=None) -> None:
     finally:
         meter.uninstall()
         wall = time.perf_counter() - t0
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = peak_rss_mb()
         packages = meter.by_package()
         imported = sum(packages.values())
         lines = [f"peak RSS {peak:.0f} MB: {start:.0f} MB at start + {imported:.0f} MB by imports "
