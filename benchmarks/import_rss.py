@@ -7,6 +7,8 @@ Runs SCRIPT in this process (as `python SCRIPT ARGS`) and measures, around every
 the execution of its body, `importlib._bootstrap._load_unlocked`), how much the process's RSS grew. A module's own
 share excludes the modules it imported while loading; each package's figure is the sum of its modules' own shares.
 What the program allocates outside any import (models, tensors, allocator pools) is the rest of the peak.
+Only this process is measured: processes the program starts (rlhflab's async generator, a reference process)
+are not; benchmarks/vs_trl.py reports a process tree's PSS for those.
 
 Printed: the peak RSS (VmHWM), RSS at start, the total added by imports, the rest, and the packages that added
 the most, each with the package whose import first pulled it in. Used in the README to say where rlhflab's peak RSS
