@@ -11,7 +11,7 @@ Only this process is measured: processes the program starts (rlhflab's async gen
 are not; benchmarks/vs_trl.py reports a process tree's PSS for those.
 
 Printed: the peak RSS (VmHWM), RSS at start, the total added by imports, the rest, and the packages that added
-the most, each with the package whose import first pulled it in. Used in the README to say where rlhflab's peak RSS
+the most, each with the module whose code first imported it. Used in the README to say where rlhflab's peak RSS
 goes against TRL's (issue 14): `--json` keeps the full table.
 """
 
@@ -55,7 +55,7 @@ class ImportMeter:
     def __init__(self) -> None:
         self.statm = open("/proc/self/statm", "rb", buffering=0)
         self.own: Counter[str] = Counter()      # module name -> MB added by its own load (children excluded)
-        self.first_importer: dict[str, str] = {}  # top-level package -> the module loading when it first loaded
+        self.first_importer: dict[str, str] = {}  # top-level package -> the module whose code first imported it
         self.stack: list[list] = []              # [name, start MB, children's MB] of the loads in progress
         self._orig = None
 
@@ -116,7 +116,9 @@ def main(argv=None) -> None:
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
+    except SystemExit as e:  # exit as `python SCRIPT` would: a message goes to stderr with status 1
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         meter.uninstall()
