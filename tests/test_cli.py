@@ -155,3 +155,9 @@ def test_help_lists_groups_options_and_their_comments(tmp_path):
     assert "powered by Hydra" not in out.stdout
     for text in ("algo", "*rloo", "RLOO (Ahmadian et al., 2024)", "memory", "hydra", "off_policy", "decoupled", "experiment=quick"):
         assert text in out.stdout, text
+    words = out.stdout.split()
+    for path in (ROOT / "conf").glob("*/*.yaml"):  # every option, its name apart from its text
+        shown = f"{path.parent.name}={path.stem}" if path.parent.name in ("experiment", "debug") else path.stem
+        assert shown in words or f"*{shown}" in words, shown
+    # a comment's first sentence is shown whole, however many lines it spans in the file
+    assert "[algo=... memory=... mode=async ...]." in " ".join(words)

@@ -128,11 +128,15 @@ def _keys(parent: str, overrides: list[str]) -> list[str]:
 # ---- --help -----------------------------------------------------------------------------------
 
 def _summary(path: Path) -> str:
-    """The first comment line of an option file (after `# @package`)."""
+    """The first sentence of an option file's leading comment (after `# @package`), however many lines it spans."""
+    words: list[str] = []
     for line in path.read_text().splitlines():
-        if line.startswith("#") and "@package" not in line:
-            return line.lstrip("# ").strip()
-    return ""
+        if not line.startswith("#"):
+            break
+        if "@package" not in line:
+            words.append(line.lstrip("# ").strip())
+    match = re.match(r"(.*?[A-Za-z0-9)\]`'])\.(\s|$)", " ".join(words))
+    return match.group(1) + "." if match else " ".join(words)
 
 
 def render_help() -> str:
@@ -149,16 +153,17 @@ def render_help() -> str:
         "",
         "groups and options (* = default):",
     ]
-    for group in sorted(defaults, key=list(defaults).index):
-        if group == "experiment":
-            continue
-        for i, path in enumerate(_options(group, defaults[group])):
+    groups = {g: _options(g, defaults[g]) for g in sorted(defaults, key=list(defaults).index) if g != "experiment"}
+    width = max(len(path.stem) for paths in groups.values() for path in paths) + 1  # a name never runs into its text
+    for group, paths in groups.items():
+        for i, path in enumerate(paths):
             mark = "*" if path.stem == defaults[group] else " "
-            lines.append(f"  {group if i == 0 else '':<12}{mark}{path.stem:<16}{_summary(path)}")
+            lines += _wrapped(f"  {group if i == 0 else '':<12}{mark}{path.stem:<{width}}", _summary(path))
     lines += ["", "presets (experiment=NAME, debug=NAME):"]
-    for group in ("experiment", "debug"):
-        for path in _options(group, None):
-            lines.append(f"  {group + '=' + path.stem:<29}{_summary(path)}")
+    presets = [(group, path) for group in ("experiment", "debug") for path in _options(group, None)]
+    width = max(len(f"{group}={path.stem}") for group, path in presets) + 1
+    for group, path in presets:
+        lines += _wrapped(f"  {group + '=' + path.stem:<{width}}", _summary(path))
     lines += [
         "",
         "every value: python src/train.py --cfg job    (each field's one-line comment is in its file under conf/)",
@@ -167,6 +172,15 @@ def render_help() -> str:
         "Hydra's own flags: python src/train.py --hydra-help",
     ]
     return "\n".join(lines)
+
+
+def _wrapped(name: str, text: str) -> list[str]:
+    """`name` then `text`, wrapped to the terminal (at least 100 columns), continuation lines under the text."""
+    import shutil
+    import textwrap
+
+    columns = max(shutil.get_terminal_size((120, 24)).columns, 100)
+    return textwrap.wrap(text, columns - 1, initial_indent=name, subsequent_indent=" " * len(name)) or [name]
 
 
 def _options(group: str, default: str | None) -> list[Path]:
