@@ -163,6 +163,35 @@ def test_resume_refuses_a_different_config_naming_the_keys(make_cfg, tmp_path):
     assert more.module.updates == 4
 
 
+def test_resume_from_an_older_or_another_directorys_checkpoint_is_a_new_mlflow_run(make_cfg, tmp_path):
+    """Continuing a run in its MLflow run is for its own newest checkpoint (a kill, then resume=auto). From an
+    older checkpoint, or into another directory, the steps after it are another line of training: logged into
+    the old run they were dropped beside the steps it held. They go to a new run that names where it started."""
+    def run(out: str, max_steps: int, resume: str):
+        return train(make_cfg(f"trainer.max_steps={max_steps}", "checkpoint.every_n_steps=2", "checkpoint.keep=3",
+                              f"resume={resume}", f"output.dir={tmp_path}/{out}"))
+
+    def steps(run_id: str) -> list[int]:
+        return [step for step, _ in history(uri, run_id, "train/reward")]
+
+    first = run("a", 6, "null")
+    uri, older = make_cfg().logger.tracking_uri, tmp_path / "a" / "checkpoints" / "step-00000004"
+    rewards = history(uri, first.run_id, "train/reward")
+    branches = {}
+    for out in ("b", "a"):  # into another directory; back to an older checkpoint in the same directory
+        branch = branches[out] = run(out, 8, str(older))
+        assert branch.run_id not in (first.run_id, None) and branch.run_id == run_id_of(tmp_path / out)
+        tags = MlflowClient(uri).get_run(branch.run_id).data.tags
+        assert tags["rlhflab.resumed_from_run"] == first.run_id and tags["rlhflab.resumed_from"] == str(older.resolve())
+        assert steps(branch.run_id) == [5, 6, 7, 8]  # none dropped
+        assert history(uri, first.run_id, "train/reward") == rewards  # the first run is as it was
+    assert branches["a"].run_id != branches["b"].run_id
+    # a directory's own newest checkpoint, named or found by auto, goes on in the run that wrote it
+    assert run("b", 10, str(tmp_path / "b" / "checkpoints" / "step-00000008")).run_id == branches["b"].run_id
+    assert run("b", 12, "auto").run_id == branches["b"].run_id
+    assert steps(branches["b"].run_id) == [5, 6, 7, 8, 9, 10, 11, 12]
+
+
 def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(make_cfg, tmp_path):
     """A checkpoint at the step budget (a run killed after its last checkpoint, or rerun with resume=auto):
     nothing is trained, and the policy saved and the closing numbers are the checkpoint's."""

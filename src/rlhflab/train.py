@@ -105,7 +105,13 @@ def train(cfg: DictConfig) -> Result:
     relaunch_as_one_job(cfg, out)
     with distributed.one_job(), STOP.installed():
         if distributed.is_main():  # the other ranks log nothing to MLflow (their tracker has no run)
-            run_id = tracker.start(cfg, plan.tags, hydra_overrides(), out, resume.state["run_id"] if resume else None)
+            tags, continued = plan.tags, None
+            if resume and resume.forked:
+                tags = {**tags, "rlhflab.resumed_from_run": str(resume.state.get("run_id")),
+                        "rlhflab.resumed_from": str(resume.path.resolve())}
+            elif resume:
+                continued = resume.state["run_id"]
+            run_id = tracker.start(cfg, tags, hydra_overrides(), out, continued)
             (out / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(tracker.tracking_uri),
                                                              "experiment": tracker.experiment_name}, indent=1))
         status = "FAILED"

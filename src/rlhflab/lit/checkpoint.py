@@ -44,6 +44,7 @@ class Checkpoint:
     optimizer: dict
     state: dict
     config: str
+    forked: bool = False  # resumed outside the line it was written in: a new MLflow run (see find)
 
     @property
     def updates(self) -> int:
@@ -123,7 +124,18 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig) -> Checkpoint | 
     if changed:
         raise ConfigError(f"resume: {path} was made with other settings ({'; '.join(changed)}); run with the same settings "
                           "(only trainer.max_steps, checkpoint.*, output.*, cache_dir and logging keys may change) or start a new run in another output.dir")
-    log.info("resume: continuing from %s (RL step %d)", path, checkpoint.updates)
+    # The run goes on in its MLflow run only where it is the same line of training: the newest whole checkpoint of
+    # this output directory (a kill and resume=auto; the steps the killed run logged after it repeat bit for bit
+    # and are not logged twice). From another directory's checkpoint, or an older one than this directory's newest,
+    # the steps after it are new, and logging them into the old run would drop them beside the ones it holds.
+    if resume != "auto":  # auto is this directory's newest by construction
+        own = path.resolve().parent == directory(output_dir).resolve()
+        checkpoint.forked = not own or (newest(path.parent) or path).resolve() != path.resolve()
+    if checkpoint.forked:
+        log.info("resume: starting from %s (RL step %d) in a new MLflow run, tagged rlhflab.resumed_from_run=%s: "
+                 "it is not the newest checkpoint of %s", path, checkpoint.updates, checkpoint.state.get("run_id"), output_dir)
+    else:
+        log.info("resume: continuing from %s (RL step %d)", path, checkpoint.updates)
     return checkpoint
 
 
