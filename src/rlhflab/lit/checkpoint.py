@@ -128,12 +128,17 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig) -> Checkpoint | 
     # this output directory (a kill and resume=auto; the steps the killed run logged after it repeat bit for bit
     # and are not logged twice). From another directory's checkpoint, or an older one than this directory's newest,
     # the steps after it are new, and logging them into the old run would drop them beside the ones it holds.
+    why = None
     if resume != "auto":  # auto is this directory's newest by construction
-        own = path.resolve().parent == directory(output_dir).resolve()
-        checkpoint.forked = not own or (newest(path.parent) or path).resolve() != path.resolve()
+        latest = newest(path.parent) or path
+        if path.resolve().parent != directory(output_dir).resolve():
+            why = f"it is not in this run's directory {output_dir}"
+        elif latest.resolve() != path.resolve():
+            why = f"{latest.name} is newer"
+    checkpoint.forked = why is not None
     if checkpoint.forked:
-        log.info("resume: starting from %s (RL step %d) in a new MLflow run, tagged rlhflab.resumed_from_run=%s: "
-                 "it is not the newest checkpoint of %s", path, checkpoint.updates, checkpoint.state.get("run_id"), output_dir)
+        log.info("resume: starting from %s (RL step %d) in a new MLflow run, tagged rlhflab.resumed_from_run=%s: %s",
+                 path, checkpoint.updates, checkpoint.state.get("run_id"), why)
     else:
         log.info("resume: continuing from %s (RL step %d)", path, checkpoint.updates)
     return checkpoint
