@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,20 @@ def test_a_misbehaving_reward_function_is_one_line_naming_it_and_the_row(returne
 def test_a_reward_function_that_cannot_be_had_is_one_line(spec, message):
     with pytest.raises(ConfigError, match=message):
         FunctionReward(fn=spec)
+
+
+def test_a_reward_package_in_the_working_directory_imports_as_with_python_m(tmp_path, monkeypatch):
+    """`reward.fn=my_pkg.rewards:score` with my_pkg beside you: `python src/train.py` puts src/ first on sys.path,
+    not the working directory, so the documented module form failed unless the package was installed."""
+    package = tmp_path / "my_rewards_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "rewards.py").write_text("def score(prompts, completions, **kw):\n    return [float(len(c)) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    reward = FunctionReward(fn="my_rewards_pkg.rewards:score")
+    assert [fn(["1="], ["abc"]) for _, fn in reward.functions] == [[3.0]]
+    assert sys.path[-1] == str(tmp_path)  # appended: an installed package of the same name still wins
 
 
 # ---- end to end ------------------------------------------------------------------------------------

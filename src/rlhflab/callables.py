@@ -31,6 +31,9 @@ def load_callable(spec: str, key: str) -> Callable:
                 sys.modules[name] = module  # before exec: pickling (a spawned generator) finds it again
                 loader_spec.loader.exec_module(module)
         else:
+            here = str(Path.cwd())
+            if "" not in sys.path and here not in sys.path:  # a package beside you, as `python -m` would find it;
+                sys.path.append(here)                      # last, so it shadows nothing installed
             module = importlib.import_module(module_name)
     except ConfigError:
         raise
