@@ -497,7 +497,8 @@ class RLHFModule(L.LightningModule):
         gold_all, kl_all, eos_all = (torch.tensor([v for part in gathered for v in part[i]]) for i in range(3))
         value = float(gold_all.mean())
         self.eval_history.append((self.policy_version, value, float(kl_all.mean())))
-        self.progress = {"gold": value, **{k: v for k, v in self.progress.items() if k != "gold"}}
+        label = "gold" if self.task.has_gold else "eval"  # the bar says what the number is, as the closing line does
+        self.progress = {label: value, **{k: v for k, v in self.progress.items() if k != label}}
         judged = "eval/gold_reward" if self.task.has_gold else "eval/reward"
         metrics = {judged: value, "eval/kl": float(kl_all.mean()), "eval/eos_rate": float(eos_all.mean())}
         if self.logger is not None:
