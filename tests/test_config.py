@@ -158,6 +158,44 @@ def test_cli_bad_task_file_is_one_line_and_loads_nothing(tmp_path):
     assert not (tmp_path / "mlflow.db").exists()  # and before creating an MLflow run
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA GPU is visible: trainer=gpu would run")
+def test_cli_gpu_settings_without_a_gpu_are_one_line_and_load_nothing(tmp_path):
+    """trainer=gpu used to run the stages, then fail in Lightning ('No supported gpu backend found!') in a Hydra
+    traceback; mode.device=cuda:1 with spawn, in a generator that 'died without a traceback'."""
+    for args, error in [(["trainer=gpu"], "error: trainer.accelerator=gpu: no CUDA GPU is visible here"),
+                        (["mode=async", "mode.device=cuda:1", "mode.start_method=spawn"], "error: mode.device=cuda:1: no CUDA GPU")]:
+        out = run_cli(*args, f"cache_dir={tmp_path}/cache", cwd=tmp_path)
+        assert out.returncode == 2, out.stderr[-2000:]
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(error), errors
+        assert "Traceback" not in out.stderr
+        assert not (tmp_path / "cache").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("override, visible, key", [
+    ("trainer=gpu", 1, None),
+    ("trainer=ddp trainer.devices=4", 2, "trainer.devices=4: only 2 CUDA GPU(s)"),
+    ("trainer=ddp trainer.devices=4", 0, None),  # accelerator auto: CPU processes where no GPU is visible
+    ("trainer=ddp trainer.devices=2 trainer.accelerator=cpu", 1, None),
+    ("mode=async mode.device=cuda:1 mode.start_method=spawn trainer=gpu", 2, None),
+    ("mode=async mode.device=cuda:2 mode.start_method=spawn trainer=gpu", 2, "mode.device=cuda:2: only 2 CUDA GPU(s) are visible"),
+    ("mode=async mode.device=cuda:x mode.start_method=spawn", 0, "mode.device=cuda:x: not a device"),
+])
+def test_the_gpus_a_config_asks_for_are_checked_against_those_visible(monkeypatch, override, visible, key):
+    import torch
+
+    from rlhflab.config import check_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    cfg = compose_cfg(override.split(), shrink=False)
+    if key is None:
+        check_devices(cfg)
+    else:
+        with pytest.raises(ConfigError, match="^" + __import__("re").escape(key)):
+            check_devices(cfg)
+
+
 def test_cli_mlflow_file_store_is_one_line_naming_the_key(tmp_path):
     """MLflow 3 refuses its file store: the user gets one line naming the key, and no model is built."""
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}

@@ -80,6 +80,30 @@ def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
         source.reference = "learner" if why_not else "thread"
 
 
+def check_devices(cfg: DictConfig) -> None:
+    """The GPUs the config asks for are here: else Lightning or the generator process fails after the stages ran
+    (Lightning's 'No supported gpu backend found!' in a Hydra traceback; the generator 'died without a traceback').
+    Apart from validate(), which also judges GPU configs on a machine without one (the tests do)."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    trainer = cfg.trainer
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda") and not visible:
+        raise ConfigError(f"trainer.accelerator={accelerator}: no CUDA GPU is visible here (torch.cuda.is_available() is False); "
+                          "use trainer=cpu (or trainer=ddp / fsdp, which run CPU processes here), or run on a GPU machine")
+    devices = trainer.get("devices")
+    if visible and accelerator in ("gpu", "cuda", "auto") and isinstance(devices, int) and devices > visible:
+        raise ConfigError(f"trainer.devices={devices}: only {visible} CUDA GPU(s) visible here; "
+                          f"set trainer.devices={visible} or fewer, or make more visible (CUDA_VISIBLE_DEVICES)")
+    device = str(cfg.mode.get("device") or "")
+    if device.startswith("cuda"):
+        index = device.partition(":")[2] or "0"
+        if not index.isdigit():
+            raise ConfigError(f"mode.device={device}: not a device; give cuda:N (N a visible GPU's index) or null (CPU)")
+        if int(index) >= visible:
+            raise ConfigError(f"mode.device={device}: {'no CUDA GPU is' if not visible else f'only {visible} CUDA GPU(s) are'} "
+                              "visible here; give a visible cuda:N, or mode.device=null to generate on the CPU")
+
+
 def validate(cfg: DictConfig) -> Plan:
     """Every check that needs no model: the schema's (types, ranges, undeclared keys), then the
     ones that need the plug-ins themselves (the task's data, the algorithm's needs, ...)."""
