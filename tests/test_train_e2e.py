@@ -134,6 +134,19 @@ def test_rule_reward_skips_the_reward_model_stage(make_cfg, caplog):
     assert result.module.memory.reward_model is None
 
 
+def test_a_step_budget_between_rollout_batches_is_rounded_up_and_said(make_cfg, caplog):
+    """PPO's batch makes epochs x num_minibatches updates, never cut short: trainer.max_steps=5 trains 2 batches
+    of 4 (the bar showed 8/5 and the start line '5 steps'); a budget of whole batches is taken as given."""
+    with caplog.at_level("INFO"):
+        result = train(make_cfg("algo=ppo", "algo.epochs=2", "algo.num_minibatches=2", "trainer.max_steps=5"))
+    assert result.module.updates == 8
+    assert "8 steps; trainer.max_steps=5 rounded up to whole rollout batches of 4 updates" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        assert train(make_cfg("algo=ppo", "algo.epochs=2", "algo.num_minibatches=2", "trainer.max_steps=4")).module.updates == 4
+    assert "4 steps" in caplog.text and "rounded up" not in caplog.text
+
+
 @pytest.mark.parametrize("memory", ["full", "lora", "hydra"])
 def test_bf16_mixed_precision_and_checkpointing_switches_run(make_cfg, memory):
     cfg = make_cfg(f"memory={memory}", "memory.gradient_checkpointing=true", "trainer.precision=bf16-mixed",

@@ -161,8 +161,14 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
 
     # Stage rl.
     done = resume.updates if resume else 0
-    log.info("stage rl: %s, %s memory, %s mode, %d steps%s", plan.algo.name, plan.memory.name, plan.source.name,
-             cfg.trainer.max_steps, f" (from step {done})" if done else "")
+    # A rollout batch makes algo.epochs x algo.num_minibatches updates and is not cut short: the budget is whole
+    # batches (Lightning stops only between them), said here rather than found as '12/10' on the bar.
+    per_batch = plan.algo.epochs * plan.algo.num_minibatches
+    budget = -(-cfg.trainer.max_steps // per_batch) * per_batch
+    rounded = (f"; trainer.max_steps={cfg.trainer.max_steps} rounded up to whole rollout batches of {per_batch} updates"
+               if budget != cfg.trainer.max_steps else "")
+    log.info("stage rl: %s, %s memory, %s mode, %d steps%s%s", plan.algo.name, plan.memory.name, plan.source.name,
+             budget, f" (from step {done})" if done else "", rounded)
     with fixed_seed(cfg.seed):  # fresh heads (a value head) depend on the seed alone
         memory = plan.memory.build(policy.path, reward_model and reward_model.path, plan.algo.needs_values, tokenizer,
                                    model_cfg["dtype"])
@@ -173,7 +179,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     module.run_id = tracker.run_id
     saver = ckpt.Checkpointer(ckpt.directory(out), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep,
                               OmegaConf.to_yaml(cfg, resolve=True))
-    remaining = cfg.trainer.max_steps - done
+    remaining = budget - done
     if remaining > 0:
         trainer = _make_trainer(cfg, logger, "rl", callbacks=[saver], max_steps=remaining)
         with STOP.at_step_boundaries():
@@ -191,7 +197,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
                     saver.save(module)
                 raise
     else:
-        log.info("resume: the checkpoint is at step %d, the budget %d: nothing left to train", done, cfg.trainer.max_steps)
+        log.info("resume: the checkpoint is at step %d, the budget %d: nothing left to train", done, budget)
         module.restore(resume, training=False)
         if module.eval_history[-1][0] != module.policy_version:  # killed after its last checkpoint, before the final eval
             logger.log_metrics(module.evaluate(), step=module.updates)
