@@ -93,7 +93,8 @@ def check_devices(cfg: DictConfig) -> None:
     devices = trainer.get("devices")
     if visible and accelerator in ("gpu", "cuda", "auto") and isinstance(devices, int) and devices > visible:
         raise ConfigError(f"trainer.devices={devices}: only {visible} CUDA GPU(s) visible here; "
-                          f"set trainer.devices={visible} or fewer, or make more visible (CUDA_VISIBLE_DEVICES)")
+                          f"set trainer.devices={visible} or fewer, make more visible (CUDA_VISIBLE_DEVICES), "
+                          "or trainer.accelerator=cpu for CPU processes")
     device = str(cfg.mode.get("device") or "")
     if device.startswith("cuda"):
         index = device.partition(":")[2] or "0"
