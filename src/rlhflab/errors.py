@@ -13,6 +13,10 @@ class NonFiniteError(RuntimeError):
     """A NaN or Inf in a loss, reward, reward-model output or gradient; the message names the step and quantity."""
 
 
+class DivergedWeights(NonFiniteError):
+    """Sampling met NaN/Inf logits: the weights themselves have blown up (the RL module names the step)."""
+
+
 class RewardError(RuntimeError):
     """A reward function raised, returned the wrong number of values, or a non-finite one (named with its row)."""
 

@@ -78,9 +78,12 @@ def write(root: Path, updates: int, tensors: dict, optimizer: dict, state: dict,
     return final
 
 
-def newest(root: Path) -> Path | None:
-    """The newest whole checkpoint under `root` (a damaged one is named and passed over)."""
+def newest(root: Path, before: int | None = None) -> Path | None:
+    """The newest whole checkpoint under `root` (a damaged one is named and passed over), of a step below
+    `before` where given."""
     for path in sorted(root.glob("step-*"), reverse=True):
+        if before is not None and int(path.name.removeprefix("step-")) >= before:
+            continue
         problem = damage(path)
         if problem is None:
             return path

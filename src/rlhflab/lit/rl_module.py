@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import lightning as L
@@ -13,7 +14,7 @@ from rlhflab import distributed
 from rlhflab.algos import functional as F
 from rlhflab.algos.carriers import Experience, Scored, counts
 from rlhflab.algos.registry import Algorithm
-from rlhflab.errors import ConfigError, NonFiniteError
+from rlhflab.errors import ConfigError, DivergedWeights, NonFiniteError
 from rlhflab.contracts import MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.lit.data import PromptBatches, encode_prompts, prompt_loader
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
@@ -200,7 +201,8 @@ class RLHFModule(L.LightningModule):
         # 1. generate (sync: now, with the current weights; async: a batch made earlier)
         query, index, batch_id = batch
         prompts = [self.train_prompts[i] for i in index.tolist()]
-        rollout = self.source.get(self.memory.generation_model, query, prompts, self.policy_version, self.algo, int(batch_id))
+        with self._sampling():
+            rollout = self.source.get(self.memory.generation_model, query, prompts, self.policy_version, self.algo, int(batch_id))
         k = self.algo.samples_per_prompt
         rollout = replace(rollout, rows=index.repeat_interleave(k), split="train").to(self.device)
         t_gen = time.perf_counter() - t0
@@ -250,16 +252,34 @@ class RLHFModule(L.LightningModule):
         if self.cfg.eval_every and self.policy_version % self.cfg.eval_every == 0:
             self.evaluate()
 
-    def _finite(self, value: torch.Tensor, what: str) -> bool:
+    def _finite(self, value: torch.Tensor, what: str, of_weights: bool = False) -> bool:
         """True if every element is finite; otherwise stop the run (rl.on_nonfinite=stop) or say so and
-        let the caller skip the batch (skip_batch). Checked before any optimizer step, so the weights stay good."""
+        let the caller skip the batch (skip_batch). Checked before any optimizer step, so no update uses it.
+        of_weights: the value came out of the current weights (a loss, a gradient), which may be the cause:
+        a checkpoint of them is then not named as a good one."""
         if distributed.all_true(bool(torch.isfinite(value).all())):  # every rank decides the same
             return True
         where = f"RL step {self.updates + 1} (rollout batch {self.policy_version})"
         if self.cfg.on_nonfinite == "stop":
-            raise NonFiniteError(f"{what} not finite at {where}; stopped before any update with it")
+            fix = f"; if the weights diverged, lower rl.lr (now {self.cfg.lr:g})" if of_weights else ""
+            error = NonFiniteError(f"{what} not finite at {where}; stopped before any update with it{fix}")
+            error.bad_from_step = self.updates if of_weights else None
+            raise error
         log.warning("%s not finite at %s: batch skipped (rl.on_nonfinite=skip_batch)", what, where)
         return False
+
+    @contextmanager
+    def _sampling(self):
+        """Sampling that met NaN/Inf logits, named with the step and the fix (no batch can be skipped: the weights
+        themselves are bad; rl.on_nonfinite's checks saw a finite loss and gradient, then too large a step)."""
+        try:
+            yield
+        except DivergedWeights as err:
+            error = NonFiniteError(f"{err} not finite at RL step {self.updates + 1} (rollout batch {self.policy_version}), "
+                                   f"sampling with the weights after RL step {self.updates}; lower rl.lr (now {self.cfg.lr:g}) "
+                                   f"or rl.max_grad_norm (now {self.cfg.max_grad_norm:g})")
+            error.bad_from_step = self.updates  # a checkpoint of these weights is not a good one
+            raise error from None
 
     def _skip(self, rollout: Rollout) -> None:
         """A batch given up on (non-finite values): the weights do not change, the stream goes on."""
@@ -371,7 +391,7 @@ class RLHFModule(L.LightningModule):
                         logprobs = self._policy_logprobs(batch.query, batch.response, batch.response_mask)
                     values = self._values(batch.query, batch.response, batch.response_mask) if self.algo.needs_values else None
                     loss, m = self.algo.loss(logprobs, values, batch)
-                if not self._finite(loss, "train/loss"):
+                if not self._finite(loss, "train/loss", of_weights=True):
                     return None
                 opt.zero_grad(set_to_none=True)
                 self.manual_backward(loss)
@@ -379,7 +399,7 @@ class RLHFModule(L.LightningModule):
                 # The norm before clipping (as TRL's and verl's grad_norm): finite exactly when the clipped one is.
                 grads = [p.grad for g in opt.optimizer.param_groups for p in g["params"] if p.grad is not None]
                 grad_norm = full(torch.nn.utils.get_total_norm(grads))
-                if not self._finite(grad_norm, "the gradient norm"):
+                if not self._finite(grad_norm, "the gradient norm", of_weights=True):
                     opt.zero_grad(set_to_none=True)
                     return None
                 if self.cfg.max_grad_norm:
@@ -481,7 +501,7 @@ class RLHFModule(L.LightningModule):
         # Each rank evaluates its own share of the held-out prompts; the results are gathered, never computed twice.
         # Shares differ by at most one prompt when the count does not divide (every prompt is evaluated once).
         rows = torch.tensor_split(torch.arange(len(self.eval_prompts)), distributed.world_size())[distributed.rank()]
-        with fixed_seed(self.cfg.eval_seed + distributed.rank()):
+        with fixed_seed(self.cfg.eval_seed + distributed.rank()), self._sampling():
             rollout: Rollout = self.source.eval_generator.generate(
                 self.memory.generation_model, trim_left(self.eval_query[rows], self.tokenizer.pad_token_id).to(self.device),
                 [self.eval_prompts[i] for i in rows], k,

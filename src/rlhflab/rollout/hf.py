@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from rlhflab.errors import ConfigError
+from rlhflab.errors import ConfigError, DivergedWeights
 from rlhflab.rollout.batch import Rollout, repeat_prompts, response_mask_from_eos
+
+
+@contextmanager
+def diverged_as_nonfinite():
+    """Sampling from NaN/Inf logits (weights blown up by too large a step; the update's own checks saw finite
+    values) fails in torch.multinomial with a bare RuntimeError: say what it means, in one line."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "probability tensor contains" not in str(err):
+            raise
+        raise DivergedWeights("the policy's sampling probabilities (NaN/Inf logits: its weights have diverged)") from None
 
 
 class BehaviourLogprobs(LogitsProcessor):
@@ -76,7 +90,17 @@ class HFGenerator:
         """(response (n, R) right-padded, behaviour log-probs (n, R) or None when greedy)."""
         attention_mask = (query != self.tokenizer.pad_token_id).long()
         recorder = None if greedy else BehaviourLogprobs(self.temperature)
-        sequences = model.generate(
+        with diverged_as_nonfinite():
+            sequences = self._call_generate(model, query, attention_mask, greedy, recorder)
+        # generate() stops once every row has finished: the batch is as wide as its longest completion, not the
+        # budget, and every forward after it (the reference, the update, a reward model) runs on that width only.
+        response = sequences[:, query.shape[1] :]
+        if recorder is None:
+            return response, None
+        return response, recorder.logprobs(sequences)
+
+    def _call_generate(self, model, query: torch.Tensor, attention_mask: torch.Tensor, greedy: bool, recorder):
+        return model.generate(
             input_ids=query,
             attention_mask=attention_mask,
             do_sample=not greedy,
@@ -90,12 +114,6 @@ class HFGenerator:
             logits_processor=LogitsProcessorList([recorder] if recorder else []),
             synced_gpus=self.synced,  # a sharded model's forward is a collective: no rank may stop early
         )
-        # generate() stops once every row has finished: the batch is as wide as its longest completion, not the
-        # budget, and every forward after it (the reference, the update, a reward model) runs on that width only.
-        response = sequences[:, query.shape[1] :]
-        if recorder is None:
-            return response, None
-        return response, recorder.logprobs(sequences)
 
     def generate(
         self, model, query: torch.Tensor, prompts: list[str], samples_per_prompt: int, version: int, greedy_baseline: bool = False
