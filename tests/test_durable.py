@@ -288,16 +288,18 @@ def test_nan_reward_stops_naming_step_and_quantity_and_keeps_the_checkpoint(make
     assert client.search_runs([client.get_experiment_by_name("rlhflab").experiment_id])[0].info.status == "FAILED"
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["mode=sync", "mode=async staleness=1", "mode=async staleness=0"])
 def test_diverged_weights_stop_in_one_line_not_naming_their_checkpoint_as_good(make_cfg, tmp_path, mode):
     """rl.lr=1e30: the first update's loss and clipped gradient are finite, its step is not. Sampling with those
-    weights failed in torch.multinomial, a traceback; and the checkpoint of step 1 holds them."""
-    cfg = make_cfg("rl.lr=1e30", "trainer.max_steps=6", "checkpoint.every_n_steps=1", f"mode={mode}", f"output.dir={tmp_path}")
+    weights failed in torch.multinomial, a traceback (in the generator process: 'generator process failed' and
+    its traceback); and the checkpoint of step 1 holds them."""
+    cfg = make_cfg("rl.lr=1e30", "trainer.max_steps=6", "checkpoint.every_n_steps=1", *mode.split(), f"output.dir={tmp_path}")
     with pytest.raises(NonFiniteError) as err:
         train(cfg)
     message = str(err.value)
     assert "\n" not in message and "lower rl.lr (now 1e+30)" in message, message
-    if mode == "sync":  # async's learner meets the NaN first, in its loss on the batch sampled one update earlier
+    # staleness 1: the learner meets the NaN first, in its loss on the batch sampled one update earlier
+    if mode != "mode=async staleness=1":
         assert message.startswith("the policy's sampling probabilities (NaN/Inf logits: its weights have diverged) "
                                   "not finite at RL step 2"), message
     assert message.endswith("step 1's weights may be the cause; no checkpoint before them"), message

@@ -14,7 +14,12 @@ class NonFiniteError(RuntimeError):
 
 
 class DivergedWeights(NonFiniteError):
-    """Sampling met NaN/Inf logits: the weights themselves have blown up (the RL module names the step)."""
+    """Sampling met NaN/Inf logits: the weights themselves have blown up (the RL module names the step).
+    `version`: the policy version sampled with, where it is not the learner's own (an async generator)."""
+
+    def __init__(self, message: str, version: int | None = None) -> None:
+        super().__init__(message)
+        self.version = version
 
 
 class RewardError(RuntimeError):

@@ -275,10 +275,15 @@ class RLHFModule(L.LightningModule):
         try:
             yield
         except DivergedWeights as err:
+            weights, bad = f"the weights after RL step {self.updates}", self.updates
+            if err.version is not None and err.version != self.policy_version:  # an async generator's, older
+                weights = f"policy version {err.version} (the generator's)"
+                per_batch = self.algo.epochs * self.algo.num_minibatches  # at most this many updates a batch since
+                bad = max(0, self.updates - (self.policy_version - err.version) * per_batch)
             error = NonFiniteError(f"{err} not finite at RL step {self.updates + 1} (rollout batch {self.policy_version}), "
-                                   f"sampling with the weights after RL step {self.updates}; lower rl.lr (now {self.cfg.lr:g}) "
+                                   f"sampling with {weights}; lower rl.lr (now {self.cfg.lr:g}) "
                                    f"or rl.max_grad_norm (now {self.cfg.max_grad_norm:g})")
-            error.bad_from_step = self.updates  # a checkpoint of these weights is not a good one
+            error.bad_from_step = bad  # a checkpoint of these weights is not a good one
             raise error from None
 
     def _skip(self, rollout: Rollout) -> None:

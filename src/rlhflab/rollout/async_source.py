@@ -30,7 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rlhflab import distributed
-from rlhflab.errors import ConfigError
+from rlhflab.errors import ConfigError, DivergedWeights
 from rlhflab.interrupts import STOP
 from rlhflab.models.sharding import full
 from rlhflab.rollout.batch import Rollout
@@ -260,6 +260,8 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
             # Plain pickle copies the tensors: a shared-memory handle would die with this process
             # and the learner could not open rollouts still queued after a crash.
             out_q.put(("rollout", pickle.dumps(rollout)))
+    except DivergedWeights as err:  # the learner says it in one line, with the step, as sync mode does
+        out_q.put(("diverged", (str(err), version)))
     except Exception:
         out_q.put(("error", traceback.format_exc()))
 
@@ -357,6 +359,9 @@ class AsyncSource(SyncSource):
                 STOP.check()
         if kind == "error":
             raise GeneratorCrashed(f"generator process failed:\n{payload}")
+        if kind == "diverged":
+            message, version = payload
+            raise DivergedWeights(message, version)
         return pickle.loads(payload)
 
     def get(self, model, query, prompts, version: int, algo, batch: int) -> Rollout:
