@@ -75,6 +75,10 @@ BAD_VALUES = [
     ("trainer=ddp trainer.strategy.process_group_backend=nccl trainer.accelerator=cpu", "trainer.strategy.process_group_backend"),
     ("mode=async trainer=gpu mode.device=cuda:0", "mode.device"),
     ("trainer=ddp trainer.accelerator=gpu mode=async mode.device=cuda:1", "mode.device"),
+    # a paper's preset with another option of a group it configures: the preset's setting for its own option
+    ("experiment=async_pythia1b_tldr algo=rloo", "algo.beta: experiment=async_pythia1b_tldr sets it for algo=online_dpo, which algo=rloo does not have"),
+    ("experiment=lora_ppo_llama7b_tldr memory=full", "memory.r: experiment=lora_ppo_llama7b_tldr sets it for memory=lora"),
+    ("experiment=quick task=prompts", "task.num_demonstrations: experiment=quick sets it for task=sentiment"),
 ]
 
 RUNNER = r'''

@@ -98,11 +98,41 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
         return f"{key}: {value!r} is not {TYPE_WORDS.get(kind, kind)}; give {TYPE_WORDS.get(kind, kind)}, e.g. {key}={_default(key, others)}"
     if key and re.search(r"Key '\w+' not in '\w+'", message):
         parent = key.rpartition(".")[0]
+        clash = _preset_clash(key, overrides)
+        if clash:
+            return clash
         return f"{key}: not a setting of {parent or 'the config'}; valid keys: {', '.join(_keys(parent, others))}"
     if key:
         return f"{key}: {message}; see python src/train.py --help"
     bad = next((o for o in overrides if o.split("=")[0].lstrip("+~") in str(err)), " ".join(overrides) or "the config")
     return f"{bad}: {message}; see python src/train.py --help"
+
+
+def _preset_clash(key: str, overrides: list[str]) -> str | None:
+    """A preset (experiment=X) sets `key` for its own choice of the group, and the command line chose another
+    option that has no such setting (e.g. experiment=async_pythia1b_tldr algo=rloo: the preset's algo.beta is
+    online DPO's). Hydra merges the preset's values before anything on the command line can remove them."""
+    import yaml
+
+    group = key.partition(".")[0]
+    chosen = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == group and "=" in o), None)
+    preset = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "experiment"), None)
+    path = CONFIG_DIR / "experiment" / f"{preset}.yaml"
+    if not chosen or not preset or not path.is_file():
+        return None
+    body = yaml.safe_load(path.read_text()) or {}
+    node = body
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if node is None:
+        return None
+    root = yaml.safe_load((CONFIG_DIR / f"{CONFIG_NAME}.yaml").read_text())
+    own = next((list(d.values())[0] for d in body.get("defaults", []) if isinstance(d, dict)
+                and list(d)[0] == f"override /{group}"), None)
+    own = own or next((d[group] for d in root["defaults"] if isinstance(d, dict) and group in d), "its default")
+    return (f"{key}: experiment={preset} sets it for {group}={own}, which {group}={chosen} does not have "
+            f"({group}={chosen}'s settings: {', '.join(_keys(group, [f'{group}={chosen}']))}); keep the preset's {group}, "
+            f"or copy conf/experiment/{preset}.yaml to a preset of your own with {group}: {chosen}")
 
 
 def _default(key: str, overrides: list[str]) -> str:
