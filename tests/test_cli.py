@@ -79,6 +79,8 @@ BAD_VALUES = [
     ("experiment=async_pythia1b_tldr algo=rloo", "algo.beta: experiment=async_pythia1b_tldr sets it for algo=online_dpo, which algo=rloo does not have"),
     ("experiment=lora_ppo_llama7b_tldr memory=full", "memory.r: experiment=lora_ppo_llama7b_tldr sets it for memory=lora"),
     ("experiment=quick task=prompts", "task.num_demonstrations: experiment=quick sets it for task=sentiment"),
+    # a sweep preset searching a key the chosen option lacks (failed at Optuna's first trial, in Hydra's words)
+    ("experiment=sweep_optuna algo=grpo", "hydra.sweeper.params: experiment=sweep_optuna searches algo.kl_coef, which algo=grpo does not have"),
 ]
 
 RUNNER = r'''

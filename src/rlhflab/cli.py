@@ -44,18 +44,52 @@ def preflight(argv: list[str]) -> None:
     for job in sweep_jobs(overrides, multirun):
         which = f" (sweep job: {' '.join(job)})" if multirun else ""
         try:
-            check(compose(job))
+            cfg = compose(job, hydra=True)
+            searched = sweep_searches(cfg)
+            check(cfg)
+            searched_keys_exist(cfg, searched)
         except ConfigError as err:
             fail(f"{err}{which}")
         except Exception as err:  # Hydra's and OmegaConf's composition errors
             fail(composition_error(err, job) + which)
 
 
-def compose(overrides: list[str]):
+def sweep_searches(cfg) -> dict:
+    """Take Hydra's node off the composed config (the schema's check sees the job's config), keeping what a
+    sweep searches: {"params": the sweeper's params of a multirun preset, "choices": the group choices}."""
+    from omegaconf import OmegaConf, open_dict
+
+    hydra = cfg.hydra
+    multirun = str(hydra.mode) == "RunMode.MULTIRUN"
+    searched = {"params": list(OmegaConf.select(hydra, "sweeper.params") or {}) if multirun else [],
+                "choices": OmegaConf.to_container(hydra.runtime.choices)}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return searched
+
+
+def searched_keys_exist(cfg, searched: dict) -> None:
+    """A preset's sweeper searches keys of the config (Optuna's intervals: each trial sets them). One the config
+    does not have failed at the first trial, in Hydra's words ('Could not override algo.kl_coef'), e.g.
+    experiment=sweep_optuna algo=grpo, whose KL weight is algo.kl_loss_coef."""
+    from omegaconf import OmegaConf
+
+    for key in map(str, searched["params"]):
+        group, dot, _ = key.partition(".")
+        if not dot or key.startswith(("+", "~", "hydra.")) or OmegaConf.select(cfg, key) is not None:
+            continue
+        chosen, preset = searched["choices"].get(group), searched["choices"].get("experiment")
+        raise ConfigError(f"hydra.sweeper.params: {f'experiment={preset}' if preset else 'the sweep'} searches {key}, "
+                          f"which {group}={chosen} does not have ({group}={chosen}'s settings: "
+                          f"{', '.join(_keys(group, [f'{group}={chosen}']))}); choose another {group}, or copy "
+                          f"conf/experiment/{preset or '<preset>'}.yaml to a preset of your own that searches another key")
+
+
+def compose(overrides: list[str], hydra: bool = False):
     from hydra import compose as hydra_compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose(config_name=CONFIG_NAME, overrides=overrides)
+        return hydra_compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=hydra)
 
 
 def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
