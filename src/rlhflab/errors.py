@@ -10,7 +10,12 @@ class StageFailed(RuntimeError):
 
 
 class NonFiniteError(RuntimeError):
-    """A NaN or Inf in a loss, reward, reward-model output or gradient; the message names the step and quantity."""
+    """A NaN or Inf in a loss, reward, reward-model output or gradient; the message names the step and quantity.
+    `weights_step`: the RL step whose weights gave the value (a checkpoint of them is not a good one), or None."""
+
+    def __init__(self, message: str, weights_step: int | None = None) -> None:
+        super().__init__(message)
+        self.weights_step = weights_step
 
 
 class DivergedWeights(NonFiniteError):
@@ -18,7 +23,7 @@ class DivergedWeights(NonFiniteError):
     `version`: the policy version sampled with, where it is not the learner's own (an async generator)."""
 
     def __init__(self, message: str, version: int | None = None) -> None:
-        super().__init__(message)
+        super().__init__(message, None)
         self.version = version
 
 

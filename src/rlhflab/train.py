@@ -186,7 +186,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
             try:
                 trainer.fit(module)
             except NonFiniteError as err:
-                bad = getattr(err, "bad_from_step", None)  # the weights of this step gave the value: not a good checkpoint
+                bad = err.weights_step  # the weights of this step gave the value: not a good checkpoint
                 last = saver.last if bad is None and saver.last else ckpt.newest(ckpt.directory(out), before=bad)
                 if bad is None:
                     kept = f"the last good checkpoint is {last}" if last else "no checkpoint exists (set checkpoint.every_n_steps)"
@@ -195,7 +195,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
                 else:
                     kept = (f"step {bad}'s weights may be the cause; no checkpoint before them"
                             + ("" if ckpt.newest(ckpt.directory(out)) else " (set checkpoint.every_n_steps)"))
-                raise NonFiniteError(f"{err}; {kept}") from None
+                raise NonFiniteError(f"{err}; {kept}", bad) from None
             except BaseException as err:
                 # A stop that arrived between steps (Lightning's own SIGTERM check, or while waiting for the
                 # generator) still leaves a checkpoint of the last whole step.

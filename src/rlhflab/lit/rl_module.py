@@ -262,9 +262,8 @@ class RLHFModule(L.LightningModule):
         where = f"RL step {self.updates + 1} (rollout batch {self.policy_version})"
         if self.cfg.on_nonfinite == "stop":
             fix = f"; if the weights diverged, lower rl.lr (now {self.cfg.lr:g})" if of_weights else ""
-            error = NonFiniteError(f"{what} not finite at {where}; stopped before any update with it{fix}")
-            error.bad_from_step = self.updates if of_weights else None
-            raise error
+            raise NonFiniteError(f"{what} not finite at {where}; stopped before any update with it{fix}",
+                                 self.updates if of_weights else None)
         log.warning("%s not finite at %s: batch skipped (rl.on_nonfinite=skip_batch)", what, where)
         return False
 
@@ -280,11 +279,9 @@ class RLHFModule(L.LightningModule):
                 weights = f"policy version {err.version} (the generator's)"
                 per_batch = self.algo.epochs * self.algo.num_minibatches  # at most this many updates a batch since
                 bad = max(0, self.updates - (self.policy_version - err.version) * per_batch)
-            error = NonFiniteError(f"{err} not finite at RL step {self.updates + 1} (rollout batch {self.policy_version}), "
-                                   f"sampling with {weights}; lower rl.lr (now {self.cfg.lr:g}) "
-                                   f"or rl.max_grad_norm (now {self.cfg.max_grad_norm:g})")
-            error.bad_from_step = bad  # a checkpoint of these weights is not a good one
-            raise error from None
+            raise NonFiniteError(f"{err} not finite at RL step {self.updates + 1} (rollout batch {self.policy_version}), "
+                                 f"sampling with {weights}; lower rl.lr (now {self.cfg.lr:g}) "
+                                 f"or rl.max_grad_norm (now {self.cfg.max_grad_norm:g})", bad) from None
 
     def _skip(self, rollout: Rollout) -> None:
         """A batch given up on (non-finite values): the weights do not change, the stream goes on."""
