@@ -91,29 +91,26 @@ class HFGenerator:
         attention_mask = (query != self.tokenizer.pad_token_id).long()
         recorder = None if greedy else BehaviourLogprobs(self.temperature)
         with diverged_as_nonfinite():
-            sequences = self._call_generate(model, query, attention_mask, greedy, recorder)
+            sequences = model.generate(
+                input_ids=query,
+                attention_mask=attention_mask,
+                do_sample=not greedy,
+                temperature=1.0 if not greedy else None,  # the temperature is applied by the recorder, no warper here
+                top_k=0 if not greedy else None,  # 0: no truncation (transformers' default would be 50)
+                top_p=None,
+                max_new_tokens=self.max_new_tokens,
+                min_length=0,  # no forced length (min_new_tokens=0 would add a no-op processor that costs every token)
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.tokenizer.eos_token_id,
+                logits_processor=LogitsProcessorList([recorder] if recorder else []),
+                synced_gpus=self.synced,  # a sharded model's forward is a collective: no rank may stop early
+            )
         # generate() stops once every row has finished: the batch is as wide as its longest completion, not the
         # budget, and every forward after it (the reference, the update, a reward model) runs on that width only.
         response = sequences[:, query.shape[1] :]
         if recorder is None:
             return response, None
         return response, recorder.logprobs(sequences)
-
-    def _call_generate(self, model, query: torch.Tensor, attention_mask: torch.Tensor, greedy: bool, recorder):
-        return model.generate(
-            input_ids=query,
-            attention_mask=attention_mask,
-            do_sample=not greedy,
-            temperature=1.0 if not greedy else None,  # the temperature is applied by the recorder, no warper here
-            top_k=0 if not greedy else None,  # 0: no truncation (transformers' default would be 50)
-            top_p=None,
-            max_new_tokens=self.max_new_tokens,
-            min_length=0,  # no forced length (min_new_tokens=0 would add a no-op processor that costs every token)
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-            logits_processor=LogitsProcessorList([recorder] if recorder else []),
-            synced_gpus=self.synced,  # a sharded model's forward is a collective: no rank may stop early
-        )
 
     def generate(
         self, model, query: torch.Tensor, prompts: list[str], samples_per_prompt: int, version: int, greedy_baseline: bool = False
