@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from rlhflab.algos.registry import Algorithm
 from rlhflab.contracts import Generator, MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.errors import ConfigError
-from rlhflab.schema import check, ranks
+from rlhflab.schema import check, cuda_index, ranks
 from rlhflab.tracking import MlflowTracker
 
 REQUIRED_GROUPS = ("task", "model", "algo", "reward", "memory", "mode", "off_policy", "generator", "trainer", "logger")
@@ -95,14 +95,11 @@ def check_devices(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.devices={devices}: only {visible} CUDA GPU(s) visible here; "
                           f"set trainer.devices={visible} or fewer, make more visible (CUDA_VISIBLE_DEVICES), "
                           "or trainer.accelerator=cpu for CPU processes")
-    device = str(cfg.mode.get("device") or "")
-    if device.startswith("cuda"):
-        index = device.partition(":")[2] or "0"
-        if not index.isdigit():
-            raise ConfigError(f"mode.device={device}: not a device; give cuda:N (N a visible GPU's index) or null (CPU)")
-        if int(index) >= visible:
-            raise ConfigError(f"mode.device={device}: {'no CUDA GPU is' if not visible else f'only {visible} CUDA GPU(s) are'} "
-                              "visible here; give a visible cuda:N, or mode.device=null to generate on the CPU")
+    device = cfg.mode.get("device")
+    index = cuda_index(device)  # its format was checked with the schema
+    if index is not None and index >= visible:
+        raise ConfigError(f"mode.device={device}: {'no CUDA GPU is' if not visible else f'only {visible} CUDA GPU(s) are'} "
+                          "visible here; give a visible cuda:N, or mode.device=null to generate on the CPU")
 
 
 def validate(cfg: DictConfig) -> Plan:

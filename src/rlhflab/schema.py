@@ -433,12 +433,23 @@ def ranks(trainer: DictConfig) -> int:
     return count * trainer.num_nodes
 
 
+def cuda_index(device) -> int | None:
+    """N of mode.device=cuda:N (0 for cuda); None for no device or a CPU one."""
+    device = str(device or "")
+    if not device.startswith("cuda"):
+        return None
+    index = device.partition(":")[2] or "0"
+    if device.partition(":")[0] != "cuda" or not index.isdigit():
+        raise SettingError(f"mode.device={device}", "not a device; give cuda:N (N a visible GPU's index) or null (CPU)")
+    return int(index)
+
+
 def check_generator_device(cfg: DictConfig) -> None:
     """mode.device=cuda:N puts each rank's generator on GPU N + its local rank: those must not be training GPUs."""
     device = OmegaConf.select(cfg, "mode.device")
-    if not device or not str(device).startswith("cuda") or cfg.trainer.accelerator not in ("gpu", "cuda", "auto"):
+    first = cuda_index(device)
+    if first is None or cfg.trainer.accelerator not in ("gpu", "cuda", "auto"):
         return
-    first = int(str(device).partition(":")[2] or 0)
     devices = cfg.trainer.devices
     training = list(devices) if isinstance(devices, ListConfig) else list(range(devices)) if isinstance(devices, int) else [0]
     generators = list(range(first, first + len(training)))
