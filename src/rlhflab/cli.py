@@ -80,9 +80,21 @@ def searched_keys_exist(cfg, searched: dict) -> None:
             continue
         chosen, preset = searched["choices"].get(group), searched["choices"].get("experiment")
         raise ConfigError(f"hydra.sweeper.params: {f'experiment={preset}' if preset else 'the sweep'} searches {key}, "
-                          f"which {group}={chosen} does not have ({group}={chosen}'s settings: "
-                          f"{', '.join(_keys(group, [f'{group}={chosen}']))}); choose another {group}, or copy "
+                          f"{_lacking(group, chosen)}; choose another {group}, or copy "
                           f"conf/experiment/{preset or '<preset>'}.yaml to a preset of your own that searches another key")
+
+
+def _lacking(group: str, option: str) -> str:
+    """'which algo=grpo does not have (algo=grpo's settings: ...)': the settings one option of a group has."""
+    return f"which {group}={option} does not have ({group}={option}'s settings: {', '.join(_keys(group, [f'{group}={option}']))})"
+
+
+def _root_defaults() -> dict[str, str]:
+    """Each group's default option in conf/train.yaml."""
+    import yaml
+
+    root = yaml.safe_load((CONFIG_DIR / f"{CONFIG_NAME}.yaml").read_text())
+    return {k: v for d in root["defaults"] if isinstance(d, dict) for k, v in d.items()}
 
 
 def compose(overrides: list[str], hydra: bool = False):
@@ -160,12 +172,9 @@ def _preset_clash(key: str, overrides: list[str]) -> str | None:
         node = node.get(part) if isinstance(node, dict) else None
     if node is None:
         return None
-    root = yaml.safe_load((CONFIG_DIR / f"{CONFIG_NAME}.yaml").read_text())
     own = next((list(d.values())[0] for d in body.get("defaults", []) if isinstance(d, dict)
-                and list(d)[0] == f"override /{group}"), None)
-    own = own or next((d[group] for d in root["defaults"] if isinstance(d, dict) and group in d), "its default")
-    return (f"{key}: experiment={preset} sets it for {group}={own}, which {group}={chosen} does not have "
-            f"({group}={chosen}'s settings: {', '.join(_keys(group, [f'{group}={chosen}']))}); keep the preset's {group}, "
+                and list(d)[0] == f"override /{group}"), None) or _root_defaults().get(group, "its default")
+    return (f"{key}: experiment={preset} sets it for {group}={own}, {_lacking(group, chosen)}; keep the preset's {group}, "
             f"or copy conf/experiment/{preset}.yaml to a preset of your own with {group}: {chosen}")
 
 
@@ -205,10 +214,7 @@ def _summary(path: Path) -> str:
 
 def render_help() -> str:
     """The groups, their options (default first) and each option's one-line comment."""
-    import yaml
-
-    root = yaml.safe_load((CONFIG_DIR / f"{CONFIG_NAME}.yaml").read_text())
-    defaults = {k: v for d in root["defaults"] if isinstance(d, dict) for k, v in d.items()}
+    defaults = _root_defaults()
     lines = [
         "rlhflab: declarative RLHF experiments (Hydra composes, Lightning trains, MLflow records).",
         "",
