@@ -155,6 +155,37 @@ def test_the_real_command_line_fails_in_one_line(tmp_path, args, key):
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
 
 
+UNTYPED = """_target_: rlhflab.algos.registry.RLOO
+samples_per_prompt: 4
+kl_coef: 0.05
+kl_estimator: k1
+clip_eps: 0.2
+loss_agg: seq-mean-token-sum
+epochs: 1
+num_minibatches: 1
+"""
+
+
+@pytest.mark.parametrize("schema, key", [(None, "algo=mine: its config has no schema"),
+                                         ("/schema/algo/mine", "algo=mine: its defaults start from /schema/algo/mine, which no schema registers")])
+def test_an_option_of_ones_own_without_a_schema_fails_in_one_line(tmp_path, schema, key):
+    """A new conf/algo/X.yaml (docs/ALGORITHMS.md, Adding an algorithm) without its schema line had none of its values
+    checked (algo.kl_coef=abc failed as a tensor TypeError after the stages ran); with a schema nobody registered,
+    Hydra's words were "In 'algo/mine': Could not load 'schema/algo/mine'"."""
+    (tmp_path / "conf" / "algo").mkdir(parents=True)
+    head = f"defaults:\n  - {schema}@_here_\n  - _self_\n" if schema else ""
+    (tmp_path / "conf" / "algo" / "mine.yaml").write_text(head + UNTYPED)
+    out = run_cli("algo=mine", "algo.kl_coef=abc", f"hydra.searchpath=[file://{tmp_path}/conf]", f"cache_dir={tmp_path}/cache",
+                  cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {key}"), out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "SCHEMAS['algo']" in out.stderr
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
+    typed = (tmp_path / "conf" / "algo" / "mine.yaml")
+    typed.write_text("defaults:\n  - /schema/algo/rloo@_here_\n  - _self_\n" + UNTYPED)
+    out = run_cli("algo=mine", "algo.kl_coef=abc", f"hydra.searchpath=[file://{tmp_path}/conf]", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("error: algo.kl_coef: 'abc' is not a number"), out.stderr
+
+
 def test_help_lists_groups_options_and_their_comments(tmp_path):
     out = run_cli("--help", cwd=tmp_path)
     assert out.returncode == 0

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from rlhflab.errors import ConfigError
-from rlhflab.schema import check, register
+from rlhflab.schema import SCHEMAS, check, check_typed, register
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 CONFIG_NAME = "train"
@@ -46,6 +46,7 @@ def preflight(argv: list[str]) -> None:
         try:
             cfg = compose(job, hydra=True)
             searched = sweep_searches(cfg)
+            check_typed(cfg, searched["choices"])
             check(cfg)
             searched_keys_exist(cfg, searched)
         except ConfigError as err:
@@ -130,6 +131,12 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
             group, option = found.groups()
             options = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
             return f"{group}={option}: no such option; choose one of {', '.join(options)}"
+    unregistered = re.search(r"In '([^']+)': Could not load 'schema/([^'/]+)/([^']+)'", str(err))
+    if unregistered:
+        option, group, name = unregistered.groups()
+        return (f"{option.replace('/', '=', 1)}: its defaults start from /schema/{group}/{name}, which no schema registers; "
+                f"add '{name}' to SCHEMAS['{group}'] in src/rlhflab/schema.py, or start from one it has: "
+                f"{', '.join(sorted(SCHEMAS.get(group, {})))}")
     cause = err
     while cause.__cause__ is not None or cause.__context__ is not None:  # the innermost error names the key
         if getattr(cause, "full_key", None):

@@ -426,6 +426,19 @@ def _walk(node: DictConfig, prefix: str = "") -> None:
             _check_value(name, value, declared[key].metadata)
 
 
+def check_typed(cfg: DictConfig, choices: dict) -> None:
+    """Every group's option starts from a schema. One that does not (a new conf/algo/X.yaml without the
+    `/schema/...@_here_` line) would have none of its values checked: a typo'd key or a bad value would
+    fail only when its class is built, after the models load."""
+    for group, options in SCHEMAS.items():
+        if group in cfg and not dataclasses.is_dataclass(OmegaConf.get_type(cfg[group])):
+            option = choices.get(group, "?")
+            known = ", ".join(sorted(options))
+            raise SettingError(f"{group}={option}", f"its config has no schema, so none of its values would be checked; put "
+                               f"'- /schema/{group}/NAME@_here_' first in its defaults (NAME: one of {known}, or a "
+                               f"dataclass of your own added to SCHEMAS['{group}'] in src/rlhflab/schema.py)")
+
+
 def ranks(trainer: DictConfig) -> int:
     """Processes a trainer config starts (1 when `devices` is not a count, e.g. auto or a list of one)."""
     devices = trainer.devices
