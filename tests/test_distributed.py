@@ -4,24 +4,30 @@ MLflow run logged from rank 0, and a Hydra multirun of 2-rank jobs nesting under
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import ROOT, SHRINK
+from conftest import ROOT, SHRINK, cli_run, wait_for
 
 TRAIN = str(ROOT / "src" / "train.py")
 # Short enough for a test, long enough that the gold reward visibly moves (eval at steps 0, 10, 20).
 SHORT = [*SHRINK, "trainer.max_steps=20", "rl.eval_every=10", "trainer.devices=2"]
 
 
-def run(tmp_path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def clean_env(tmp_path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RLHFLAB_MLFLOW", "MASTER_", "LOCAL_RANK", "WORLD_SIZE"))}
-    env |= {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "RLHFLAB_CACHE": str(tmp_path / "cache"),
-            "OMP_WAIT_POLICY": "PASSIVE"}
+    return env | {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "RLHFLAB_CACHE": str(tmp_path / "cache"),
+                  "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def run(tmp_path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = clean_env(tmp_path)
     # subprocess.run kills the child on timeout; Lightning's rank-1 process is its child and dies with it (pdeathsig).
     out = subprocess.run([sys.executable, TRAIN, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=timeout)
@@ -67,3 +73,31 @@ def test_a_sweep_of_two_rank_jobs_nests_under_one_parent(tmp_path):
     assert len(found) == 3 and len(children) == 2  # no stray run from either job's rank 1
     assert sorted(r.data.tags["algo"] for r in children) == ["grpo", "rloo"]
     assert all(r.info.status == "FINISHED" and r.data.params["trainer.devices"] == "2" for r in children)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_both_ranks_with_one_checkpoint_and_resumes(tmp_path):
+    """Ctrl-C in a terminal sends SIGINT to every rank. Both stop at the same step boundary, one checkpoint is
+    written, and the run exits 130 without a traceback. Before, rank 1 (which does not hold the written path)
+    took the checkpoint for missing and gathered for a second one while rank 0 had left: a gloo 'Connection
+    closed by peer' traceback. The checkpoint then resumes on two ranks into the same MLflow run."""
+    out = tmp_path / "run"
+    args = ["trainer=ddp", *SHORT, f"output.dir={out}", f"hydra.run.dir={out}"]
+    with cli_run([*args, "trainer.max_steps=100000"], tmp_path, clean_env(tmp_path)) as proc:
+        log = out / "train.log"
+        wait_for(lambda: log.exists() and "eval after 0 RL steps" in log.read_text(), 600, "the RL stage", proc)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
+        rc = proc.wait(timeout=120)
+        output = proc.stdout.read()
+    assert rc == 130, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    (checkpoint,) = (out / "checkpoints").glob("step-*")
+    assert output.count("checkpoint: ") == 1, output[-4000:]
+    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert client.get_run(run_id).info.status == "KILLED"
+    step = int(checkpoint.name.split("-")[1])
+    run(tmp_path, *args, f"trainer.max_steps={step + 2}", "resume=auto")
+    assert client.get_run(run_id).info.status == "FINISHED"
+    losses = [m.step for m in client.get_metric_history(run_id, "train/loss")]
+    assert losses == list(range(1, step + 3)), losses  # every step once, the resumed ones in the same run

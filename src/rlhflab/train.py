@@ -199,8 +199,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
             except BaseException as err:
                 # A stop that arrived between steps (Lightning's own SIGTERM check, or while waiting for the
                 # generator) still leaves a checkpoint of the last whole step.
-                saved_here = saver.last is not None and saver.last.name == f"step-{module.updates:08d}"
-                if as_interrupt(err) and not saved_here and module.updates > done and module.can_checkpoint():
+                # Every rank decides alike (saving is collective): only rank 0 holds the written path.
+                if as_interrupt(err) and saver.saved_at != module.updates and module.updates > done and module.can_checkpoint():
                     saver.save(module)
                 raise
     else:

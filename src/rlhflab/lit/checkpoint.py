@@ -156,7 +156,8 @@ class Checkpointer(L.Callback):
         self.every = every_n_steps
         self.keep = keep
         self.config_yaml = config_yaml
-        self.last: Path | None = None
+        self.last: Path | None = None  # rank 0's newest written checkpoint
+        self.saved_at: int | None = None  # the step of the newest checkpoint, on every rank
         self.next_at: int | None = None
 
     def on_train_start(self, trainer, module) -> None:
@@ -177,6 +178,7 @@ class Checkpointer(L.Callback):
         """Every rank gives its state (collective); rank 0 writes the checkpoint, after the metrics of every step
         it holds (a resumed run re-runs only the steps after it, so buffered metrics up to here must be kept)."""
         tensors, optimizer, state = module.checkpoint_state()
+        self.saved_at = module.updates
         if distributed.is_main():
             if hasattr(module.logger, "flush"):  # rlhflab's RunLogger: metrics up to this step, written now
                 module.logger.flush()
