@@ -61,6 +61,20 @@ def test_two_ranks_run_the_whole_pipeline_into_one_mlflow_run(tmp_path, trainer)
 
 
 @pytest.mark.slow
+def test_fsdp_trains_hydra_rlhfs_adapters(tmp_path):
+    """memory=hydra under trainer=fsdp: the adapters (policy and value) and the value head receive gradients, and
+    the policy moves away from the reference. Before, the memory kept the parameter objects of before fully_shard, which replaces every parameter
+    with a DTensor: the optimizer stepped stale copies, train/grad_norm was 0.0 at every step and the gold reward
+    and KL stayed at their first values (-0.021, 0.00 after 80 steps)."""
+    run(tmp_path, "trainer=fsdp", "memory=hydra", "algo=ppo", *SHORT)
+    client, (result,) = runs(tmp_path)
+    history = {k: [m.value for m in client.get_metric_history(result.info.run_id, k)]
+               for k in ("train/grad_norm", "eval/kl")}
+    assert len(history["train/grad_norm"]) == 5 and min(history["train/grad_norm"]) > 0, history["train/grad_norm"]  # per rollout batch
+    assert history["eval/kl"][-1] > 0.01, history["eval/kl"]  # the policy left the reference (adapters off)
+
+
+@pytest.mark.slow
 def test_a_sweep_of_two_rank_jobs_nests_under_one_parent(tmp_path):
     tiny = ["trainer.max_steps=2", "rl.prompts_per_step=4", "rl.eval_every=0", "stages.sft.epochs=1",
             "stages.rm.epochs=1", "task.num_demonstrations=64", "task.num_preference_pairs=64",

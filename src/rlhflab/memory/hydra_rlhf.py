@@ -96,11 +96,19 @@ class HydraRLHFMemory(LoraSettings, MemoryStrategy):
             fresh = self.reward_head is None
             head = ScalarHead(causal_lm.config.hidden_size, DTYPES[dtype]) if fresh else copy.deepcopy(self.reward_head)
             self.value_head = head.requires_grad_(True).train()
-        self._policy_params = self._adapter_parameters(POLICY)
-        self._value_params = self._adapter_parameters(VALUE) + trainable_parameters(self.value_head)
+        self._collect_trainable()
         self._memo = None
         self._activate(POLICY)
         return self
+
+    def shard(self, mesh) -> None:
+        super().shard(mesh)
+        self._collect_trainable()  # fully_shard replaced every parameter with a DTensor one
+
+    def _collect_trainable(self) -> None:
+        """The parameter objects each adapter trains (read once: _activate sets them trainable at every switch)."""
+        self._policy_params = self._adapter_parameters(POLICY)
+        self._value_params = self._adapter_parameters(VALUE) + trainable_parameters(self.value_head)
 
     def _adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
         return [p for n, p in self.lm.named_parameters() if f".{adapter}." in n]
