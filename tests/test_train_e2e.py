@@ -1,5 +1,7 @@
 """End to end: the real config, shrunk, through train(cfg): stages, RL, MLflow."""
 
+import logging
+
 import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
@@ -51,6 +53,20 @@ def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_p
     table = client.load_table(run.info.experiment_id, "generations.json", run_ids=[result.run_id])
     assert {"prompt", "response", "reward", "gold_reward", "rl_step"} <= set(table.columns)
     assert set(table["rl_step"]) == {0, 80}
+
+
+def test_evaluations_are_labelled_with_the_rl_step_mlflow_plots_them_at(make_cfg, caplog):
+    """PPO trains 4 updates per rollout batch. Its evaluations said 'eval after 1 RL steps' after 4 updates (the
+    batch count), then 'done: ... after 8 RL steps'; the generations table's rl_step was the batch count too,
+    while MLflow plots eval/gold_reward at the update count."""
+    cfg = make_cfg("algo=ppo", "trainer.max_steps=8", "rl.eval_every=1", "rl.log_generations=1")
+    with caplog.at_level(logging.INFO, logger="rlhflab"):
+        result = train(cfg)
+    said = [r.getMessage().split(":")[0] for r in caplog.records if r.getMessage().startswith("eval after")]
+    assert said == ["eval after 0 RL steps", "eval after 4 RL steps (rollout batch 1)", "eval after 8 RL steps (rollout batch 2)"]
+    assert [row["rl_step"] for row in result.module.generation_rows] == [0, 4, 8]
+    gold = MlflowClient(cfg.logger.tracking_uri).get_metric_history(result.run_id, "eval/gold_reward")
+    assert [m.step for m in gold] == [0, 4, 8]
 
 
 def test_metrics_are_buffered_and_every_one_lands_by_the_run_end(tmp_path, caplog):

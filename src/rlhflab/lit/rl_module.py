@@ -527,10 +527,13 @@ class RLHFModule(L.LightningModule):
             self.logger.log_metrics(metrics, step=self.updates)
         what = "gold reward" if self.task.has_gold else "reward (the task has no gold_fn)"
         if distributed.is_main():
-            log.info("eval after %d RL steps: %s %.3f, KL %.2f", self.policy_version, what, value, metrics["eval/kl"])
+            # RL steps are optimizer updates, as in trainer.max_steps, MLflow's step and the closing line; PPO's
+            # rollout batches hold 4 of them (rl.eval_every counts batches).
+            batch = f" (rollout batch {self.policy_version})" if self.policy_version != self.updates else ""
+            log.info("eval after %d RL steps%s: %s %.3f, KL %.2f", self.updates, batch, what, value, metrics["eval/kl"])
         for i in range(min(self.cfg.log_generations, rollout.num_samples) if distributed.is_main() else 0):
             self.generation_rows.append(
-                {"rl_step": self.policy_version, "prompt": rollout.prompts[i], "response": rollout.texts[i],
+                {"rl_step": self.updates, "prompt": rollout.prompts[i], "response": rollout.texts[i],
                  "reward": float(scores[i]), "gold_reward": float(gold[i])}
             )
         return metrics
