@@ -163,6 +163,23 @@ def test_resume_refuses_a_different_config_naming_the_keys(make_cfg, tmp_path):
     assert more.module.updates == 4
 
 
+def test_resume_refusal_says_which_settings_one_side_lacks():
+    """A 2-rank DDP checkpoint resumed on one CPU: the strategy is a node on one side and a string on the other.
+    The keys one side lacks read '(not set)'; they read 'None -> None' (flatten writes a null as 'None')."""
+    from omegaconf import OmegaConf
+
+    from rlhflab.lit.checkpoint import differences
+
+    saved = ("trainer:\n  devices: 2\n  max_steps: 80\n  strategy:\n    _target_: lightning.pytorch.strategies.DDPStrategy\n"
+             "    process_group_backend: null\n")
+    now = OmegaConf.create({"trainer": {"devices": 1, "max_steps": 120, "strategy": "auto"}})
+    assert differences(saved, now) == [
+        "trainer.devices: 2 -> 1", "trainer.strategy: (not set) -> auto",
+        "trainer.strategy._target_: lightning.pytorch.strategies.DDPStrategy -> (not set)",
+        "trainer.strategy.process_group_backend: None -> (not set)",
+    ]  # trainer.max_steps may change
+
+
 def test_resume_from_an_older_or_another_directorys_checkpoint_is_a_new_mlflow_run(make_cfg, tmp_path):
     """Continuing a run in its MLflow run is for its own newest checkpoint (a kill, then resume=auto). From an
     older checkpoint, or into another directory, the steps after it are another line of training: logged into

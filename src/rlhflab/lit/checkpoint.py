@@ -105,8 +105,9 @@ def differences(saved_yaml: str, cfg: DictConfig) -> list[str]:
     """`key: old -> new` for every setting that differs and may not (see MAY_DIFFER)."""
     old = flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml), resolve=True))
     new = flatten(OmegaConf.to_container(cfg, resolve=True))
-    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and not k.startswith(MAY_DIFFER))
-    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in keys]
+    absent = "(not set)"  # a key one side lacks (a null is the string 'None' here)
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k, absent) != new.get(k, absent) and not k.startswith(MAY_DIFFER))
+    return [f"{k}: {old.get(k, absent)} -> {new.get(k, absent)}" for k in keys]
 
 
 def find(resume: str | None, output_dir: Path, cfg: DictConfig) -> Checkpoint | None:
