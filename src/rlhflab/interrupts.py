@@ -58,9 +58,10 @@ class StopRequest:
                 signal.signal(s, handler)
 
     def take_back(self) -> None:
-        """Handle SIGINT and SIGTERM ourselves again inside a fit: Lightning composes its own SIGTERM
-        handler with ours, and under several ranks it broadcasts from inside that handler, which can
-        meet a rank in the middle of another collective. Lightning restores the old handlers after fit."""
+        """Handle SIGINT and SIGTERM ourselves again inside a fit (checkpoint.SignalsOurs, at on_train_start):
+        Lightning composes its own SIGTERM handler with ours, and under several ranks it broadcasts from inside
+        that handler, which can meet a rank in the middle of another collective. Lightning restores the old
+        handlers after fit."""
         for s in SIGNALS:
             signal.signal(s, self._handle)
 

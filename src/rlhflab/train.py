@@ -84,7 +84,7 @@ def relaunch_as_one_job(cfg: DictConfig, out: Path) -> None:
 
 def _make_trainer(cfg: DictConfig, logger, stage: str, callbacks=(), **overrides):
     bar = [StageProgressBar(stage)] if cfg.trainer.enable_progress_bar else []
-    return instantiate(cfg.trainer, logger=logger, callbacks=[*bar, *callbacks], **overrides)
+    return instantiate(cfg.trainer, logger=logger, callbacks=[*bar, ckpt.SignalsOurs(), *callbacks], **overrides)
 
 
 def train(cfg: DictConfig) -> Result:

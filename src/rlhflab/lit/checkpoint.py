@@ -148,6 +148,16 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig) -> Checkpoint | 
     return checkpoint
 
 
+class SignalsOurs(L.Callback):
+    """Every fit handles SIGINT and SIGTERM with rlhflab's handler. Lightning installs its own SIGTERM handler
+    after on_fit_start and before on_train_start; under several ranks it broadcasts from inside the handler,
+    which meets a rank in the middle of another collective (the backward's all-reduce), and both ranks hang.
+    Ours only sets a flag, which the ranks agree on at the next step boundary (STOP.agreed)."""
+
+    def on_train_start(self, trainer, module) -> None:
+        STOP.take_back()
+
+
 class Checkpointer(L.Callback):
     """Writes a checkpoint every `every_n_steps` optimizer updates (at the next batch boundary the
     rollout source can resume from exactly) and when a stop was asked for, then honours the stop."""

@@ -19,7 +19,6 @@ from rlhflab.contracts import MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.lit.data import PromptBatches, encode_prompts, prompt_loader
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
 from rlhflab.rewards.builtin import score_rollout
-from rlhflab.interrupts import STOP
 from rlhflab.lit.checkpoint import Checkpoint
 from rlhflab.lit.optim import adamw
 from rlhflab.lit.reference import WORKERS
@@ -99,7 +98,6 @@ class RLHFModule(L.LightningModule):
                 generator.synced = True
 
     def on_fit_start(self) -> None:
-        STOP.take_back()
         if self.sharded:
             self.memory.warm_up()
         self.activations = ActivationMeter(p for m in self.memory.trainable_modules() for p in m.parameters())
