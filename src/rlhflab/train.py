@@ -269,8 +269,9 @@ def main(cfg: DictConfig) -> float | None:
         result = train(cfg)
     except RunInterrupted as err:
         out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
-        print(f"stopped: {err}; the MLflow run is KILLED. Continue with the same command and resume=auto output.dir={out}",
-              file=sys.stderr)
+        if distributed.is_main():  # every rank stops alike; one says so
+            print(f"stopped: {err}; the MLflow run is KILLED. Continue with the same command and resume=auto output.dir={out}",
+                  file=sys.stderr)
         sys.exit(err.exit_code)  # a sweep stops too
     except (ConfigError, StageFailed, NonFiniteError, RewardError) as err:
         if sweeping:
