@@ -256,3 +256,17 @@ def test_an_algorithm_can_choose_its_off_policy_correction(overrides, correction
     cfg = compose_cfg(overrides)
     assert cfg.off_policy._target_.rsplit(".", 1)[1] == correction
     validate(cfg)  # and the composed choice passes every check
+
+
+def test_run_names_carry_each_setting_once_and_tell_like_keys_apart():
+    """A key given twice (a preset's command line with one more override) was named twice, 'max_steps=20 ...
+    max_steps=100000'; stages.sft.epochs and stages.rm.epochs were both 'epochs='."""
+    from rlhflab.naming import run_name
+
+    assert run_name("online_dpo", ["algo=online_dpo", "mode=async", "staleness=2", "rl.lr=3e-4", "logger.run_name=x"]) \
+        == "online_dpo async staleness=2 lr=3e-4"
+    assert run_name("rloo", ["debug=default", "memory=lora", "output.dir=x"]) == "rloo debug lora"
+    assert run_name("rloo", ["trainer.max_steps=20", "rl.lr=1e-3", "trainer.max_steps=100000"]) \
+        == "rloo max_steps=100000 lr=1e-3"
+    assert run_name("rloo", ["stages.sft.epochs=2", "stages.rm.epochs=4", "+rl.eos_penalty=null"]) \
+        == "rloo sft.epochs=2 rm.epochs=4 eos_penalty=null"

@@ -6,6 +6,7 @@ Imported by Hydra's plugin scan at every start, so it imports nothing heavy.
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 # Set by the sweep callback so that each job's run becomes a child of the sweep's parent run.
 PARENT_RUN_ENV = "RLHFLAB_MLFLOW_PARENT_RUN_ID"
@@ -42,22 +43,28 @@ def short_override(override: str) -> str:
 def run_name(algo: str, overrides: list[str]) -> str:
     """A run name that carries what this run changed: the algorithm, then each command-line override,
     a group choice by its option (`mode=async` -> async; an option named `default` by its group: `debug=default`
-    -> debug) and a value by its last key (`rl.lr=3e-4` -> lr=3e-4).
+    -> debug) and a value by its last key (`rl.lr=3e-4` -> lr=3e-4), or its last two where two keys end alike
+    (`stages.sft.epochs=2 stages.rm.epochs=4` -> sft.epochs=2 rm.epochs=4). A key given twice is named once,
+    with the value Hydra keeps (the last).
 
     >>> run_name("online_dpo", ["algo=online_dpo", "mode=async", "staleness=2", "rl.lr=3e-4", "logger.run_name=x"])
     'online_dpo async staleness=2 lr=3e-4'
     >>> run_name("rloo", ["debug=default", "memory=lora"])
     'rloo debug lora'
     """
-    parts = [algo]
+    chosen: dict[str, str] = {}  # key -> value, in the order keys first appear
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
-        if key.startswith(NOT_IN_NAMES) or key == "algo":
-            continue
+        if not key.startswith(NOT_IN_NAMES) and key != "algo":
+            chosen[key] = value
+    ends = Counter(key.rpartition(".")[2] for key in chosen if key not in GROUP_NAMES)
+    parts = [algo]
+    for key, value in chosen.items():
         if key in GROUP_NAMES:
             parts.append(key if value == "default" else value)
         else:
-            parts.append(short_override(f"{key}={value}"))
+            end = key.rpartition(".")[2]
+            parts.append(f"{end if ends[end] == 1 else '.'.join(key.split('.')[-2:])}={value}")
     return " ".join(parts)[:MAX_RUN_NAME]
 
 
