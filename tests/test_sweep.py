@@ -8,10 +8,12 @@ import itertools
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -250,3 +252,39 @@ def test_optuna_preset_runs_trials_as_children_and_optimises_the_kl_penalised_go
     best = max(r.data.metrics["eval/gold_reward"] - 0.01 * max(0.0, r.data.metrics["eval/kl"]) for r in children)
     reported = float(re.search(r"Best value: (\S+)", sweep.output).group(1))
     assert reported == pytest.approx(best, abs=1e-6)
+
+
+def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job(tmp_path, stage_cache):
+    """Ctrl-C in a sweep's job: the job checkpoints and the sweep stops (no further job starts). The parent was
+    marked FAILED, as for a crash, and the line said 'Continue with the same command and resume=auto
+    output.dir=<the job's dir>': the same `-m` command would send every job to that one directory. Now the parent
+    is KILLED and the line gives the job's own command, which continues it in its MLflow run."""
+    from conftest import cli_run, wait_for
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {"MLFLOW_TRACKING_URI": uri, "RLHFLAB_CACHE": str(stage_cache), "OMP_WAIT_POLICY": "PASSIVE"}
+    lines: list[str] = []
+    with cli_run(["-m", "algo=rloo,grpo", *TINY, "trainer.max_steps=100000", "rl.eval_every=1"], tmp_path, env) as proc:
+        reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
+        reader.start()
+        wait_for(lambda: any("eval after 2 RL steps" in line for line in lines), 300, "the first job's RL", proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=120)
+        reader.join(timeout=30)
+    output = "".join(lines)
+    assert rc == 130, output[-3000:]
+    client = MlflowClient(uri)
+    parent, children = sweep_runs(client)
+    assert parent.info.status == "KILLED"
+    assert [(c.data.tags["algo"], c.info.status) for c in children] == [("rloo", "KILLED")]  # grpo never started
+    (stopped,) = [line for line in output.splitlines() if line.startswith("stopped: ")]
+    command = stopped.partition("Continue this job alone: ")[2]
+    assert command.startswith("python src/train.py algo=rloo ") and "hydra.mode=RUN resume=auto output.dir=" in command, stopped
+    args = shlex.split(command)[2:] + ["trainer.max_steps=6"]  # the job's command, with a budget it ends at
+    out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), *args], cwd=tmp_path, env=os.environ | env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = client.get_run(children[0].info.run_id)
+    assert resumed.info.status == "FINISHED"  # the job's own run, still the sweep's child
+    assert sweep_runs(client)[0].info.run_id == parent.info.run_id  # and no new sweep
+    assert [m.step for m in client.get_metric_history(resumed.info.run_id, "train/loss")] == list(range(1, 7))

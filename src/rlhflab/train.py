@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import shutil
 import sys
 import time
@@ -269,9 +270,15 @@ def main(cfg: DictConfig) -> float | None:
         result = train(cfg)
     except RunInterrupted as err:
         out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
+        if sweeping:  # the same -m command would send every job to this job's directory
+            # hydra.mode=RUN: a sweep preset (experiment=sweep_*) sets MULTIRUN itself
+            job = shlex.join(["python", "src/train.py", *HydraConfig.get().overrides.task, "hydra.mode=RUN", "resume=auto",
+                              f"output.dir={out}"])
+            how = f", and the sweep stops here. Continue this job alone: {job}"
+        else:
+            how = f". Continue with the same command and resume=auto output.dir={out}"
         if distributed.is_main():  # every rank stops alike; one says so
-            print(f"stopped: {err}; the MLflow run is KILLED. Continue with the same command and resume=auto output.dir={out}",
-                  file=sys.stderr)
+            print(f"stopped: {err}; the MLflow run is KILLED{how}", file=sys.stderr)
         sys.exit(err.exit_code)  # a sweep stops too
     except (ConfigError, StageFailed, NonFiniteError, RewardError) as err:
         if sweeping:

@@ -12,7 +12,7 @@ How it fits together:
   a failed job's exception and would end the sweep (and skip
   on_multirun_end) at the first bad configuration.
 - on_multirun_end writes the best child into the parent and marks it FINISHED.
-  If the sweep dies first (an exception, Ctrl-C), an atexit hook marks the parent FAILED.
+  If the sweep dies first, an atexit hook marks the parent KILLED (a signal stopped its job) or FAILED.
 
 The job-to-run match is by start time after on_job_start, which is exact for
 launchers that run jobs one at a time in this process (Hydra's basic launcher).
@@ -56,6 +56,7 @@ class MlflowSweepCallback(Callback):
         self.failed: list[str] = []
         self._uri: str | None = None
         self._job_started_ms = 0
+        self._job: DictConfig | None = None  # the running job's config (between on_job_start and on_job_end)
         self._claimed: set[str] = set()
 
     # ---- Hydra hooks --------------------------------------------------------------------
@@ -83,6 +84,7 @@ class MlflowSweepCallback(Callback):
             return  # a single run (RUN mode) or a sweep without tracking
         os.environ[PARENT_RUN_ENV] = self.parent_run_id
         self._job_started_ms = int(time.time() * 1000)
+        self._job = config
         job_uri = OmegaConf.select(config, "logger.tracking_uri")
         if job_uri != self._uri:
             log.warning("mlflow sweep: job logs to %s, the parent is at %s; it will not be nested", job_uri, self._uri)
@@ -91,12 +93,9 @@ class MlflowSweepCallback(Callback):
         if self.parent_run_id is None:
             return
         os.environ.pop(PARENT_RUN_ENV, None)
+        self._job = None
         client = self._client()
-        child = self._find_child(client, config)
-        overrides = " ".join(OmegaConf.to_container(config.hydra.overrides.task))
-        if child is not None:
-            client.set_tag(child.info.run_id, SWEEP_JOB_TAG, str(config.hydra.job.num))
-            client.set_tag(child.info.run_id, SWEEP_OVERRIDES_TAG, overrides[:MAX_TAG])
+        child, overrides = self._tag_child(client, config)
         if job_return.status == JobStatus.FAILED:
             self._record_failure(client, config, job_return, child, overrides)
 
@@ -138,6 +137,15 @@ class MlflowSweepCallback(Callback):
                 self._claimed.add(run.info.run_id)
                 return run
         return None
+
+    def _tag_child(self, client, config: DictConfig):
+        """(the job's run, or None; its overrides): the run tagged with its job number and overrides."""
+        child = self._find_child(client, config)
+        overrides = " ".join(OmegaConf.to_container(config.hydra.overrides.task))
+        if child is not None:
+            client.set_tag(child.info.run_id, SWEEP_JOB_TAG, str(config.hydra.job.num))
+            client.set_tag(child.info.run_id, SWEEP_OVERRIDES_TAG, overrides[:MAX_TAG])
+        return child, overrides
 
     def _record_failure(self, client, config: DictConfig, job_return: JobReturn, child, overrides: str) -> None:
         error = job_return._return_value  # the public getter re-raises it
@@ -197,9 +205,16 @@ class MlflowSweepCallback(Callback):
             client.set_tag(self.parent_run_id, key, value)
 
     def _abandon(self) -> None:
-        """atexit: the sweep ended without on_multirun_end (an exception or Ctrl-C)."""
-        if self.parent_run_id is not None and self._client().get_run(self.parent_run_id).info.status == "RUNNING":
-            self._client().set_terminated(self.parent_run_id, "FAILED")
+        """atexit: the sweep ended without on_multirun_end. KILLED when a signal stopped its job (the job's run is
+        KILLED: Ctrl-C, SIGTERM), FAILED otherwise (an exception). The stopped job's run gets its job tags."""
+        if self.parent_run_id is None:
+            return
+        client = self._client()
+        if client.get_run(self.parent_run_id).info.status != "RUNNING":
+            return
+        child = self._tag_child(client, self._job)[0] if self._job is not None else None
+        stopped = child is not None and client.get_run(child.info.run_id).info.status == "KILLED"
+        client.set_terminated(self.parent_run_id, "KILLED" if stopped else "FAILED")
 
 
 def swept_params(config: DictConfig) -> dict[str, str]:
