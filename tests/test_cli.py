@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -184,6 +185,15 @@ def test_an_option_of_ones_own_without_a_schema_fails_in_one_line(tmp_path, sche
     typed.write_text("defaults:\n  - /schema/algo/rloo@_here_\n  - _self_\n" + UNTYPED)
     out = run_cli("algo=mine", "algo.kl_coef=abc", f"hydra.searchpath=[file://{tmp_path}/conf]", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.startswith("error: algo.kl_coef: 'abc' is not a number"), out.stderr
+
+
+@pytest.mark.skipif(shutil.which("srun") is not None, reason="this machine is a SLURM cluster: the launcher can submit")
+def test_the_slurm_launcher_off_a_cluster_fails_in_one_line(tmp_path):
+    """Off a SLURM cluster, `-m hydra/launcher=slurm` (README, Distributed training) ended in submitit's traceback
+    ('Could not detect "srun"'), exit 1, after the sweep's MLflow parent run was made."""
+    out = run_cli("-m", "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "algo=rloo,grpo", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("error: hydra/launcher=slurm: this machine has no srun"), out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and not (tmp_path / "mlflow.db").exists()
 
 
 def test_help_lists_groups_options_and_their_comments(tmp_path):

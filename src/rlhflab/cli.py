@@ -47,6 +47,7 @@ def preflight(argv: list[str]) -> None:
             cfg = compose(job, hydra=True)
             searched = sweep_searches(cfg)
             check_typed(cfg, searched["choices"])
+            check_launcher(searched["choices"])
             check(cfg)
             searched_keys_exist(cfg, searched)
         except ConfigError as err:
@@ -67,6 +68,16 @@ def sweep_searches(cfg) -> dict:
     with open_dict(cfg):
         del cfg["hydra"]
     return searched
+
+
+def check_launcher(choices: dict) -> None:
+    """hydra/launcher=slurm submits with sbatch/srun: off a SLURM cluster submitit raised a traceback ('Could not
+    detect "srun"') after the sweep's MLflow parent run existed."""
+    import shutil
+
+    if choices.get("hydra/launcher") == "slurm" and shutil.which("srun") is None:
+        raise ConfigError("hydra/launcher=slurm: this machine has no srun (not a SLURM cluster); run the command on your "
+                          "cluster's login node, or leave hydra/launcher out to run the jobs here")
 
 
 def searched_keys_exist(cfg, searched: dict) -> None:
