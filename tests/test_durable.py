@@ -16,6 +16,7 @@ import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import SHRINK, cli_run, wait_for
@@ -166,8 +167,6 @@ def test_resume_refuses_a_different_config_naming_the_keys(make_cfg, tmp_path):
 def test_resume_refusal_says_which_settings_one_side_lacks():
     """A 2-rank DDP checkpoint resumed on one CPU: the strategy is a node on one side and a string on the other.
     The keys one side lacks read '(not set)'; they read 'None -> None' (flatten writes a null as 'None')."""
-    from omegaconf import OmegaConf
-
     from rlhflab.lit.checkpoint import differences
 
     saved = ("trainer:\n  devices: 2\n  max_steps: 80\n  strategy:\n    _target_: lightning.pytorch.strategies.DDPStrategy\n"
@@ -226,6 +225,34 @@ def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(mak
 
 def burner():
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def test_a_repeated_signal_while_the_stop_unwinds_is_the_same_stop(monkeypatch, capsys):
+    """Ctrl-C twice under DDP: rank 1's second SIGINT landed after train() had put the default handler back, in
+    its last cleanup, and it printed a KeyboardInterrupt traceback. The command line's main() keeps rlhflab's
+    handler until it exits: the late signal is the same stop, exit 130 and one line."""
+    import rlhflab.train as entry
+    from rlhflab.interrupts import STOP
+
+    def stopped_train(cfg):
+        try:
+            with STOP.installed():
+                STOP.signum = signal.SIGINT
+                raise RunInterrupted(signal.SIGINT)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # the repeat, after train's handlers are restored
+            time.sleep(0)  # a bytecode boundary: Python runs the handler here
+
+    monkeypatch.setattr(entry, "train", stopped_train)
+    cfg = OmegaConf.create({"output": {"dir": "/tmp/x"}})
+    try:
+        with pytest.raises(SystemExit) as exit:
+            entry.main(cfg)
+    except KeyboardInterrupt:
+        pytest.fail("the repeated SIGINT reached Python's default handler: KeyboardInterrupt")
+    assert exit.value.code == 130
+    assert capsys.readouterr().err.startswith("stopped: stopped by SIGINT")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as the process had it
 
 
 @pytest.mark.slow

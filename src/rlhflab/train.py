@@ -267,7 +267,11 @@ def main(cfg: DictConfig) -> float | None:
 
     sweeping = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     try:
-        result = train(cfg)
+        # rlhflab's handlers until this job exits: train() puts back the ones it found, and a repeat of the
+        # signal while the stop unwinds (Ctrl-C twice, each rank of a DDP run) is the same stop, not a
+        # KeyboardInterrupt traceback.
+        with STOP.installed():
+            result = train(cfg)
     except RunInterrupted as err:
         out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
         if sweeping:  # the same -m command would send every job to this job's directory
