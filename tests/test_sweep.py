@@ -280,11 +280,12 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
     (stopped,) = [line for line in output.splitlines() if line.startswith("stopped: ")]
     command = stopped.partition("Continue this job alone: ")[2]
     assert command.startswith("python src/train.py algo=rloo ") and "hydra.mode=RUN resume=auto output.dir=" in command, stopped
-    args = shlex.split(command)[2:] + ["trainer.max_steps=6"]  # the job's command, with a budget it ends at
+    step = int(re.search(r"checkpoint: \S+/step-(\d+)", output).group(1))
+    args = shlex.split(command)[2:] + [f"trainer.max_steps={step + 2}"]  # the job's command, with a budget it ends at
     out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), *args], cwd=tmp_path, env=os.environ | env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     resumed = client.get_run(children[0].info.run_id)
     assert resumed.info.status == "FINISHED"  # the job's own run, still the sweep's child
     assert sweep_runs(client)[0].info.run_id == parent.info.run_id  # and no new sweep
-    assert [m.step for m in client.get_metric_history(resumed.info.run_id, "train/loss")] == list(range(1, 7))
+    assert [m.step for m in client.get_metric_history(resumed.info.run_id, "train/loss")] == list(range(1, step + 3))
