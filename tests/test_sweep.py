@@ -289,3 +289,8 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
     assert resumed.info.status == "FINISHED"  # the job's own run, still the sweep's child
     assert sweep_runs(client)[0].info.run_id == parent.info.run_id  # and no new sweep
     assert [m.step for m in client.get_metric_history(resumed.info.run_id, "train/loss")] == list(range(1, step + 3))
+    from rlhflab.report import main as report
+
+    report([f"sweep={parent.info.run_id}", f"tracking_uri={uri}", f"out_dir={tmp_path}/report"])
+    summary = (tmp_path / "report" / "summary.md").read_text()
+    assert f"`{parent.info.run_id}` at `{uri}`, KILLED; stopped by a signal: jobs after the last child never ran" in summary

@@ -337,10 +337,13 @@ def write_report(client, parent, out_dir: Path, baseline=None) -> Report:
 def _markdown(client, parent, runs, rows, report: Report) -> str:
     tags = parent.data.tags
     failed = sum(r.info.status == "FAILED" for r in runs)
+    stopped = {"KILLED": "; stopped by a signal: jobs after the last child never ran",
+               "FAILED": "; the sweep died: jobs after the last child never ran",
+               "RUNNING": "; still running"}.get(parent.info.status, "")
     lines = [
         f"# Sweep {parent.info.run_name}",
         "",
-        f"- parent run: `{parent.info.run_id}` at `{client.tracking_uri}`",
+        f"- parent run: `{parent.info.run_id}` at `{client.tracking_uri}`, {parent.info.status}{stopped}",
         f"- sweep overrides: `{tags.get(SWEEP_OVERRIDES_TAG, '')}`",
         f"- children: {len(runs)} ({failed} failed)",
     ]
