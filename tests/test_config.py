@@ -270,3 +270,6 @@ def test_run_names_carry_each_setting_once_and_tell_like_keys_apart():
         == "rloo max_steps=100000 lr=1e-3"
     assert run_name("rloo", ["stages.sft.epochs=2", "stages.rm.epochs=4", "+rl.eos_penalty=null"]) \
         == "rloo sft.epochs=2 rm.epochs=4 eos_penalty=null"
+    # a path by its last part (the whole path is the run's param): these names filled 250 characters with two paths
+    assert run_name("rloo", ["model.sft_path=/tmp/w/.cache/rlhflab/stages/sft-f354fe44e62a/", "model.name_or_path=EleutherAI/pythia-1b"]) \
+        == "rloo sft_path=sft-f354fe44e62a name_or_path=EleutherAI/pythia-1b"

@@ -44,8 +44,9 @@ def run_name(algo: str, overrides: list[str]) -> str:
     """A run name that carries what this run changed: the algorithm, then each command-line override,
     a group choice by its option (`mode=async` -> async; an option named `default` by its group: `debug=default`
     -> debug) and a value by its last key (`rl.lr=3e-4` -> lr=3e-4), or its last two where two keys end alike
-    (`stages.sft.epochs=2 stages.rm.epochs=4` -> sft.epochs=2 rm.epochs=4). A key given twice is named once,
-    with the value Hydra keeps (the last).
+    (`stages.sft.epochs=2 stages.rm.epochs=4` -> sft.epochs=2 rm.epochs=4), a path by its last part
+    (`model.sft_path=/runs/a/policy` -> sft_path=policy). A key given twice is named once, with the value Hydra
+    keeps (the last).
 
     >>> run_name("online_dpo", ["algo=online_dpo", "mode=async", "staleness=2", "rl.lr=3e-4", "logger.run_name=x"])
     'online_dpo async staleness=2 lr=3e-4'
@@ -64,6 +65,8 @@ def run_name(algo: str, overrides: list[str]) -> str:
             parts.append(key if value == "default" else value)
         else:
             end = key.rpartition(".")[2]
+            if value.startswith(("/", "./", "../", "~")):  # a file or directory: its name (the path is a param)
+                value = value.rstrip("/").rpartition("/")[2] or value
             parts.append(f"{end if ends[end] == 1 else '.'.join(key.split('.')[-2:])}={value}")
     return " ".join(parts)[:MAX_RUN_NAME]
 
