@@ -245,14 +245,17 @@ def test_a_repeated_signal_while_the_stop_unwinds_is_the_same_stop(monkeypatch, 
 
     monkeypatch.setattr(entry, "train", stopped_train)
     cfg = OmegaConf.create({"output": {"dir": "/tmp/x"}})
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's; a background job has SIG_IGN
     try:
         with pytest.raises(SystemExit) as exit:
             entry.main(cfg)
     except KeyboardInterrupt:
         pytest.fail("the repeated SIGINT reached Python's default handler: KeyboardInterrupt")
+    finally:
+        restored = signal.signal(signal.SIGINT, before)
     assert exit.value.code == 130
     assert capsys.readouterr().err.startswith("stopped: stopped by SIGINT")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as the process had it
+    assert restored is signal.default_int_handler  # put back as the process had it
 
 
 @pytest.mark.slow
