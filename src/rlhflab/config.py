@@ -69,7 +69,7 @@ def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
         f"memory={memory.name} computes the reference with the policy's own modules (its adapter off)" if memory.name != "full"
         else f"{algo.name} updates a value model in the same step" if algo.needs_values
         else "it needs one pass over each batch in one mini-batch (algo.epochs=1, algo.num_minibatches=1)"
-        if algo.epochs != 1 or algo.num_minibatches != 1
+        if algo.updates_per_batch != 1
         else "it runs beside the update in one CPU process (trainer=cpu)" if cfg.trainer.accelerator != "cpu" or ranks(cfg.trainer) > 1
         else f"torch_threads={cfg.torch_threads} leaves no core free for it" if free < 1
         else None

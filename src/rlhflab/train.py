@@ -164,7 +164,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     done = resume.updates if resume else 0
     # A rollout batch makes algo.epochs x algo.num_minibatches updates and is not cut short: the budget is whole
     # batches (Lightning stops only between them), said here rather than found as '12/10' on the bar.
-    per_batch = plan.algo.epochs * plan.algo.num_minibatches
+    per_batch = plan.algo.updates_per_batch
     budget = -(-cfg.trainer.max_steps // per_batch) * per_batch
     rounded = (f"; trainer.max_steps={cfg.trainer.max_steps} rounded up to whole rollout batches of {per_batch} updates"
                if budget != cfg.trainer.max_steps else "")

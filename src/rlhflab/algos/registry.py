@@ -56,6 +56,11 @@ class Algorithm:
         self.epochs = epochs
         self.num_minibatches = num_minibatches
 
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer updates (RL steps) one rollout batch makes: epochs x mini-batches."""
+        return self.epochs * self.num_minibatches
+
     def kl_metrics(self, s: Scored) -> dict[str, torch.Tensor]:
         kl = F.masked_sum(F.kl_penalty(s.old_logprobs, s.ref_logprobs, self.kl_estimator), s.response_mask, dim=1)
         return {"train/kl": kl.mean(), "train/reward": s.scores.mean()}

@@ -275,8 +275,7 @@ class RLHFModule(L.LightningModule):
             weights, bad = f"the weights after RL step {self.updates}", self.updates
             if err.version is not None and err.version != self.policy_version:  # an async generator's, older
                 weights = f"policy version {err.version} (the generator's)"
-                per_batch = self.algo.epochs * self.algo.num_minibatches  # at most this many updates a batch since
-                bad = max(0, self.updates - (self.policy_version - err.version) * per_batch)
+                bad = max(0, self.updates - (self.policy_version - err.version) * self.algo.updates_per_batch)
             raise NonFiniteError(f"{err} not finite at RL step {self.updates + 1} (rollout batch {self.policy_version}), "
                                  f"sampling with {weights}; lower rl.lr (now {self.cfg.lr:g}) "
                                  f"or rl.max_grad_norm (now {self.cfg.max_grad_norm:g})", bad) from None
@@ -357,7 +356,7 @@ class RLHFModule(L.LightningModule):
         (off_policy=recompute/tis/decoupled) reads them from the update's own forward, detached, where there is one
         pass over the batch in one mini-batch: that forward runs on exactly those weights, so no forward of their own."""
         correction = getattr(self.source, "correction", None)
-        return bool(getattr(correction, "needs_recompute", False)) and self.algo.epochs == 1 and self.algo.num_minibatches == 1
+        return bool(getattr(correction, "needs_recompute", False)) and self.algo.updates_per_batch == 1
 
     def _first_forward(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """(order, policy log-probs with grad) of a one-pass, one-mini-batch update: its forward, run before the
