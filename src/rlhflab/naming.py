@@ -34,10 +34,14 @@ GROUP_NAMES = ("task", "model", "algo", "reward", "memory", "mode", "off_policy"
 MAX_RUN_NAME = 250
 
 
-def short_override(override: str) -> str:
-    """A setting by its last key: `algo.kl_coef=0.1` -> `kl_coef=0.1` (run names, sweep names, plot labels)."""
+def short_override(override: str, keys: int = 1) -> str:
+    """A setting by its last key (`keys` last parts of it) and a path by its last part (the whole path is a param):
+    `algo.kl_coef=0.1` -> `kl_coef=0.1`, `model.sft_path=/runs/a/policy` -> `sft_path=policy` (run names, sweep
+    names, plot labels)."""
     key, _, value = override.partition("=")
-    return f"{key.rpartition('.')[2]}={value}"
+    if value.startswith(("/", "./", "../", "~")):
+        value = value.rstrip("/").rpartition("/")[2] or value
+    return f"{'.'.join(key.split('.')[-keys:])}={value}"
 
 
 def run_name(algo: str, overrides: list[str]) -> str:
@@ -64,10 +68,7 @@ def run_name(algo: str, overrides: list[str]) -> str:
         if key in GROUP_NAMES:
             parts.append(key if value == "default" else value)
         else:
-            end = key.rpartition(".")[2]
-            if value.startswith(("/", "./", "../", "~")):  # a file or directory: its name (the path is a param)
-                value = value.rstrip("/").rpartition("/")[2] or value
-            parts.append(f"{end if ends[end] == 1 else '.'.join(key.split('.')[-2:])}={value}")
+            parts.append(short_override(f"{key}={value}", keys=1 if ends[key.rpartition('.')[2]] == 1 else 2))
     return " ".join(parts)[:MAX_RUN_NAME]
 
 
