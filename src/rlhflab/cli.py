@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -73,8 +74,6 @@ def sweep_searches(cfg) -> dict:
 def check_launcher(choices: dict) -> None:
     """hydra/launcher=slurm submits with sbatch/srun: off a SLURM cluster submitit raised a traceback ('Could not
     detect "srun"') after the sweep's MLflow parent run existed."""
-    import shutil
-
     if choices.get("hydra/launcher") == "slurm" and shutil.which("srun") is None:
         raise ConfigError("hydra/launcher=slurm: this machine has no srun (not a SLURM cluster); run the command on your "
                           "cluster's login node, or leave hydra/launcher out to run the jobs here")
@@ -264,7 +263,6 @@ def render_help() -> str:
 
 def _wrapped(name: str, text: str) -> list[str]:
     """`name` then `text`, wrapped to the terminal (at least 100 columns), continuation lines under the text."""
-    import shutil
     import textwrap
 
     columns = max(shutil.get_terminal_size((120, 24)).columns, 100)
