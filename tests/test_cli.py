@@ -208,3 +208,15 @@ def test_help_lists_groups_options_and_their_comments(tmp_path):
         assert shown in words or f"*{shown}" in words, shown
     # a comment's first sentence is shown whole, however many lines it spans in the file
     assert "[algo=... memory=... mode=async ...]." in " ".join(words)
+    # an abbreviation's period does not end it ("Dr." once cut dr_grpo's to "Dr.")
+    assert "Dr. GRPO (Liu et al., 2025): GRPO without std scaling, one token mean over the batch (DAPO's)." in " ".join(words)
+
+
+def test_help_summary_is_the_first_sentence_past_abbreviations(tmp_path):
+    from rlhflab.cli import _summary
+
+    option = tmp_path / "x.yaml"
+    option.write_text("# @package _global_\n# Dr. X, i.e. a test vs. e.g. Y (cf. Z et al. 2024). Second\n# sentence.\nkey: 1\n")
+    assert _summary(option) == "Dr. X, i.e. a test vs. e.g. Y (cf. Z et al. 2024)."
+    option.write_text("# One line without a period\nkey: 1\n")
+    assert _summary(option) == "One line without a period"

@@ -225,8 +225,11 @@ def _summary(path: Path) -> str:
             break
         if "@package" not in line:
             words.append(line.lstrip("# ").strip())
-    match = re.match(r"(.*?[A-Za-z0-9)\]`'])\.(\s|$)", " ".join(words))
-    return match.group(1) + "." if match else " ".join(words)
+    text = " ".join(words)
+    for match in re.finditer(r"[A-Za-z0-9)\]`']\.(\s|$)", text):
+        if not re.search(r"\b(Dr|vs|al|e\.g|i\.e|cf)$", text[:match.start() + 1]):  # an abbreviation goes on
+            return text[:match.start() + 2]
+    return text
 
 
 def render_help() -> str:
