@@ -160,3 +160,38 @@ def test_legend_of_many_runs_sits_outside_the_axes_and_in_the_file(tmp_path):
     from PIL import Image
 
     assert Image.open(tmp_path / "lines.png").size[0] >= right / dpi * 120  # the saved file holds the whole legend
+
+
+def test_a_sweep_is_found_by_id_prefix_name_or_latest_and_anything_else_is_one_line(tmp_path, monkeypatch):
+    """find_sweep against a real SQLite store: the parent by its id, its first characters, its name or
+    `latest`; a job's id, a single run's id, an unknown id and an ambiguous prefix each end in one line."""
+    import uuid
+
+    from mlflow.tracking import MlflowClient
+
+    from rlhflab.naming import SWEEP_TAG
+    from rlhflab.report import find_sweep
+
+    ids = iter(["abcd1111" + "0" * 24, "abcd2222" + "0" * 24, "abcd2222" + "1" * 24, "ef" * 16])
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(next(ids)))  # run ids chosen to share prefixes
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("rlhflab")
+    old = client.create_run(experiment, run_name="sweep a", tags={SWEEP_TAG: "1"}, start_time=1)
+    new = client.create_run(experiment, run_name="sweep b", tags={SWEEP_TAG: "1"}, start_time=2)
+    job = client.create_run(experiment, run_name="rloo", tags={"mlflow.parentRunId": new.info.run_id}, start_time=3)
+    single = client.create_run(experiment, run_name="grpo", start_time=4)
+    monkeypatch.undo()
+    for ref, parent in [(old.info.run_id, old), ("abcd1", old), ("abcd2222", new), ("sweep a", old), ("latest", new)]:
+        assert find_sweep(client, ref).info.run_id == parent.info.run_id, ref
+
+    def error(ref: str) -> str:
+        with pytest.raises(SystemExit) as stop:
+            find_sweep(client, ref)
+        assert "\n" not in str(stop.value)
+        return str(stop.value)
+
+    assert error(job.info.run_id).endswith(f"run 'rloo' is one job of a sweep; give its parent, sweep={new.info.run_id}")
+    assert error(single.info.run_id).endswith("run 'grpo' is a single run, not a sweep; python src/train.py -m ... makes a sweep")
+    assert "no run of that id" in error("0" * 32)
+    assert error("abcd").startswith("error: sweep=abcd: 2 sweep parent runs start so (")  # the job's abcd2222... is no parent
+    assert "no sweep parent run of that id or name" in error("efef")  # a single run's prefix

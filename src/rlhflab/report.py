@@ -1,6 +1,6 @@
 """Report on a sweep: read the parent run's children from MLflow, write plots and a Markdown table.
 
-    python src/report.py sweep=<parent run id | parent run name | latest> [tracking_uri=...] [out_dir=...]
+    python src/report.py sweep=<parent run id (or its first characters) | parent run name | latest> [tracking_uri=...] [out_dir=...]
 
 Everything goes to `out_dir` (default reports/<parent run name, spaces as _>/) and is logged as
 artifacts of the parent run under `report/`. A plot whose metrics no child has
@@ -53,17 +53,38 @@ class Report:
 
 
 def find_sweep(client, sweep: str):
-    """The parent run, by id, by run name (the newest of that name), or `latest`."""
+    """The parent run: by id, by a prefix of its id (4+ characters, as MLflow's UI shows them), by run name
+    (the newest of that name), or `latest`. Anything that is not a sweep's parent is one line saying what it is."""
+    from mlflow.exceptions import MlflowException
+
     if re.fullmatch(r"[0-9a-f]{32}", sweep):
-        return client.get_run(sweep)
+        try:
+            run = client.get_run(sweep)
+        except MlflowException:
+            raise SystemExit(f"error: sweep={sweep}: no run of that id at {client.tracking_uri}; "
+                             "give tracking_uri= if the sweep logged elsewhere") from None
+        if run.data.tags.get(SWEEP_TAG) != "1":
+            parent = run.data.tags.get("mlflow.parentRunId")
+            raise SystemExit(f"error: sweep={sweep}: run {run.info.run_name!r} is "
+                             + (f"one job of a sweep; give its parent, sweep={parent}" if parent else
+                                "a single run, not a sweep; python src/train.py -m ... makes a sweep"))
+        return run
     experiment_ids = [e.experiment_id for e in client.search_experiments()]
-    query = f"tags.`{SWEEP_TAG}` = '1'"
-    if sweep != "latest":
-        query += f" and tags.`mlflow.runName` = '{sweep}'"
-    runs = client.search_runs(experiment_ids, query, order_by=["attributes.start_time DESC"], max_results=1)
-    if not runs:
+    parents = client.search_runs(experiment_ids, f"tags.`{SWEEP_TAG}` = '1'",
+                                 order_by=["attributes.start_time DESC"], max_results=5000)
+    if sweep == "latest":
+        found = parents[:1]
+    else:
+        found = [r for r in parents if r.info.run_name == sweep][:1]  # the newest of that name
+        if not found and re.fullmatch(r"[0-9a-f]{4,31}", sweep):
+            found = [r for r in parents if r.info.run_id.startswith(sweep)]
+            if len(found) > 1:
+                ids = ", ".join(r.info.run_id for r in found[:3]) + (", ..." if len(found) > 3 else "")
+                raise SystemExit(f"error: sweep={sweep}: {len(found)} sweep parent runs start so ({ids}); "
+                                 "give more of the id")
+    if not found:
         raise SystemExit(f"error: sweep={sweep}: no sweep parent run of that id or name at {client.tracking_uri}")
-    return runs[0]
+    return found[0]
 
 
 def child_runs(client, parent) -> list:
@@ -362,7 +383,7 @@ def parse_args(argv: list[str]) -> dict[str, str | None]:
     parser = argparse.ArgumentParser(
         prog="python src/report.py",
         description="Plots and a Markdown table for a sweep's child runs; logged to the parent run.",
-        epilog="keys: sweep (required: parent run id, run name, or 'latest'), tracking_uri "
+        epilog="keys: sweep (required: parent run id or its first characters, run name, or 'latest'), tracking_uri "
                "(default MLFLOW_TRACKING_URI or sqlite:///mlflow.db), out_dir (default reports/<sweep name>), "
                "log_artifacts (true/false), baseline (a sweep of the same algos to compare with, e.g. the sync runs)",
     )
