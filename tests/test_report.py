@@ -99,6 +99,7 @@ def test_report_on_fake_runs_says_how_bars_group_and_lists_every_plot(tmp_path):
     assert [p.name for p in report.files] == names and not report.skipped
     assert all(p.stat().st_size > 0 for p in report.files)
     md = (tmp_path / "summary.md").read_text()
+    assert md.startswith("# sweep_fake\n")  # the parent's name, which says "sweep" once
     assert md.count("one bar per run, up to 4 runs per algo x memory, told apart by lr, staleness") == 2
     assert "(as reward-model score (standardised) or reward, a panel each)" in report.captions["train_curves.png"]
     for name in names[1:]:

@@ -362,7 +362,7 @@ def _markdown(client, parent, runs, rows, report: Report) -> str:
                "FAILED": "; the sweep died: jobs after the last child never ran",
                "RUNNING": "; still running"}.get(parent.info.status, "")
     lines = [
-        f"# Sweep {parent.info.run_name}",
+        f"# {'' if parent.info.run_name.lower().startswith('sweep') else 'Sweep '}{parent.info.run_name}",  # not "Sweep sweep"
         "",
         f"- parent run: `{parent.info.run_id}` at `{client.tracking_uri}`, {parent.info.status}{stopped}",
         f"- sweep overrides: `{tags.get(SWEEP_OVERRIDES_TAG, '')}`",
