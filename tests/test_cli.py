@@ -82,6 +82,12 @@ BAD_VALUES = [
     ("experiment=quick task=prompts", "task.num_demonstrations: experiment=quick sets it for task=sentiment"),
     # a sweep preset searching a key the chosen option lacks (failed at Optuna's first trial, in Hydra's words)
     ("experiment=sweep_optuna algo=grpo", "hydra.sweeper.params: experiment=sweep_optuna searches algo.kl_coef, which algo=grpo does not have"),
+    # overrides Hydra's grammar cannot read: with -m the sweep's expansion raised a traceback
+    ("-m algo=rloo,grpo ...", "...: not an override Hydra can read"),
+    ("-m algo=rloo,", "algo=rloo,: not an override Hydra can read"),
+    ("rl.lr=[1,2", "rl.lr=[1,2: not an override Hydra can read"),
+    # a comma list without -m: Hydra's ways out (list, quoted string, --multirun) were cut from its message
+    ("algo=rloo,grpo", "algo=rloo,grpo: a comma list is a sweep, which needs -m"),
 ]
 
 RUNNER = r'''

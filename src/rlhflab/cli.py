@@ -42,7 +42,11 @@ def preflight(argv: list[str]) -> None:
     overrides = [a for a in argv if not a.startswith("-")]
     register()
     multirun = "-m" in argv or "--multirun" in argv
-    for job in sweep_jobs(overrides, multirun):
+    try:
+        jobs = sweep_jobs(overrides, multirun)
+    except Exception as err:  # an override Hydra's grammar cannot parse
+        fail(composition_error(err, overrides))
+    for job in jobs:
         which = f" (sweep job: {' '.join(job)})" if multirun else ""
         try:
             cfg = compose(job, hydra=True)
@@ -133,7 +137,17 @@ def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
 
 def composition_error(err: Exception, overrides: list[str]) -> str:
     """One line for what Hydra or OmegaConf raised while composing."""
-    from hydra.errors import MissingConfigException
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    if isinstance(err, OverrideParseException):
+        for override in overrides:  # the one the grammar stops at
+            try:
+                OverridesParser.create().parse_overrides([override])
+            except OverrideParseException as bad:
+                why = str(bad).strip().splitlines()[0].split(" expecting ")[0]
+                return (f"{override}: not an override Hydra can read ({why}); write group=option or key=value "
+                        "(key=a,b sweeps with -m), quoting a value that holds spaces, commas or brackets")
 
     if isinstance(err, MissingConfigException):
         found = re.search(r"Could not find '([^']+)/([^']+)'", str(err))
@@ -168,6 +182,9 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
     if key:
         return f"{key}: {message}; see python src/train.py --help"
     bad = next((o for o in overrides if o.split("=")[0].lstrip("+~") in str(err)), " ".join(overrides) or "the config")
+    if message.startswith("Ambiguous value for argument"):  # Hydra's next lines, the ways out, were cut above
+        return (f"{bad}: a comma list is a sweep, which needs -m (python src/train.py -m {bad} ...); "
+                "for a list value write key=[a,b], for a string with a comma quote it: key=\"'a,b'\"")
     return f"{bad}: {message}; see python src/train.py --help"
 
 
