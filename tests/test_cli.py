@@ -226,3 +226,36 @@ def test_help_summary_is_the_first_sentence_past_abbreviations(tmp_path):
     assert _summary(option) == "Dr. X, i.e. a test vs. e.g. Y (cf. Z et al. 2024)."
     option.write_text("# One line without a period\nkey: 1\n")
     assert _summary(option) == "One line without a period"
+
+
+# Commands the docs show that are not meant to run here: placeholders, a cluster, files of your own, the
+# recipe's algorithm before you write it.
+NOT_HERE = ("<", "...", "[", "hydra/launcher=slurm", "data/train.jsonl", "algo=reinforce ")
+
+
+def doc_commands() -> list[tuple[str, list[str]]]:
+    """Every `python src/train.py ...` the README and docs/ show (continued lines joined), as (file, argv)."""
+    import re
+    import shlex
+
+    found = {}
+    for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"\\\n\s*", " ", md.read_text())
+        for match in re.finditer(r"python src/train\.py([^`\n|#;&]*)", text):
+            args = match.group(1).strip()
+            if not any(marker in args + " " for marker in NOT_HERE):
+                found.setdefault(args, md.name)
+    return [(name, shlex.split(args)) for args, name in found.items()]
+
+
+def test_every_command_in_the_docs_passes_the_preflight():
+    """A doc command that composes to an error is a user's first error (docs/SWEEPS.md's first sweep swept
+    algo.kl_coef over grpo, whose KL weight is algo.kl_loss_coef)."""
+    commands = doc_commands()
+    assert len(commands) >= 30
+    out = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps([argv for _, argv in commands]), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    failed = [f"{name}: python src/train.py {' '.join(argv)}: {row['stderr'].strip()}"
+              for (name, argv), row in zip(commands, json.loads(out.stdout.splitlines()[-1])["rows"]) if row["code"] not in (0, None)]
+    assert not failed, "\n".join(failed)
