@@ -234,14 +234,15 @@ NOT_HERE = ("<", "...", "[", "hydra/launcher=slurm", "data/train.jsonl", "algo=r
 
 
 def doc_commands() -> list[tuple[str, list[str]]]:
-    """Every `python src/train.py ...` the README and docs/ show (continued lines joined), as (file, argv)."""
+    """Every `python src/train.py ...` the README, docs/ and conf/'s comments show (continued lines joined), as
+    (file, argv)."""
     import re
     import shlex
 
     found = {}
-    for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "conf").rglob("*.yaml"))]:
         text = re.sub(r"\\\n\s*", " ", md.read_text())
-        for match in re.finditer(r"python src/train\.py([^`\n|#;&]*)", text):
+        for match in re.finditer(r"python src/train\.py([^`\n|#;&(]*)", text):  # up to a comment, a "(note)", a pipe
             args = match.group(1).strip()
             if not any(marker in args + " " for marker in NOT_HERE):
                 found.setdefault(args, md.name)
