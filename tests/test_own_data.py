@@ -225,3 +225,79 @@ def test_stages_train_on_your_demonstrations_and_preferences(make_cfg, tmp_path,
     # Hydra's joint LM + reward training learns them slowest: after 6 epochs it gave 0.73 on one CPU, 0.567 on another.
     assert accuracy > 0.6, accuracy
     assert result.module.updates == 2
+
+
+# ---- a from_pretrained model whose tokenizer has no pad token -----------------------------------------------
+
+
+def pretrained_without_pad(path: Path, unk: bool = False, specials: tuple[str, ...] = (), spare_rows: int = 0) -> Path:
+    """A saved Llama and its character tokenizer with no pad token: with `unk` as Llama 2's (an unknown token, and
+    exactly one embedding row per token), with reserved `specials` as Llama 3's, with `spare_rows` as Pythia's, and
+    with none of them as GPT-2's."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<s>", "</s>", *(["<unk>"] * unk), *specials, *sorted("0123456789=")])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>" if unk else "</s>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>" if unk else None, additional_special_tokens=list(specials))
+    assert tokenizer.pad_token is None
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab) + spare_rows, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, bos_token_id=0, eos_token_id=1))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind, pad", [
+    (dict(unk=True), "<unk>"),
+    (dict(specials=("<|start_header_id|>", "<|reserved_special_token_0|>", "<|finetune_right_pad_id|>")), "<|finetune_right_pad_id|>"),
+    (dict(specials=("<|start_header_id|>", "<|reserved_special_token_0|>")), "<|reserved_special_token_0|>"),
+    (dict(spare_rows=3), "[PAD]"),
+    (dict(specials=("<|start_header_id|>",)), None),  # a chat template's token is never the pad
+])
+def test_a_tokenizer_without_pad_pads_with_a_token_its_model_has_a_row_for(tmp_path, kind, pad):
+    from rlhflab.models.build import load_tokenizer
+
+    path = pretrained_without_pad(tmp_path / "model", **kind)
+    if pad is None:
+        with pytest.raises(ConfigError, match=r"^model\.tokenizer: .* has no pad token, .*\(14 rows for 14 tokens\)"):
+            load_tokenizer(path)
+        return
+    tokenizer = load_tokenizer(path)
+    rows = 13 + len(kind.get("specials", ())) + kind.get("unk", 0) + kind.get("spare_rows", 0)
+    assert tokenizer.pad_token == pad and tokenizer.pad_token_id < rows
+    assert tokenizer.pad_token_id not in (tokenizer.eos_token_id, tokenizer.bos_token_id)
+
+
+def test_a_llama2_like_model_without_pad_token_trains(make_cfg, tmp_path):
+    """model.name_or_path of a model whose tokenizer has no pad token and whose embedding has one row per token
+    (Llama 2, the ReMax and Hydra-RLHF presets' model): an added [PAD] got id = vocab size, and stage sft ended in
+    'IndexError: index out of range in self' at its first forward."""
+    path = pretrained_without_pad(tmp_path / "llama2_like", unk=True)
+    result = train(make_cfg("model.name_or_path=" + str(path), "model.arch=null", *own_task(tmp_path), "trainer.max_steps=2",
+                            shrink=False))
+    assert result.module.updates == 2
+    assert result.module.tokenizer.pad_token == "<unk>"
+
+
+def test_a_gold_reward_model_without_pad_token_scores_a_batch(tmp_path):
+    """task=tldr's gold judge (a Pythia reward model) may have no pad token: a batch of texts raised 'Asking to pad
+    but the tokenizer does not have a padding token'. Each score is the one the text gets alone, unpadded."""
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+
+    from rlhflab.tasks.hub import HubPromptTask
+
+    path = pretrained_without_pad(tmp_path / "gold")
+    classifier = LlamaForSequenceClassification.from_pretrained(path, num_labels=1).eval()
+    classifier.save_pretrained(path)
+    assert classifier.config.pad_token_id is None
+    prompts, responses = ["125=", "7="], ["521", "7777"]
+    got = HubPromptTask("unused", gold_model_path=str(path)).gold_reward(prompts, responses)
+    tok = AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        alone = [classifier(**tok(p + r, return_tensors="pt")).logits.item() for p, r in zip(prompts, responses)]
+    torch.testing.assert_close(got, torch.tensor(alone))

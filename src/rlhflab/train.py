@@ -142,7 +142,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
 
     # Stage 0: the base model (built from config for the tiny preset, cached).
     base = ensure_base_model(model_cfg, task, cache_dir)
-    tokenizer = load_tokenizer(model_cfg.get("tokenizer") or model_cfg.get("sft_path") or base.path)
+    tokenizer = load_tokenizer(model_cfg.get("tokenizer") or model_cfg.get("sft_path") or base.path,
+                               model_cfg.get("sft_path") or base.path)
     counts = task.setup(tokenizer)  # chat templates and prompt budgets need the tokenizer
     if counts:
         tracker.log_metrics(counts, step=0)

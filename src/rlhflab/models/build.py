@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from rlhflab.errors import ConfigError
 from rlhflab.models.cache import Saved, cached, config_key
 from rlhflab.rng import fixed_seed
 
@@ -58,14 +59,41 @@ def ensure_base_model(model_cfg: dict, task, cache_dir: Path) -> Saved:
     return Saved(path, f"model:{path.name}")
 
 
-def load_tokenizer(name_or_path):
-    from transformers import AutoTokenizer
+def load_tokenizer(name_or_path, model_path=None):
+    """The policy's tokenizer, left-padding. One without a pad token (Llama, GPT-2, Pythia) gets one that its
+    model (`model_path`, default `name_or_path`) has an embedding row for; see `pad_token_for`."""
+    from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
     if tokenizer.pad_token is None:
-        # Pad must differ from EOS: the reward model scores the last non-pad token.
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+        rows = getattr(AutoConfig.from_pretrained(model_path or name_or_path).get_text_config(), "vocab_size", None)
+        pad = pad_token_for(tokenizer, rows or len(tokenizer) + 1)
+        if pad is None:
+            raise ConfigError(
+                f"model.tokenizer: {name_or_path} has no pad token, and neither an unknown-token, a reserved special "
+                f"token nor a spare embedding row ({rows} rows for {len(tokenizer)} tokens) to pad with; give "
+                "model.tokenizer=<a tokenizer with a pad token its model has a row for>")
+        tokenizer.add_special_tokens({"pad_token": pad})
+        log.info("tokenizer: no pad token; padding with %s (id %d)", pad, tokenizer.pad_token_id)
     return tokenizer
+
+
+def pad_token_for(tokenizer, rows: int) -> str | None:
+    """A pad token for a tokenizer that has none, or None. It must differ from EOS and BOS (the reward model scores
+    the last non-pad token; masks treat pad as absent) and from any token a prompt or chat template holds, and its id
+    must be below the model's `rows` embedding rows: a new [PAD] after the last id only fits where the embedding has
+    spare rows (Pythia: 50,304 rows for 50,277 tokens); Llama 2's 32,000 rows hold exactly its tokens, and its id
+    32,000 failed at the first forward with an embedding IndexError. In order: the unknown token (Llama 1/2, Mistral:
+    byte fallback never emits it), a special token named for padding or reserved (Llama 3: <|finetune_right_pad_id|>,
+    <|reserved_special_token_N|>), a new [PAD] in a spare row."""
+    taken = {tokenizer.eos_token_id, tokenizer.bos_token_id}
+    if tokenizer.unk_token is not None and tokenizer.unk_token_id not in taken and tokenizer.unk_token_id < rows:
+        return tokenizer.unk_token
+    spare = [(("pad" not in t.content.lower()), i, t.content) for i, t in tokenizer.added_tokens_decoder.items()
+             if t.special and i not in taken and i < rows and ("pad" in t.content.lower() or "reserved" in t.content.lower())]
+    if spare:
+        return min(spare)[2]
+    return "[PAD]" if len(tokenizer) < rows else None
 
 
 def load_causal_lm(name_or_path, dtype: str = "float32"):
@@ -103,10 +131,16 @@ def foreign_tokenizer(model_path, tokenizer):
         return None  # no tokenizer saved with it: it reads the policy's tokens
     if own.get_vocab() == tokenizer.get_vocab():
         return None
-    if own.pad_token is None:
-        own.pad_token = own.eos_token or own.unk_token
-    own.padding_side = "right"
-    return own
+    return for_text_scores(own)
+
+
+def for_text_scores(tokenizer):
+    """A sequence classifier's own tokenizer made ready for `text_scores`: right padding, and a pad token (EOS or
+    UNK where it has none: the texts hold no EOS, and the mask, not the token, hides the padding)."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    tokenizer.padding_side = "right"
+    return tokenizer
 
 
 @torch.no_grad()

@@ -58,13 +58,14 @@ class HubPromptTask:
 
     @cached_property
     def _gold(self):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from rlhflab.models.build import for_text_scores, load_reward_model
 
         if self.gold_model_path is None:
             raise ConfigError("task.gold_model_path: null; name the reward model that scores evaluation")
-        tok = AutoTokenizer.from_pretrained(self.gold_model_path)
-        model = AutoModelForSequenceClassification.from_pretrained(self.gold_model_path, num_labels=1).eval()
-        return tok, model
+        tok = for_text_scores(AutoTokenizer.from_pretrained(self.gold_model_path))  # Pythia's has no pad token
+        return tok, load_reward_model(self.gold_model_path, pad_token_id=tok.pad_token_id).eval()
 
     @torch.no_grad()
     def setup(self, tokenizer) -> dict[str, int]:
