@@ -66,7 +66,10 @@ def load_tokenizer(name_or_path, model_path=None):
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
     if tokenizer.pad_token is None:
-        rows = getattr(AutoConfig.from_pretrained(model_path or name_or_path).get_text_config(), "vocab_size", None)
+        try:
+            rows = getattr(AutoConfig.from_pretrained(model_path or name_or_path).get_text_config(), "vocab_size", None)
+        except (OSError, ValueError):  # no config.json (e.g. an adapter): no row count to respect
+            rows = None
         pad = pad_token_for(tokenizer, rows or len(tokenizer) + 1)
         if pad is None:
             raise ConfigError(
