@@ -10,7 +10,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import ROOT
+from conftest import ROOT, tokenizer_without_pad
 from rlhflab.callables import call_reward
 from rlhflab.errors import ConfigError, RewardError
 from rlhflab.rewards.functions import FunctionReward
@@ -231,21 +231,13 @@ def test_stages_train_on_your_demonstrations_and_preferences(make_cfg, tmp_path,
 
 
 def pretrained_without_pad(path: Path, unk: bool = False, specials: tuple[str, ...] = (), spare_rows: int = 0) -> Path:
-    """A saved Llama and its character tokenizer with no pad token: with `unk` as Llama 2's (an unknown token, and
-    exactly one embedding row per token), with reserved `specials` as Llama 3's, with `spare_rows` as Pythia's, and
-    with none of them as GPT-2's."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    """A saved Llama and its character tokenizer with no pad token (conftest.tokenizer_without_pad), with one
+    embedding row per token as Llama 2's and GPT-2's, or `spare_rows` more as Pythia's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    vocab = {t: i for i, t in enumerate(["<s>", "</s>", *(["<unk>"] * unk), *specials, *sorted("0123456789=")])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>" if unk else "</s>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>" if unk else None, additional_special_tokens=list(specials))
-    assert tokenizer.pad_token is None
+    tokenizer = tokenizer_without_pad(unk, specials)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(vocab) + spare_rows, hidden_size=32, intermediate_size=64,
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer) + spare_rows, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=1, num_attention_heads=2, bos_token_id=0, eos_token_id=1))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -19,6 +19,10 @@ PRESETS = {
     "rloo_pythia6.9b_tldr": "gpt_neox", "async_llama3.1_8b_instruct": "llama", "remax_llama2_7b_hh": "llama",
     "lora_ppo_llama7b_tldr": "llama", "hydra_ppo_llama7b_tldr": "llama",
 }
+# preset -> how its hub tokenizer lacks a pad token, and the embedding rows its model has beyond the tokenizer's
+TOKENIZERS = {"gpt_neox": (dict(), 8),  # Pythia: no pad, its unknown token is EOS, 50,304 rows for 50,277 tokens
+              "llama": (dict(unk=True), 0),  # LLaMA 1/2: no pad, an unknown token, one row per token
+              "async_llama3.1_8b_instruct": (dict(specials=("<|finetune_right_pad_id|>",)), 0)}  # a reserved pad
 
 
 def test_every_paper_preset_is_listed_here():
@@ -60,23 +64,26 @@ def test_the_slurm_launcher_preset_composes():
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    """A tiny causal LM of each architecture, with the example's character tokenizer, saved like a hub model."""
+    """A tiny causal LM of each architecture, with a character tokenizer for the example's text that has no pad
+    token the way the hub model's has none (TOKENIZERS), saved like a hub model. Keyed by architecture, and by
+    preset where that preset's tokenizer differs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlhflab.tasks.files import PromptsTask
+    from conftest import tokenizer_without_pad
 
-    tokenizer = PromptsTask(path=f"{EXAMPLE}/train.jsonl", eval_path=f"{EXAMPLE}/eval.jsonl", tokenizer="char").build_tokenizer()
     dims = {"gpt_neox": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, rotary_pct=0.5),
             "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)}
     out = {}
-    for arch, kw in dims.items():
-        config = AutoConfig.for_model(arch, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                                      tie_word_embeddings=False, max_position_embeddings=64, **kw)
-        path = tmp_path_factory.mktemp(arch)
+    for key, (kind, spare_rows) in TOKENIZERS.items():
+        arch = PRESETS.get(key, key)
+        tokenizer = tokenizer_without_pad(**kind)
+        config = AutoConfig.for_model(arch, vocab_size=len(tokenizer) + spare_rows, eos_token_id=tokenizer.eos_token_id,
+                                      bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False,
+                                      max_position_embeddings=64, **dims[arch])
+        path = tmp_path_factory.mktemp(key)
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
         tokenizer.save_pretrained(path)
-        out[arch] = path
+        out[key] = path
     return out
 
 
@@ -101,8 +108,10 @@ def on_this_machine(preset: str, model_dir) -> list[str]:
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_preset_loading_path_runs_with_a_tiny_model_of_its_architecture(make_cfg, tiny_models, preset):
-    result = train(make_cfg(*on_this_machine(preset, tiny_models[PRESETS[preset]]), shrink=False))
+    result = train(make_cfg(*on_this_machine(preset, tiny_models.get(preset, tiny_models[PRESETS[preset]])), shrink=False))
     assert result.module.updates >= 1   # ppo: one rollout batch gives algo.epochs x algo.num_minibatches updates
     model = result.module.memory.generation_model
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
     assert model.config.model_type == PRESETS[preset]
+    pad = result.module.tokenizer.pad_token_id  # the hub tokenizer had none: one its model has a row for
+    assert pad < model.get_input_embeddings().num_embeddings and pad != result.module.tokenizer.eos_token_id
