@@ -273,3 +273,13 @@ def test_run_names_carry_each_setting_once_and_tell_like_keys_apart():
     # a path by its last part (the whole path is the run's param): these names filled 250 characters with two paths
     assert run_name("rloo", ["model.sft_path=/tmp/w/.cache/rlhflab/stages/sft-f354fe44e62a/", "model.name_or_path=EleutherAI/pythia-1b"]) \
         == "rloo sft_path=sft-f354fe44e62a name_or_path=EleutherAI/pythia-1b"
+
+
+def test_run_names_give_a_long_decimal_three_significant_digits():
+    """An Optuna trial's values named its runs 'rloo kl_coef=0.08025955666793813 lr=0.0006380556092044456 ...'."""
+    from rlhflab.naming import run_name
+
+    assert run_name("rloo", ["algo.kl_coef=0.08025955666793813", "rl.lr=0.0006380556092044456", "experiment=sweep_optuna"]) \
+        == "rloo kl_coef=0.0803 lr=0.000638 sweep_optuna"
+    assert run_name("rloo", ["rl.lr=3e-4", "algo.kl_coef=0.05", "seed=12345678901", "task.gold_fn=a.py:f"]) \
+        == "rloo lr=3e-4 kl_coef=0.05 seed=12345678901 gold_fn=a.py:f"  # short values and non-decimals as given

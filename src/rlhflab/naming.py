@@ -36,11 +36,13 @@ MAX_RUN_NAME = 250
 
 def short_override(override: str, keys: int = 1) -> str:
     """A setting by its last key (`keys` last parts of it) and a path by its last part (the whole path is a param):
-    `algo.kl_coef=0.1` -> `kl_coef=0.1`, `model.sft_path=/runs/a/policy` -> `sft_path=policy` (run names, sweep
-    names, plot labels)."""
+    `algo.kl_coef=0.1` -> `kl_coef=0.1`, `model.sft_path=/runs/a/policy` -> `sft_path=policy`, a long decimal to 3
+    significant digits, `rl.lr=0.0006380556092044456` -> `lr=0.000638` (run names, sweep names, plot labels)."""
     key, _, value = override.partition("=")
     if value.startswith(("/", "./", "../", "~")):
         value = value.rstrip("/").rpartition("/")[2] or value
+    elif len(value) > 8 and re.fullmatch(r"-?\d*\.\d+(e-?\d+)?", value):  # an Optuna trial's 0.08025955666793813
+        value = f"{float(value):.3g}"
     return f"{'.'.join(key.split('.')[-keys:])}={value}"
 
 
