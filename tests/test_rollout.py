@@ -154,3 +154,45 @@ def test_prompt_batches_are_as_wide_as_their_own_longest_prompt():
         assert batch.shape == (2, width) and torch.equal(batch, query[index][:, 12 - width :])
     untrimmed, _, _ = next(iter(PromptBatches(query, prompts_per_step=2, seed=0)))
     assert untrimmed.shape == (2, 12)
+
+
+def test_hf_generator_samples_the_policy_as_it_is_whatever_its_generation_config_says(caplog):
+    """A hub model's generation_config.json (Qwen2.5-Instruct's: repetition_penalty 1.05, top_k 20, top_p 0.8,
+    temperature 0.7) filled every setting generate() was not passed: the repetition penalty, a suppressed token or
+    a minimum length reshaped what the policy was sampled from, unlike the learner's log-probs. The draws are
+    now those of the same model with a plain config, the log-probs the learner's, and the config is put back."""
+    import logging
+
+    from transformers import GenerationConfig
+
+    from rlhflab.lit.data import encode_prompts
+    from rlhflab.rollout.hf import HFGenerator
+    from rlhflab.tasks.sentiment import SentimentTask
+
+    tok = SentimentTask(response_words=8, seed=0).build_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=64,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).eval()
+    prompts = SentimentTask(response_words=8, seed=0).prompts("train")[:8]
+    query = encode_prompts(tok, prompts)
+    gen = HFGenerator(temperature=1.0, max_new_tokens=10)
+    gen.setup(tok, 10)
+
+    def sample():
+        torch.manual_seed(1)
+        return gen.generate(model, query, prompts, samples_per_prompt=4, version=0)
+
+    plain = sample()
+    hub = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=3.0,
+                           no_repeat_ngram_size=1, min_new_tokens=6, suppress_tokens=[tok.eos_token_id + 1],
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    model.generation_config = hub
+    with caplog.at_level(logging.INFO, logger="rlhflab.rollout.hf"):
+        got = sample()
+    assert torch.equal(got.response, plain.response)
+    torch.testing.assert_close(got.logprobs, plain.logprobs, atol=0, rtol=0)
+    assert model.generation_config is hub  # put back: the saved policy keeps its own
+    told = [r.getMessage() for r in caplog.records if "generation_config.json" in r.getMessage()]
+    assert told == ["generator: sampling the policy as it is, without its generation_config.json's min_new_tokens=6, "
+                    f"no_repeat_ngram_size=1, repetition_penalty=3.0, suppress_tokens=[{tok.eos_token_id + 1}]"]

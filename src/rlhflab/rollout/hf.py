@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 
 import torch
@@ -9,6 +10,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from rlhflab.errors import ConfigError, DivergedWeights
 from rlhflab.rollout.batch import Rollout, repeat_prompts, response_mask_from_eos
+
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -23,9 +26,45 @@ def diverged_as_nonfinite():
         raise DivergedWeights("the policy's sampling probabilities (NaN/Inf logits: its weights have diverged)") from None
 
 
+# What a generation config keeps while the policy samples: token ids and cache settings, nothing that shapes the
+# distribution.
+PLAIN_SAMPLING_KEEPS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "cache_implementation",
+                        "use_cache")
+# Set aside without a word: passed by every generate() call here (so replaced anyway), or shaping only what
+# generate() returns (a hub config's return_dict_in_generate would have broken the call).
+QUIET = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "min_length", "max_length",
+         "transformers_version", "_from_model_config", "output_attentions", "output_hidden_states", "output_scores",
+         "output_logits", "return_dict_in_generate")
+
+
+@contextmanager
+def plain_sampling(model):
+    """generate() fills every setting it is not passed from the model's generation_config.json: a hub model's
+    repetition_penalty (Qwen2.5-Instruct: 1.05), no_repeat_ngram_size, min_new_tokens, suppress_tokens or
+    bad_words_ids reshaped the distribution the policy was sampled from, which the learner's, the reference's and
+    every KL estimate's log-probs know nothing of (and `behaviour` log-probs then differ from the learner's in sync
+    mode). For the call, each generation config in the model keeps only PLAIN_SAMPLING_KEEPS; it is put back after.
+    Yields the settings that were set aside (name=value), for the log."""
+    from transformers import GenerationConfig
+
+    swapped, dropped = [], []
+    for module in model.modules():
+        config = module.__dict__.get("generation_config")
+        if isinstance(config, GenerationConfig):
+            own = config.to_diff_dict()
+            dropped += [f"{k}={v}" for k, v in own.items() if k not in PLAIN_SAMPLING_KEEPS + QUIET]
+            swapped.append((module, config))
+            module.generation_config = GenerationConfig(**{k: v for k, v in own.items() if k in PLAIN_SAMPLING_KEEPS})
+    try:
+        yield sorted(set(dropped))
+    finally:
+        for module, config in swapped:
+            module.generation_config = config
+
+
 class BehaviourLogprobs(LogitsProcessor):
-    """Each sampled token's log-prob under the distribution it was drawn from (the tempered logits, after any
-    processor the model's own generation config adds), kept as (n,) per step.
+    """Each sampled token's log-prob under the distribution it was drawn from (the tempered logits: the model's own
+    generation config is set aside, see `plain_sampling`), kept as (n,) per step.
 
     generate()'s own record (output_logits) holds an (n, V) tensor per step, and stacking and tempering it made
     two more copies: on a 32,000-token vocabulary, 32 completions x 32 tokens, 390 MB. Placed after generate()'s
@@ -64,6 +103,7 @@ class HFGenerator:
 
     needs_spawn = False  # the generator process may be forked
     synced = False  # set when the model is sharded over ranks: every rank runs the same number of forward steps
+    told = False  # the settings plain_sampling set aside are logged once
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None) -> None:
         if top_k != 0:
@@ -90,7 +130,11 @@ class HFGenerator:
         """(response (n, R) right-padded, behaviour log-probs (n, R) or None when greedy)."""
         attention_mask = (query != self.tokenizer.pad_token_id).long()
         recorder = None if greedy else BehaviourLogprobs(self.temperature)
-        with diverged_as_nonfinite():
+        with diverged_as_nonfinite(), plain_sampling(model) as dropped:
+            if dropped and not self.told:
+                log.info("generator: sampling the policy as it is, without its generation_config.json's %s",
+                         ", ".join(dropped))
+                self.told = True
             sequences = model.generate(
                 input_ids=query,
                 attention_mask=attention_mask,
