@@ -185,3 +185,47 @@ def test_gradient_checkpointing_recomputes_in_backward_under_every_strategy(make
         hook.remove()
         calls[on] = len(count)
     assert calls == {False: 1, True: 2}
+
+
+def _gpt2(tie: bool = True):
+    """A tiny GPT-2: Conv1D layers named c_attn/c_fc/c_proj in `transformer.h`, its LM head tied to its embeddings."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=20, n_embd=16, n_layer=2, n_head=2, n_positions=32, tie_word_embeddings=tie))
+
+
+def test_lora_names_that_reach_no_decoder_layer_are_one_line():
+    """The default target names are Llama's and GPT-NeoX's: on GPT-2 they reached its tied LM head alone (the policy
+    trained a head adapter only; the critic's adapter raised peft's NoMatchingPeftModuleError)."""
+    from peft import TaskType
+
+    from rlhflab.errors import ConfigError
+    from rlhflab.memory.lora import DEFAULT_TARGETS, adapt, lora_config
+
+    config = lambda targets: lora_config(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=targets,  # noqa: E731
+                                         task_type=TaskType.CAUSAL_LM)
+    with pytest.raises(ConfigError, match=r"^memory\.target_modules: none of GPT2LMHeadModel's decoder layers has a "
+                                          r"module it names \(their linear modules: c_attn, c_fc, c_proj\); set "
+                                          r"memory\.target_modules=all-linear"):
+        adapt(_gpt2(), config(list(DEFAULT_TARGETS)))
+    for targets in ("all-linear", ["c_attn", "c_fc", "c_proj"]):
+        wrapped = adapt(_gpt2(), config(targets))
+        assert any(".h.1.mlp.c_fc" in name for name in wrapped.targeted_module_names), targets
+
+
+def test_fsdp_units_are_each_models_own_decoder_layers():
+    """Sharding found decoder layers at `base_model.layers` (Llama, GPT-NeoX) only: GPT-2 went whole into one unit,
+    its tied head unchecked. The units are now the classes a model names in _no_split_modules."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhflab.errors import ConfigError
+    from rlhflab.models.sharding import decoder_layers, shard
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                         num_attention_heads=2))
+    assert decoder_layers(llama) == list(llama.model.layers)
+    gpt2 = _gpt2(tie=False)
+    assert decoder_layers(gpt2) == list(gpt2.transformer.h)
+    with pytest.raises(ConfigError, match="^trainer=fsdp: GPT2LMHeadModel ties its output head to its input embeddings"):
+        shard(_gpt2(), mesh=None)  # refused before any collective

@@ -67,5 +67,7 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     # An RL prompt stream has no length by design: it ends at trainer.max_steps.
     warnings.filterwarnings("ignore", message=r".*Your `IterableDataset` has `__len__` defined.*")
+    # GPT-2's Conv1D layers take LoRA transposed: peft sets fan_in_fan_out itself and says so.
+    warnings.filterwarnings("ignore", message=r".*fan_in_fan_out is set to False but the target module is `Conv1D`.*")
     # peft still calls a transformers property deprecated in 5.x.
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*deprecated.*", category=FutureWarning)

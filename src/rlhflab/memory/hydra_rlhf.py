@@ -32,7 +32,7 @@ from torch import nn
 
 from rlhflab.errors import ConfigError
 from rlhflab.memory.base import MemoryStrategy
-from rlhflab.memory.lora import LoraSettings, lora_config, trainable_parameters
+from rlhflab.memory.lora import LoraSettings, adapt, lora_config, trainable_parameters
 from rlhflab.models.build import DTYPES, freeze, load_causal_lm, module_name, read_reward_norm
 from rlhflab.models.heads import ScalarHead, has_reward_head, sequence_scores, trunk
 from rlhflab.rollout.batch import join, token_logprobs
@@ -75,13 +75,13 @@ class HydraRLHFMemory(LoraSettings, MemoryStrategy):
 
     def build(self, policy_path, reward_path, need_values: bool, tokenizer, dtype: str = "float32") -> "HydraRLHFMemory":
         """Wrap the hydra_sft checkpoint in adapters and load its heads. reward_path None: no reward head (rule reward)."""
-        from peft import TaskType, get_peft_model
+        from peft import TaskType
 
         self.pad_token_id = tokenizer.pad_token_id
         self.dtype = dtype
         causal_lm = self.trainable(load_causal_lm(policy_path, dtype), context_fn=self._recompute_context)
         lm_head = module_name(causal_lm, causal_lm.get_output_embeddings())
-        self.lm = get_peft_model(causal_lm, lora_config(**self.lora, task_type=TaskType.CAUSAL_LM), adapter_name=POLICY)
+        self.lm = adapt(causal_lm, lora_config(**self.lora, task_type=TaskType.CAUSAL_LM), adapter_name=POLICY)
         self.reward_head = None
         self.reward_norm = (0.0, 1.0)
         if reward_path is not None:

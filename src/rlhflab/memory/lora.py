@@ -18,9 +18,11 @@ from torch import nn
 
 from pathlib import Path
 
+from rlhflab.errors import ConfigError
 from rlhflab.memory.full import FullMemory
 from rlhflab.models.build import foreign_tokenizer, freeze, load_causal_lm, load_reward_model, load_value_model, read_reward_norm
 from rlhflab.models.heads import last_token_index
+from rlhflab.models.sharding import decoder_layers
 from rlhflab.rollout.batch import join
 from rlhflab.rollout.weights import save_policy_checkpoint
 
@@ -41,6 +43,30 @@ def lora_config(r: int, lora_alpha: float, lora_dropout: float, target_modules, 
 
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
     return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets, task_type=task_type, **extra)
+
+
+def adapt(model: nn.Module, config, **kwargs):
+    """`get_peft_model`, refusing in one line target names that reach none of the model's decoder layers: the
+    default names are Llama's and GPT-NeoX's, and on GPT-2 they matched its (tied) LM head alone, so the policy
+    trained an adapter on the head only and the critic's, with no head to match, raised peft's
+    NoMatchingPeftModuleError traceback."""
+    from peft import get_peft_model
+    from peft.utils.error import NoMatchingPeftModuleError
+    from transformers.pytorch_utils import Conv1D
+
+    layers = decoder_layers(getattr(model, "get_base_model", lambda: model)())
+    linear = sorted({name.rpartition(".")[2] for layer in layers for name, m in layer.named_modules()
+                     if isinstance(m, (nn.Linear, Conv1D))})
+    try:
+        wrapped = get_peft_model(model, config, **kwargs)
+        reached = {name.rpartition(".")[2] for name in wrapped.targeted_module_names} & set(linear)
+    except NoMatchingPeftModuleError:
+        reached = set()
+    if linear and not reached:
+        raise ConfigError(f"memory.target_modules: none of {type(model).__name__}'s decoder layers has a module it names "
+                          f"(their linear modules: {', '.join(linear)}); set memory.target_modules=all-linear, or "
+                          f"memory.target_modules=[{','.join(linear)}]")
+    return wrapped
 
 
 def trainable_parameters(module: nn.Module | None) -> list[nn.Parameter]:
@@ -76,12 +102,12 @@ class LoraMemory(LoraSettings, FullMemory):
 
     def build(self, policy_path, reward_path, need_values: bool, tokenizer, dtype: str = "float32") -> "LoraMemory":
         """Load the models this run needs. reward_path None: no reward model (rule reward)."""
-        from peft import TaskType, get_peft_model
+        from peft import TaskType
 
         self.pad_token_id = tokenizer.pad_token_id
         self.dtype = dtype
         policy = self.trainable(load_causal_lm(policy_path, dtype))
-        self.policy = get_peft_model(policy, lora_config(**self.lora, task_type=TaskType.CAUSAL_LM))
+        self.policy = adapt(policy, lora_config(**self.lora, task_type=TaskType.CAUSAL_LM))
         self.value_model = None
         self.reward_head = None  # set when the critic's frozen backbone is the reward model's
         share = need_values and reward_path is not None and foreign_tokenizer(reward_path, tokenizer) is None
@@ -99,7 +125,7 @@ class LoraMemory(LoraSettings, FullMemory):
             start = reward_path if share else policy_path
             backbone = self.trainable(load_value_model(start, dtype, self.pad_token_id))
             config = lora_config(**self.lora, task_type=TaskType.TOKEN_CLS, modules_to_save=VALUE_HEAD_NAMES)
-            self.value_model = get_peft_model(backbone, config)
+            self.value_model = adapt(backbone, config)
         return self
 
     @torch.no_grad()

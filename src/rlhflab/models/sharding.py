@@ -29,16 +29,26 @@ def check_shardable(model: nn.Module) -> None:
                           "shards as separate units; use trainer=ddp for this model")
 
 
+def decoder_layers(base: nn.Module) -> list[nn.Module]:
+    """The units FSDP shards one by one: the modules of the classes the model names as never to be split
+    (`_no_split_modules`: LlamaDecoderLayer, GPTNeoXLayer, GPT2Block, ...). Reading `base_model.layers` found
+    Llama's and GPT-NeoX's only: GPT-2 (`transformer.h`) went whole into one unit, unchecked for its tied head,
+    and under memory=lora failed in a traceback ('got mixed torch.Tensor and DTensor')."""
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    return [m for m in base.modules() if type(m).__name__ in names]
+
+
 def shard(model: nn.Module, mesh) -> nn.Module:
     """Shard `model` over the data-parallel `mesh` in place (see the module docstring); returns it."""
     from torch.distributed.fsdp import fully_shard
 
     base = _hf(model)
-    if not hasattr(base, "base_model") or not hasattr(base.base_model, "layers"):
+    layers = decoder_layers(base)
+    if not layers:
         return fully_shard(model, mesh=mesh)  # a small module (a scalar head): one unit
     check_shardable(model)
     backbone = base.base_model
-    for layer in backbone.layers:
+    for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(backbone, mesh=mesh)
     for child in base.children():
