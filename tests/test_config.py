@@ -133,6 +133,10 @@ def test_real_preset_loads_through_from_pretrained_names():
         ("algo=online_dpo algo.ties=drop", "algo.ties"),
         ("off_policy=tis off_policy.cap=0.5", "off_policy.cap"),
         ("off_policy=decoupled off_policy.cap=0.5", "off_policy.cap"),
+        # float16 weights under AdamW turn NaN at the first step (stage sft said to lower its lr)
+        ("model.dtype=float16", "model.dtype=float16: memory=full would train whole weights in float16"),
+        ("model.dtype=float16 memory=lora", "model.dtype=float16: stage sft would train"),
+        ("model.dtype=float16 memory=lora reward=model model.sft_path=EleutherAI/pythia-14m", "model.dtype=float16: stage rm"),
     ],
 )
 def test_bad_settings_are_one_line_naming_the_key(override, key):
@@ -141,6 +145,11 @@ def test_bad_settings_are_one_line_naming_the_key(override, key):
         validate(cfg)
     message = str(err.value)
     assert message.startswith(key) and "\n" not in message, message
+
+
+def test_float16_is_left_to_lora_when_no_stage_trains_whole_weights():
+    cfg = compose_cfg(["model.dtype=float16", "memory=lora", "reward=rule", "model.sft_path=EleutherAI/pythia-14m"], shrink=False)
+    assert validate(cfg).memory.name == "lora"
 
 
 def run_cli(*args: str, cwd: Path):

@@ -102,6 +102,22 @@ def check_devices(cfg: DictConfig) -> None:
                           "visible here; give a visible cuda:N, or mode.device=null to generate on the CPU")
 
 
+def check_half_precision(cfg: DictConfig, memory: str, needs_reward_model: bool) -> None:
+    """model.dtype=float16 trains whole weights in float16, where AdamW's first step turns them to NaN: its eps
+    (1e-8) is 0 in float16 (stage sft stopped at 'sft/loss is nan at step 1; ... Lower stages.sft.lr', which would
+    not help). LoRA adapters train in float32 on a float16 base (peft casts them), so lora with every stage given
+    is left alone."""
+    if cfg.model.get("dtype") != "float16":
+        return
+    trains = ("memory=full" if memory == "full" else
+              "stage sft" if not cfg.model.get("sft_path") else
+              "stage rm" if needs_reward_model and memory != "hydra" and not cfg.model.get("reward_model_path") else None)
+    if trains:
+        raise ConfigError(f"model.dtype=float16: {trains} would train whole weights in float16, which AdamW's first step "
+                          "turns to NaN (its eps, 1e-8, is 0 in float16); use model.dtype=bfloat16, or float32 with "
+                          "trainer.precision=16-mixed on a GPU")
+
+
 def validate(cfg: DictConfig) -> Plan:
     """Every check that needs no model: the schema's (types, ranges, undeclared keys), then the
     ones that need the plug-ins themselves (the task's data, the algorithm's needs, ...)."""
@@ -141,6 +157,7 @@ def validate(cfg: DictConfig) -> Plan:
             "give a ready reward model or use reward=rule"
         )
     memory.check(cfg.model, task, reward.needs_reward_model)
+    check_half_precision(cfg, memory.name, reward.needs_reward_model)
     resolve_reference(cfg, source, algo, memory, reward)
     generator.check_model(cfg.model)
     if not cfg.model.get("name_or_path") and not cfg.model.get("arch"):
