@@ -260,3 +260,33 @@ def test_every_command_in_the_docs_passes_the_preflight():
     failed = [f"{name}: python src/train.py {' '.join(argv)}: {row['stderr'].strip()}"
               for (name, argv), row in zip(commands, json.loads(out.stdout.splitlines()[-1])["rows"]) if row["code"] not in (0, None)]
     assert not failed, "\n".join(failed)
+
+
+def test_a_tracking_server_that_is_not_there_is_one_line(tmp_path):
+    """MLflow's client retried an unanswered http tracking URI for minutes ('Retrying (Retry(total=...') before it
+    failed; a timeout's SIGTERM then reported a KILLED MLflow run that never existed. One line, for a run and for
+    every job of a sweep, before anything loads; any HTTP answer at /health (a proxy's 404 too) is MLflow's."""
+    import http.server
+    import socket
+    import threading
+
+    from rlhflab.cli import check_server
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for args in (["trainer.max_steps=5"], ["-m", "seed=0,1"]):
+        out = run_cli(f"logger.tracking_uri=http://127.0.0.1:{port}", *args, cwd=tmp_path)
+        assert out.returncode == 2 and out.stderr.startswith(
+            f"error: logger.tracking_uri: no MLflow server answers at http://127.0.0.1:{port} ("), out.stderr
+        assert out.stderr.strip().splitlines() == [out.stderr.strip()] and not (tmp_path / "mlflow.db").exists()
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501 to a GET
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        check_server(f"http://127.0.0.1:{server.server_port}")  # an answer, whatever it says: MLflow's to judge
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    check_server("sqlite:///mlflow.db")  # not a server

@@ -46,6 +46,7 @@ def preflight(argv: list[str]) -> None:
         jobs = sweep_jobs(overrides, multirun)
     except Exception as err:  # an override Hydra's grammar cannot parse
         fail(composition_error(err, overrides))
+    servers: set[str] = set()
     for job in jobs:
         which = f" (sweep job: {' '.join(job)})" if multirun else ""
         try:
@@ -55,10 +56,36 @@ def preflight(argv: list[str]) -> None:
             check_launcher(searched["choices"])
             check(cfg)
             searched_keys_exist(cfg, searched)
+            if cfg.logger.tracking_uri not in servers:
+                servers.add(cfg.logger.tracking_uri)
+                check_server(cfg.logger.tracking_uri)
         except ConfigError as err:
             fail(f"{err}{which}")
         except Exception as err:  # Hydra's and OmegaConf's composition errors
             fail(composition_error(err, job) + which)
+
+
+def check_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
+    """An http(s) tracking URI with no server behind it: MLflow's client retries every request with a growing
+    backoff, so a run sat for minutes printing 'Retrying (Retry(total=...' lines before it failed (and a timeout's
+    SIGTERM then said its MLflow run was KILLED, which never existed). One request to the server's /health, no
+    retries: a refused or unanswered connection is one line. Any HTTP answer (a proxy's 404 too) is left to MLflow."""
+    import urllib.error
+    import urllib.request
+
+    from rlhflab.naming import redact
+
+    if not tracking_uri.startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError) as err:
+        why = getattr(err, "reason", err)
+        raise ConfigError(f"logger.tracking_uri: no MLflow server answers at {redact(tracking_uri)} ({why}); start it "
+                          "(mlflow server --backend-store-uri sqlite:///mlflow.db --host HOST --port PORT), or log to "
+                          "a file: logger.tracking_uri=sqlite:///mlflow.db") from None
 
 
 def sweep_searches(cfg) -> dict:

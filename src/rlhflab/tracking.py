@@ -102,6 +102,9 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
 
     tags = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": EXPERIMENT_NOTE,
             f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(VIEW_STATE)}
+    from rlhflab.cli import check_server
+
+    check_server(tracking_uri)  # the command line's preflight did too; train(cfg) may be called without it
     with store_lock(tracking_uri):
         try:
             client = MlflowClient(tracking_uri)
