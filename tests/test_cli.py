@@ -285,6 +285,7 @@ def test_a_tracking_server_that_is_not_there_is_one_line(tmp_path):
     thread.start()
     try:
         check_server(f"http://127.0.0.1:{server.server_port}")  # an answer, whatever it says: MLflow's to judge
+        check_server(f"http://alice:s3cr3t@127.0.0.1:{server.server_port}/")  # credentials are not a host to resolve
     finally:
         server.shutdown()
         server.server_close()

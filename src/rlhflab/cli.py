@@ -71,14 +71,18 @@ def check_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
     SIGTERM then said its MLflow run was KILLED, which never existed). One request to the server's /health, no
     retries: a refused or unanswered connection is one line. Any HTTP answer (a proxy's 404 too) is left to MLflow."""
     import urllib.error
+    import urllib.parse
     import urllib.request
 
     from rlhflab.naming import redact
 
     if not tracking_uri.startswith(("http://", "https://")):
         return
+    parts = urllib.parse.urlsplit(tracking_uri)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname or ""
+    netloc = host + (f":{parts.port}" if parts.port else "")  # no user:password@ (urllib resolves it as a host)
     try:
-        urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=timeout_s).close()
+        urllib.request.urlopen(parts._replace(netloc=netloc).geturl().rstrip("/") + "/health", timeout=timeout_s).close()
     except urllib.error.HTTPError:
         return
     except (urllib.error.URLError, OSError) as err:
