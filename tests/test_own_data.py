@@ -293,3 +293,25 @@ def test_a_gold_reward_model_without_pad_token_scores_a_batch(tmp_path):
     with torch.no_grad():
         alone = [classifier(**tok(p + r, return_tensors="pt")).logits.item() for p, r in zip(prompts, responses)]
     torch.testing.assert_close(got, torch.tensor(alone))
+
+
+@pytest.mark.parametrize("unk, pad", [(True, "<unk>"), (False, "</s>")])
+def test_a_pad_token_that_is_eos_is_replaced_where_another_fits(tmp_path, caplog, unk, pad):
+    """A tokenizer saved with pad_token = eos_token (Qwen2.5's base ones; many SFT recipes') hid the EOS from every
+    mask: the reward model scored a completion that ended like one cut at the budget. Another pad where one fits
+    (here the unknown token); where none does, EOS stays, and the log says what that costs."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from rlhflab.models.build import load_tokenizer
+
+    path = pretrained_without_pad(tmp_path / "model", unk=unk)
+    saved = AutoTokenizer.from_pretrained(path)
+    saved.pad_token = saved.eos_token
+    saved.save_pretrained(path)
+    with caplog.at_level(logging.INFO, logger="rlhflab.models.build"):
+        tokenizer = load_tokenizer(path)
+    assert tokenizer.pad_token == pad
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert ("padding with <unk>" in said) if unk else ("the reward model cannot tell a completion that ended" in said)

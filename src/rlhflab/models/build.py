@@ -60,24 +60,32 @@ def ensure_base_model(model_cfg: dict, task, cache_dir: Path) -> Saved:
 
 
 def load_tokenizer(name_or_path, model_path=None):
-    """The policy's tokenizer, left-padding. One without a pad token (Llama, GPT-2, Pythia) gets one that its
-    model (`model_path`, default `name_or_path`) has an embedding row for; see `pad_token_for`."""
+    """The policy's tokenizer, left-padding. One without a pad token (Llama, GPT-2, Pythia), or whose pad is its EOS,
+    gets one that its model (`model_path`, default `name_or_path`) has an embedding row for; see `pad_token_for`."""
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
-    if tokenizer.pad_token is None:
+    # A pad that is EOS (Qwen2.5's base tokenizers; many saved by SFT recipes: pad_token = eos_token) hides the EOS
+    # from every mask, so the reward model cannot tell a completion that ended from one cut at the budget.
+    shared = tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id
+    if tokenizer.pad_token is None or shared:
         try:
             rows = getattr(AutoConfig.from_pretrained(model_path or name_or_path).get_text_config(), "vocab_size", None)
         except (OSError, ValueError):  # no config.json (e.g. an adapter): no row count to respect
             rows = None
         pad = pad_token_for(tokenizer, rows or len(tokenizer) + 1)
+        if pad is None and shared:
+            log.warning("tokenizer: its pad token is its EOS (%s) and it has no other to pad with; the reward model "
+                        "cannot tell a completion that ended from one cut at the budget", tokenizer.eos_token)
+            return tokenizer
         if pad is None:
             raise ConfigError(
                 f"model.tokenizer: {name_or_path} has no pad token, and neither an unknown-token, a reserved special "
                 f"token nor a spare embedding row ({rows} rows for {len(tokenizer)} tokens) to pad with; give "
                 "model.tokenizer=<a tokenizer with a pad token its model has a row for>")
         tokenizer.add_special_tokens({"pad_token": pad})
-        log.info("tokenizer: no pad token; padding with %s (id %d)", pad, tokenizer.pad_token_id)
+        log.info("tokenizer: %s; padding with %s (id %d)", f"its pad token is its EOS ({tokenizer.eos_token})" if shared
+                 else "no pad token", pad, tokenizer.pad_token_id)
     return tokenizer
 
 
