@@ -79,10 +79,9 @@ def check_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
     if not tracking_uri.startswith(("http://", "https://")):
         return
     parts = urllib.parse.urlsplit(tracking_uri)
-    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname or ""
-    netloc = host + (f":{parts.port}" if parts.port else "")  # no user:password@ (urllib resolves it as a host)
+    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2])  # no user:password@ (urllib resolves it as a host)
     try:
-        urllib.request.urlopen(parts._replace(netloc=netloc).geturl().rstrip("/") + "/health", timeout=timeout_s).close()
+        urllib.request.urlopen(bare.geturl().rstrip("/") + "/health", timeout=timeout_s).close()
     except urllib.error.HTTPError:
         return
     except (urllib.error.URLError, OSError) as err:

@@ -54,15 +54,15 @@ def adapt(model: nn.Module, config, **kwargs):
     from peft.utils.error import NoMatchingPeftModuleError
     from transformers.pytorch_utils import Conv1D
 
-    layers = decoder_layers(getattr(model, "get_base_model", lambda: model)())
-    linear = sorted({name.rpartition(".")[2] for layer in layers for name, m in layer.named_modules()
+    linear = sorted({name.rpartition(".")[2] for layer in decoder_layers(model) for name, m in layer.named_modules()
                      if isinstance(m, (nn.Linear, Conv1D))})
     try:
         wrapped = get_peft_model(model, config, **kwargs)
-        reached = {name.rpartition(".")[2] for name in wrapped.targeted_module_names} & set(linear)
     except NoMatchingPeftModuleError:
-        reached = set()
-    if linear and not reached:
+        if not linear:  # no decoder layers to name: peft's own message is all there is
+            raise
+        wrapped = None
+    if linear and (wrapped is None or not {n.rpartition(".")[2] for n in wrapped.targeted_module_names} & set(linear)):
         raise ConfigError(f"memory.target_modules: none of {type(model).__name__}'s decoder layers has a module it names "
                           f"(their linear modules: {', '.join(linear)}); set memory.target_modules=all-linear, or "
                           f"memory.target_modules=[{','.join(linear)}]")
