@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -37,6 +38,28 @@ QUIET = ("do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "min_le
          "output_logits", "return_dict_in_generate")
 
 
+_PLAIN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> ([(module, its config, plain)], set aside)
+
+
+def _plain_configs(model) -> tuple[list, list[str]]:
+    """Each generation config in the model with its plain stand-in, found once per model (generate() runs every
+    batch: the module walk and the configs' copies are not redone), again if a config was replaced since."""
+    from transformers import GenerationConfig
+
+    known = _PLAIN.get(model)
+    if known is not None and all(module.__dict__.get("generation_config") is config for module, config, _ in known[0]):
+        return known
+    swaps, dropped = [], set()
+    for module in model.modules():
+        config = module.__dict__.get("generation_config")
+        if isinstance(config, GenerationConfig):
+            own = config.to_diff_dict()
+            dropped |= {f"{k}={v}" for k, v in own.items() if k not in PLAIN_SAMPLING_KEEPS + QUIET}
+            swaps.append((module, config, GenerationConfig(**{k: v for k, v in own.items() if k in PLAIN_SAMPLING_KEEPS})))
+    _PLAIN[model] = (swaps, sorted(dropped))
+    return _PLAIN[model]
+
+
 @contextmanager
 def plain_sampling(model):
     """generate() fills every setting it is not passed from the model's generation_config.json: a hub model's
@@ -45,20 +68,13 @@ def plain_sampling(model):
     every KL estimate's log-probs know nothing of (and `behaviour` log-probs then differ from the learner's in sync
     mode). For the call, each generation config in the model keeps only PLAIN_SAMPLING_KEEPS; it is put back after.
     Yields the settings that were set aside (name=value), for the log."""
-    from transformers import GenerationConfig
-
-    swapped, dropped = [], []
-    for module in model.modules():
-        config = module.__dict__.get("generation_config")
-        if isinstance(config, GenerationConfig):
-            own = config.to_diff_dict()
-            dropped += [f"{k}={v}" for k, v in own.items() if k not in PLAIN_SAMPLING_KEEPS + QUIET]
-            swapped.append((module, config))
-            module.generation_config = GenerationConfig(**{k: v for k, v in own.items() if k in PLAIN_SAMPLING_KEEPS})
+    swaps, dropped = _plain_configs(model)
+    for module, _, plain in swaps:
+        module.generation_config = plain
     try:
-        yield sorted(set(dropped))
+        yield dropped
     finally:
-        for module, config in swapped:
+        for module, config, _ in swaps:
             module.generation_config = config
 
 
