@@ -23,5 +23,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    preflight(sys.argv[1:])  # --help, and one-line errors before anything heavy loads
-    main()
+    try:
+        preflight(sys.argv[1:])  # --help, and one-line errors before anything heavy loads
+        main()
+    except KeyboardInterrupt:  # Ctrl-C outside rlhflab's handlers (while loading, or between a sweep's jobs)
+        print("stopped: stopped by SIGINT while no run was training", file=sys.stderr)
+        sys.exit(130)

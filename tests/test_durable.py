@@ -238,6 +238,7 @@ def test_a_repeated_signal_while_the_stop_unwinds_is_the_same_stop(monkeypatch, 
         try:
             with STOP.installed():
                 STOP.signum = signal.SIGINT
+                STOP.run_made = True  # as train() marks it once its MLflow run exists
                 raise RunInterrupted(signal.SIGINT)
         finally:
             os.kill(os.getpid(), signal.SIGINT)  # the repeat, after train's handlers are restored
@@ -254,8 +255,42 @@ def test_a_repeated_signal_while_the_stop_unwinds_is_the_same_stop(monkeypatch, 
     finally:
         restored = signal.signal(signal.SIGINT, before)
     assert exit.value.code == 130
-    assert capsys.readouterr().err.startswith("stopped: stopped by SIGINT")
+    assert capsys.readouterr().err.startswith("stopped: stopped by SIGINT; the MLflow run is KILLED. Continue")
     assert restored is signal.default_int_handler  # put back as the process had it
+
+
+@pytest.mark.parametrize("answered", [0, 1])
+def test_a_stop_before_the_run_exists_says_so_in_one_line(tmp_path, answered):
+    """Ctrl-C while a tracking server does not answer. In the command line's check (answered=0) it printed a
+    KeyboardInterrupt traceback; once that check had its answer (a proxy's 404) and the run's own check hung
+    (answered=1), the line said 'the MLflow run is KILLED. Continue with ... resume=auto' of a run that was never
+    made. The accepted connection is the event: the signal lands while that request waits."""
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        server.settimeout(120)
+        held = []
+        with cli_run([f"logger.tracking_uri=http://127.0.0.1:{server.getsockname()[1]}", f"output.dir={tmp_path}/run"],
+                     tmp_path) as proc:
+            for i in range(answered + 1):
+                conn, _ = server.accept()
+                held.append(conn)
+                if i < answered:
+                    conn.recv(4096)
+                    conn.sendall(b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    conn.close()
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=60)
+            output = proc.stdout.read()
+        for conn in held:
+            conn.close()
+    assert rc == 130, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert "Traceback" not in output and "KILLED" not in output, output[-3000:]
+    assert last == ("stopped: stopped by SIGINT before its MLflow run was made: there is nothing to resume; run the "
+                    "command again" if answered else "stopped: stopped by SIGINT while no run was training"), output[-3000:]
 
 
 @pytest.mark.slow

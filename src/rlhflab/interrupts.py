@@ -26,6 +26,9 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.polling = False
+        # Whether this job's MLflow run exists (train() sets it; main() clears it per job): a stop before it
+        # has no run to mark KILLED or resume. Here, not on the exception: a repeated signal raises a new one.
+        self.run_made = False
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum is not None or not self.polling:

@@ -106,18 +106,19 @@ def train(cfg: DictConfig) -> Result:
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
     with distributed.one_job(), STOP.installed():
-        if distributed.is_main():  # the other ranks log nothing to MLflow (their tracker has no run)
-            tags, continued = plan.tags, None
-            if resume and resume.forked:
-                tags = {**tags, "rlhflab.resumed_from_run": str(resume.state.get("run_id")),
-                        "rlhflab.resumed_from": str(resume.path.resolve())}
-            elif resume:
-                continued = resume.state["run_id"]
-            run_id = tracker.start(cfg, tags, hydra_overrides(), out, continued)
-            (out / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(tracker.tracking_uri),
-                                                             "experiment": tracker.experiment_name}, indent=1))
         status = "FAILED"
-        try:
+        try:  # from the run's start: a signal that lands while it logs its params still ends it KILLED
+            if distributed.is_main():  # the other ranks log nothing to MLflow (their tracker has no run)
+                tags, continued = plan.tags, None
+                if resume and resume.forked:
+                    tags = {**tags, "rlhflab.resumed_from_run": str(resume.state.get("run_id")),
+                            "rlhflab.resumed_from": str(resume.path.resolve())}
+                elif resume:
+                    continued = resume.state["run_id"]
+                run_id = tracker.start(cfg, tags, hydra_overrides(), out, continued)
+                STOP.run_made = True
+                (out / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(tracker.tracking_uri),
+                                                                 "experiment": tracker.experiment_name}, indent=1))
             result = _run(cfg, plan, tracker, out, resume)
             status = "FINISHED"
             return result
@@ -128,6 +129,7 @@ def train(cfg: DictConfig) -> Result:
             status = "KILLED"
             raise interrupted from None
         finally:
+            STOP.run_made = STOP.run_made or bool(tracker.run_id)  # a stop that landed while it logged its params
             plan.source.close()
             tracker.finish(status)
 
@@ -267,6 +269,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.types import RunMode
 
     sweeping = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    STOP.run_made = False  # this job's run is not made yet (a sweep's jobs share the process)
     try:
         # rlhflab's handlers until this job exits: train() puts back the ones it found, and a repeat of the
         # signal while the stop unwinds (Ctrl-C twice, each rank of a DDP run) is the same stop, not a
@@ -280,10 +283,14 @@ def main(cfg: DictConfig) -> float | None:
             job = shlex.join(["python", "src/train.py", *HydraConfig.get().overrides.task, "hydra.mode=RUN", "resume=auto",
                               f"output.dir={out}"])
             how = f", and the sweep stops here. Continue this job alone: {job}"
-        else:
+        elif STOP.run_made:
             how = f". Continue with the same command and resume=auto output.dir={out}"
+        else:
+            how = ": there is nothing to resume; run the command again"
+        # A stop while the run was being set up (an unanswered tracking server, a slow hub) has no run to mark.
+        what = "; the MLflow run is KILLED" if STOP.run_made else " before its MLflow run was made"
         if distributed.is_main():  # every rank stops alike; one says so
-            print(f"stopped: {err}; the MLflow run is KILLED{how}", file=sys.stderr)
+            print(f"stopped: {err}{what}{how}", file=sys.stderr)
         sys.exit(err.exit_code)  # a sweep stops too
     except (ConfigError, StageFailed, NonFiniteError, RewardError) as err:
         if sweeping:
