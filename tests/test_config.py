@@ -254,6 +254,31 @@ def test_async_reference_auto_is_the_generator_unless_the_learners_costs_nothing
     assert validate(compose_cfg(["mode=async", *override.split()])).source.reference == where
 
 
+@pytest.mark.parametrize(
+    "override, method, reference",
+    [
+        ("", "fork", "generator"),
+        ("mode.device=cuda:1", "spawn", "learner"),  # alone: it asked for 'set mode.start_method=spawn' first
+        ("mode.device=cuda:1 mode.start_method=spawn", "spawn", "learner"),
+        ("mode.start_method=spawn", "spawn", "learner"),
+        ("mode.start_method=fork mode.reference=balance", "fork", "balance"),
+    ],
+)
+def test_async_start_method_auto_spawns_for_a_cuda_generator_else_forks(override, method, reference):
+    """validate() judges GPU configs on a machine without one (check_devices is the run's GPU check)."""
+    source = validate(compose_cfg(["mode=async", *override.split()])).source
+    assert (source.start_method, source.reference) == (method, reference)
+
+
+@pytest.mark.parametrize("override, error", [
+    ("mode.device=cuda:1 mode.reference=generator", "mode.reference=generator: needs a forked generator"),
+    ("mode.device=cuda:1 mode.start_method=fork", "mode.device=cuda:1: CUDA cannot run in a forked process"),
+])
+def test_async_start_method_that_cannot_hold_is_one_line(override, error):
+    with pytest.raises(ConfigError, match=error):
+        validate(compose_cfg(["mode=async", *override.split()]))
+
+
 @pytest.mark.parametrize("overrides, correction", [
     (["algo=grpo"], "Decoupled"),                            # grpo's own choice (conf/algo/grpo.yaml)
     (["algo=grpo", "off_policy=behaviour"], "Behaviour"),    # the command line still decides

@@ -285,7 +285,7 @@ class AsyncMode:
     generator_threads: int = setting(ge=1)
     learner_threads: int = setting(ge=1)
     device: Optional[str] = MISSING
-    start_method: str = setting(choices=("fork", "spawn"))
+    start_method: str = setting(choices=("auto", "fork", "spawn"))
     reference: str = setting(choices=("auto", "learner", "generator", "balance"))
 
 
@@ -495,7 +495,7 @@ def check(cfg: DictConfig) -> None:
     mode = OmegaConf.get_type(cfg.mode)
     if mode is SyncMode and cfg.staleness != 0:
         raise SettingError("staleness", f"{cfg.staleness}: mode=sync runs with staleness 0; use mode=async for staleness > 0 (or staleness=0)")
-    if mode is AsyncMode and cfg.mode.reference in ("generator", "balance") and cfg.mode.start_method != "fork":
+    if mode is AsyncMode and cfg.mode.reference in ("generator", "balance") and cfg.mode.start_method == "spawn":
         raise SettingError("mode.reference", f"{cfg.mode.reference} needs mode.start_method=fork (the forked generator shares the learner's "
                            "reference model); set mode.start_method=fork (CPU) or mode.reference=learner")
     world = ranks(cfg.trainer)

@@ -272,7 +272,8 @@ class AsyncSource(SyncSource):
     sync_every: push weights to the generator every M updates (staleness bound N + M - 1).
     generator_threads / learner_threads: torch threads of each side (their sum should not exceed the cores).
     device: where the generator's copy of the policy runs (null: CPU); e.g. cuda:1 beside a learner on cuda:0.
-    start_method: fork (CPU; 0.1 s) or spawn (required once CUDA is initialised; 4-6 s of imports).
+    start_method: fork (CPU; 0.1 s) or spawn (required once CUDA is initialised; 4-6 s of imports); auto: spawn for a
+      CUDA device or a generator that starts an engine (vLLM), else fork.
     reference: which process computes the frozen reference's log-probs: `learner` (between generation and
       update), `generator` (after generating each batch, so the learner's step loses a forward; fork only:
       the forked process shares the reference's weights, copy on write) or `balance` (fork only: the generator
@@ -285,7 +286,7 @@ class AsyncSource(SyncSource):
     name = "async"
 
     def __init__(self, generator, correction=None, staleness: int = 1, sync_every: int = 1, generator_threads: int = 1,
-                 learner_threads: int = 1, device: str | None = None, start_method: str = "fork",
+                 learner_threads: int = 1, device: str | None = None, start_method: str = "auto",
                  reference: str = "auto") -> None:
         super().__init__(generator, correction)
         if staleness < 0:
@@ -296,9 +297,16 @@ class AsyncSource(SyncSource):
         self.sync_every = sync_every
         self.generator_threads = generator_threads
         self.learner_threads = learner_threads
-        if start_method not in ("fork", "spawn"):
-            raise ConfigError(f"mode.start_method={start_method!r}: use fork or spawn")
-        if device is not None and device.startswith("cuda") and start_method == "fork":
+        if start_method not in ("auto", "fork", "spawn"):
+            raise ConfigError(f"mode.start_method={start_method!r}: use auto, fork or spawn")
+        cuda = device is not None and device.startswith("cuda")
+        if start_method == "auto":  # what the device and the generator need: mode.device=cuda:1 alone is enough
+            start_method = "spawn" if cuda or generator.needs_spawn else "fork"
+            if start_method == "spawn" and reference in ("generator", "balance"):
+                raise ConfigError(f"mode.reference={reference}: needs a forked generator (it shares the learner's reference "
+                                  f"model), and {'mode.device=' + device if cuda else type(generator).__name__} needs a "
+                                  "spawned one; set mode.reference=learner")
+        if cuda and start_method == "fork":
             raise ConfigError(f"mode.device={device}: CUDA cannot run in a forked process; set mode.start_method=spawn")
         if generator.needs_spawn and start_method == "fork":
             raise ConfigError(f"mode.start_method=fork: {type(generator).__name__} starts an engine in the generator process, "
