@@ -4,6 +4,8 @@ Llama for LLaMA), on CPU, with the example's local data instead of the hub's."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hydra import compose, initialize_config_dir
 
@@ -50,6 +52,10 @@ def test_preset_composes_and_validates_without_downloading(preset, tmp_path):
         return
     plan = validate(cfg)
     assert plan.tags["model"] == cfg.model.name
+    # The task tag is the option the preset chose, as the sweep's record of a failed job tags it (task=tldr was
+    # tagged hub_prompts, the class's word, so a search for tags.task = 'tldr' missed every finished run).
+    chosen = re.search(r"override /task: (\w+)", (ROOT / "conf" / "experiment" / f"{preset}.yaml").read_text()).group(1)
+    assert plan.tags["task"] == chosen
     assert not (tmp_path / "m.db").exists()
 
 

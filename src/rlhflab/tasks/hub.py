@@ -28,6 +28,8 @@ class HubPromptTask:
                  num_train_prompts: int = 8192, num_eval_prompts: int = 256, max_new_tokens: int = 53,
                  gold_model_path: str | None = None, seed: int = 0) -> None:
         self.dataset = dataset
+        # The run's `task` tag and the errors' word for it: the dataset's own name (trl-lib/tldr -> tldr).
+        self.name = dataset.rstrip("/").rpartition("/")[2] or self.name
         self.prompt_key = prompt_key
         self.splits = {"train": train_split, "eval": eval_split}
         self.num_train_prompts = num_train_prompts
