@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -173,10 +174,14 @@ def test_the_example_learns_and_logs_each_function(make_cfg):
 
 
 @pytest.mark.parametrize("extra", [["mode=async"], ["memory=lora"], ["memory=hydra"], ["mode=async", "memory=hydra"]])
-def test_own_data_and_reward_run_in_every_mode_and_memory(make_cfg, tmp_path, extra):
-    result = train(make_cfg(*own_task(tmp_path, *extra), "trainer.max_steps=3", shrink=False))
+def test_own_data_and_reward_run_in_every_mode_and_memory(make_cfg, tmp_path, extra, caplog):
+    with caplog.at_level(logging.INFO, logger="rlhflab"):
+        result = train(make_cfg(*own_task(tmp_path, *extra), "trainer.max_steps=3", shrink=False))
     assert result.module.updates == 3
     assert "eval/reward" in result.metrics and "eval/gold_reward" not in result.metrics  # no gold_fn: the reward, said so
+    # in the same words on the eval lines and the closing line (which said 'reward (no task.gold_fn)')
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("eval after", "done: "))]
+    assert len(said) >= 2 and all("reward (the task has no gold_fn) " in line for line in said), said
 
 
 def test_a_reward_model_with_its_own_tokenizer_reads_the_text(make_cfg, tmp_path):

@@ -230,7 +230,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     tracker.log_metrics(summaries, step=0)  # single values: step 0, so no chart draws them as the end of a curve
     tracker.log_generations(module.generation_rows)
     tracker.set_tag("perf/mem_method", getattr(module, "mem_method", ""))
-    judge = "gold reward" if task.has_gold else "reward (no task.gold_fn)"
+    judge = "gold reward" if task.has_gold else "reward (the task has no gold_fn)"  # as the eval lines say
     log.info("done: %s %.3f -> %.3f after %d RL steps (stages %.0f s, RL %.0f s)", judge, before, after, module.updates, t_stages, t_rl)
     log.info("policy: %s (AutoModelForCausalLM.from_pretrained loads it)", policy_dir)
     log.info("mlflow: %s", browse_hint(tracker))
