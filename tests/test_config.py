@@ -254,6 +254,16 @@ def test_async_reference_auto_is_the_generator_unless_the_learners_costs_nothing
     assert validate(compose_cfg(["mode=async", *override.split()])).source.reference == where
 
 
+@pytest.mark.parametrize("override, tag", [
+    ("", "tiny"),
+    ("model.name_or_path=EleutherAI/pythia-410m", "pythia-410m"),  # tagged 'tiny' whatever it trained
+    ("model.name_or_path=EleutherAI/pythia-410m model.arch=null", "tiny"),  # a preset of one's own: its name
+    ("model=pythia410m_tldr", "pythia410m_tldr"),
+])
+def test_the_model_tag_names_the_model_that_runs(override, tag):
+    assert validate(compose_cfg(override.split())).tags["model"] == tag
+
+
 @pytest.mark.parametrize(
     "override, method, reference",
     [

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT, compose_cfg
 from rlhflab.config import validate
+from rlhflab.naming import RUN_TAG_GROUPS
 
 SWEEPS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("sweep_*.yaml"))
 # A sweep job in a few seconds: 2 RL steps on tiny data, one epoch per stage.
@@ -130,6 +131,8 @@ def test_sweep_jobs_are_children_of_one_parent(sqlite_sweep):
     for run in failed:  # failed in validation, before the job's tracker made a run: the callback made this one
         assert run.data.tags["rlhflab.error"].startswith("ConfigError: rl.prompts_per_step=4")
         assert not run.data.metrics
+    for bad, good in zip(failed, finished):  # tagged alike, so a search by tag finds both
+        assert {g: bad.data.tags.get(g) for g in RUN_TAG_GROUPS} == {g: good.data.tags.get(g) for g in RUN_TAG_GROUPS}
     assert parent.info.status == "FINISHED"
     # The parent says what was swept, in its name and tags, and carries the lineage a single run has.
     assert parent.info.run_name.startswith("sweep algo=rloo,grpo num_train_prompts=2,512 "), parent.info.run_name

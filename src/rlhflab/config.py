@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from rlhflab.algos.registry import Algorithm
 from rlhflab.contracts import Generator, MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.errors import ConfigError
+from rlhflab.naming import model_tag
 from rlhflab.schema import check, cuda_index, ranks
 from rlhflab.tracking import MlflowTracker
 
@@ -169,7 +170,7 @@ def validate(cfg: DictConfig) -> Plan:
         "off_policy": correction.name,
         "staleness": str(cfg.staleness),
         "memory": memory.name,
-        "model": str(cfg.model.name),
+        "model": model_tag(cfg.model),
         "reward": type(reward).__name__.removesuffix("Reward").lower(),
         "task": task.name,
     }

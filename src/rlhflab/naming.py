@@ -18,6 +18,16 @@ RUN_TAG_GROUPS = ("algo", "memory", "mode", "model", "reward", "task")
 RUN_NAME_GROUPS = ("algo", "memory", "mode")
 
 
+def model_tag(model) -> str:
+    """The run's `model` tag: the preset's name, or, where a preset that builds its model (`model.arch`, e.g.
+    model=tiny) was given `model.name_or_path`, that model's own name (EleutherAI/pythia-410m -> pythia-410m):
+    the run was tagged 'tiny' whatever it trained."""
+    path = model.get("name_or_path")
+    if path and model.get("arch"):
+        return str(path).rstrip("/").rpartition("/")[2] or str(path)
+    return str(model.name)
+
+
 def default_run_name(tags: dict[str, str]) -> str:
     """`<algo>-<memory>-<mode>` from a run's tags (those present)."""
     return "-".join(tags[k] for k in RUN_NAME_GROUPS if k in tags)

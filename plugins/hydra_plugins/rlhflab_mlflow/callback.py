@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
     PARENT_RUN_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OVERRIDES_TAG, SWEEP_TAG,
-    default_run_name, short_override,
+    default_run_name, model_tag, short_override,
 )
 
 log = logging.getLogger("rlhflab.sweep")
@@ -168,6 +168,8 @@ class MlflowSweepCallback(Callback):
         experiment_id = self._experiment_id(config)
         choices = config.hydra.runtime.choices
         tags = {group: str(choices.get(group)) for group in RUN_TAG_GROUPS if choices.get(group) is not None}
+        if OmegaConf.select(config, "model") is not None:
+            tags["model"] = model_tag(config.model)  # as its run would have been tagged
         tags |= {
             "staleness": str(OmegaConf.select(config, "staleness")),
             "mlflow.parentRunId": self.parent_run_id,
