@@ -38,6 +38,10 @@ BAD_VALUES = [
     ("task.num_eval_prompts=0", "task.num_eval_prompts"),
     ("model.dtype=float8", "model.dtype"),
     ("trainer.max_steps=0", "trainer.max_steps"),
+    ("trainer.devices=0", "trainer.devices"),  # passed, made an MLflow run, then Lightning's MisconfigurationException
+    ("trainer.devices=[0,1]", "trainer.devices"),  # GPU indices on CPU
+    ("trainer=gpu trainer.devices=[0,0]", "trainer.devices"),
+    ("trainer.devices=-1", "trainer.devices"),  # every GPU: not on CPU
     ("trainer.precision=fp8", "trainer.precision"),
     ("rl.prompts_per_step=0", "rl.prompts_per_step"),
     ("rl.eval_samples_per_prompt=0", "rl.eval_samples_per_prompt"),

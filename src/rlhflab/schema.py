@@ -439,6 +439,29 @@ def check_typed(cfg: DictConfig, choices: dict) -> None:
                                f"dataclass of your own added to SCHEMAS['{group}'] in src/rlhflab/schema.py)")
 
 
+def check_trainer_devices(trainer: DictConfig) -> None:
+    """trainer.devices as Lightning reads it: a count >= 1, -1 (every GPU), a list of GPU indices, or auto; on CPU a
+    count. trainer.devices=0 passed, made an MLflow run, and stopped at Lightning's Trainer in Hydra's
+    'Error executing job ... MisconfigurationException'."""
+    devices = trainer.devices
+    gpu = str(trainer.accelerator) in ("gpu", "cuda", "auto")
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, ListConfig):
+        indices = list(devices)
+        if not gpu:
+            raise SettingError("trainer.devices", f"{indices} is a list of GPU indices, and trainer.accelerator="
+                               f"{trainer.accelerator}; on CPU give a count of processes, e.g. trainer.devices={len(indices) or 1}")
+        if not indices or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in indices) \
+                or len(set(indices)) != len(indices):
+            raise SettingError("trainer.devices", f"{indices} is not a list of distinct GPU indices; give e.g. trainer.devices=[0,1]")
+        return
+    if devices == "auto" or (isinstance(devices, int) and not isinstance(devices, bool) and (devices >= 1 or (devices == -1 and gpu))):
+        return
+    raise SettingError("trainer.devices", f"{devices!r} is not a device count; give N >= 1 (processes on CPU, GPUs with "
+                       "trainer=gpu), " + ("-1 (every GPU), a list of GPU indices e.g. [0,1], " if gpu else "") + "or auto")
+
+
 def ranks(trainer: DictConfig) -> int:
     """Processes a trainer config starts (1 when `devices` is not a count, e.g. auto or a list of one)."""
     devices = trainer.devices
@@ -492,6 +515,7 @@ def check(cfg: DictConfig) -> None:
     """Raise SettingError for the first bad value of a composed config: an undeclared key, a value
     out of range or not among its choices, or a cross-field rule that needs no model."""
     _walk(cfg)
+    check_trainer_devices(cfg.trainer)
     mode = OmegaConf.get_type(cfg.mode)
     if mode is SyncMode and cfg.staleness != 0:
         raise SettingError("staleness", f"{cfg.staleness}: mode=sync runs with staleness 0; use mode=async for staleness > 0 (or staleness=0)")
