@@ -232,9 +232,10 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_sweep_against_a_tracking_server(mlflow_server, tmp_path, stage_cache):
-    """A good job and one that fails inside train() (its cache_dir is a file): the tracker marks that run FAILED."""
+    """A good job and one that fails inside train() (its cache's models/ is a file): the tracker marks that run FAILED."""
     not_a_dir = tmp_path / "not_a_dir"
-    not_a_dir.write_text("")
+    (not_a_dir / "models").parent.mkdir()
+    (not_a_dir / "models").write_text("")
     sweep = run_sweep(tmp_path, mlflow_server, stage_cache, "algo=rloo", f"cache_dir={stage_cache},{not_a_dir}")
     parent, children = sweep_runs(MlflowClient(mlflow_server))
     assert parent.info.status == "FINISHED" and len(children) == 2

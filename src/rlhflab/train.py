@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import shutil
 import sys
@@ -64,8 +65,21 @@ def output_dir(cfg: DictConfig) -> Path:
         path = Path(HydraConfig.get().runtime.output_dir)
     else:
         path = Path("outputs") / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")
-    path.mkdir(parents=True, exist_ok=True)
-    return path.resolve()
+    return writable_dir("output.dir", path).resolve()
+
+
+def writable_dir(key: str, path: Path) -> Path:
+    """`path`, made if missing; a directory that cannot be made or written is one line naming `key` before any run
+    exists (output.dir=/mnt/ro/x, or a cache_dir that is a file, stopped at a FileNotFoundError traceback)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"{key}: '{path}' is a file, not a directory; give a directory you can write") from None
+    except OSError as err:
+        raise ConfigError(f"{key}: cannot make the directory '{path}' ({err.strerror}); give a directory you can write") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: '{path}' is not writable; give a directory you can write")
+    return path
 
 
 def relaunch_as_one_job(cfg: DictConfig, out: Path) -> None:
@@ -102,6 +116,7 @@ def train(cfg: DictConfig) -> Result:
         for name in ("", "rlhflab", "lightning", "lightning.pytorch", "lightning.fabric"):
             logging.getLogger(name).setLevel(logging.WARNING)
     out = output_dir(cfg)
+    writable_dir("cache_dir", Path(cfg.cache_dir))
     resume = ckpt.find(cfg.resume, out, cfg)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
