@@ -38,6 +38,7 @@ BAD_VALUES = [
     ("task.num_eval_prompts=0", "task.num_eval_prompts"),
     ("model.dtype=float8", "model.dtype"),
     ("trainer.max_steps=0", "trainer.max_steps"),
+    ("logger.experiment_name=", "logger.experiment_name"),  # an AttributeError traceback from MLflow
     ("trainer.devices=0", "trainer.devices"),  # passed, made an MLflow run, then Lightning's MisconfigurationException
     ("trainer.devices=[0,1]", "trainer.devices"),  # GPU indices on CPU
     ("trainer=gpu trainer.devices=[0,0]", "trainer.devices"),

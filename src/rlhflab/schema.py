@@ -516,6 +516,8 @@ def check(cfg: DictConfig) -> None:
     out of range or not among its choices, or a cross-field rule that needs no model."""
     _walk(cfg)
     check_trainer_devices(cfg.trainer)
+    if not str(OmegaConf.select(cfg, "logger.experiment_name", default="x")).strip():  # MLflow's AttributeError
+        raise SettingError("logger.experiment_name", "empty; give the MLflow experiment a name, e.g. logger.experiment_name=rlhflab")
     mode = OmegaConf.get_type(cfg.mode)
     if mode is SyncMode and cfg.staleness != 0:
         raise SettingError("staleness", f"{cfg.staleness}: mode=sync runs with staleness 0; use mode=async for staleness > 0 (or staleness=0)")
