@@ -1,6 +1,7 @@
 """Every config option composes and instantiates; bad input fails in one line before any model loads."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,9 +10,10 @@ import pytest
 from hydra.utils import instantiate
 
 from conftest import ROOT, compose_cfg
-from rlhflab.config import validate
+from rlhflab.config import check_trainer, validate
 from rlhflab.errors import ConfigError
 from rlhflab.rollout.vllm import check_vllm_available, vllm_build
+from rlhflab.train import train
 
 
 def vllm_unavailable() -> str | None:
@@ -252,6 +254,26 @@ def test_sync_reference_auto_takes_a_thread_only_where_it_can_run(override, wher
 )
 def test_async_reference_auto_is_the_generator_unless_the_learners_costs_nothing(override, where):
     assert validate(compose_cfg(["mode=async", *override.split()])).source.reference == where
+
+
+@pytest.mark.parametrize("override, error", [
+    ("trainer.strategy=deepspeed", "trainer: Lightning's Trainer refuses it: To use the `DeepSpeedStrategy`, you must have "
+                                   "DeepSpeed installed"),
+    ("trainer.accelerator=mps", "trainer: Lightning's Trainer refuses it: `MPSAccelerator` can not run on your system"),
+    ("trainer.num_nodes=2", "trainer.num_nodes=2: nothing started this process as one of 2 nodes"),  # it waited forever
+])
+def test_what_lightnings_trainer_refuses_is_one_line_before_the_run(make_cfg, tmp_path, override, error):
+    """Each stopped at stage sft as Hydra's 'Error executing job ... MisconfigurationException', its MLflow run made."""
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        train(make_cfg(override))
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_several_nodes_launched_by_hand_pass(monkeypatch):
+    """Lightning's own multi-node launch: the same command on each node with NODE_RANK and MASTER_ADDR set."""
+    monkeypatch.setenv("NODE_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    check_trainer(compose_cfg(["trainer=ddp", "trainer.num_nodes=2"]))
 
 
 @pytest.mark.parametrize("override, tag", [

@@ -81,6 +81,33 @@ def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
         source.reference = "learner" if why_not else "thread"
 
 
+def check_trainer(cfg: DictConfig) -> None:
+    """Lightning's Trainer takes trainer.* as given: build one (no process starts, nothing trains) so that what it
+    refuses (trainer.strategy=deepspeed without DeepSpeed, an accelerator this machine lacks) is one line before the
+    MLflow run, not Hydra's 'Error executing job ... MisconfigurationException' at stage sft. And trainer.num_nodes > 1
+    with nothing that started this process as one of the nodes waited for the others forever."""
+    import logging
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    quiet = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # 'GPU available: ...', said again at stage sft
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        trainer = instantiate(cfg.trainer, logger=False, callbacks=[])
+    except Exception as err:
+        cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
+        raise ConfigError(f"trainer: Lightning's Trainer refuses it: {' '.join(str(cause).split())}") from None
+    finally:
+        quiet.setLevel(level)
+    nodes = int(cfg.trainer.num_nodes)
+    manual = {"NODE_RANK", "MASTER_ADDR"} <= set(os.environ)  # Lightning's launch by hand: the same command on each node
+    if nodes > 1 and type(trainer._accelerator_connector.cluster_environment) is LightningEnvironment and not manual:
+        raise ConfigError(f"trainer.num_nodes={nodes}: nothing started this process as one of {nodes} nodes, so it would "
+                          "wait for the others forever; run under SLURM (hydra/launcher=slurm, or srun), torchrun "
+                          f"--nnodes={nodes}, or the same command on each node with NODE_RANK, MASTER_ADDR and MASTER_PORT set")
+
+
 def check_devices(cfg: DictConfig) -> None:
     """The GPUs the config asks for are here: else Lightning or the generator process fails after the stages ran
     (Lightning's 'No supported gpu backend found!' in a Hydra traceback; the generator 'died without a traceback').

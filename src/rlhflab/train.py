@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab import distributed
-from rlhflab.config import Plan, check_devices, validate
+from rlhflab.config import Plan, check_devices, check_trainer, validate
 from rlhflab.errors import ConfigError, NonFiniteError, RewardError, RunInterrupted, StageFailed
 from rlhflab.interrupts import STOP, as_interrupt
 from rlhflab.lit import checkpoint as ckpt
@@ -106,6 +106,7 @@ def train(cfg: DictConfig) -> Result:
     """Run one experiment end to end. Raises ConfigError (one line) before loading any model."""
     plan: Plan = validate(cfg)  # every check that needs no model
     check_devices(cfg)  # and the GPUs it asks for are here
+    check_trainer(cfg)  # and Lightning takes the trainer's settings
     for key in ("name_or_path", "sft_path", "reward_model_path", "tokenizer"):
         check_hub(f"model.{key}", cfg.model.get(key))  # hub ids: cached, or the hub answers (before any run exists)
     quiet_libraries()
