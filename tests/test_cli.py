@@ -169,6 +169,7 @@ def test_the_real_command_line_fails_in_one_line(tmp_path, args, key):
 
 @pytest.mark.parametrize("key, value, says", [("output.dir", "{f}/run", "Not a directory"),
                                               ("cache_dir", "{f}", "is a file, not a directory"),
+                                              ("cache_dir", "{f}/cache", "a_file' is a file, so"),
                                               ("output.dir", "/proc/rlhflab", "No such file or directory")])
 def test_a_directory_that_cannot_be_made_is_one_line_before_the_run(tmp_path, key, value, says):
     """output.dir or cache_dir on a path that cannot hold a directory stopped at a FileNotFoundError or

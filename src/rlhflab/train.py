@@ -68,17 +68,24 @@ def output_dir(cfg: DictConfig) -> Path:
     return writable_dir("output.dir", path).resolve()
 
 
-def writable_dir(key: str, path: Path) -> Path:
-    """`path`, made if missing; a directory that cannot be made or written is one line naming `key` before any run
-    exists (output.dir=/mnt/ro/x, or a cache_dir that is a file, stopped at a FileNotFoundError traceback)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ConfigError(f"{key}: '{path}' is a file, not a directory; give a directory you can write") from None
-    except OSError as err:
-        raise ConfigError(f"{key}: cannot make the directory '{path}' ({err.strerror}); give a directory you can write") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}: '{path}' is not writable; give a directory you can write")
+def writable_dir(key: str, path: Path, make: bool = True) -> Path:
+    """`path`, made if missing (with `make`; else only judged, so a bad run leaves nothing behind); a directory that
+    cannot be made or written is one line naming `key` before any run exists (output.dir=/mnt/ro/x, or a cache_dir
+    that is a file, stopped at a FileNotFoundError or NotADirectoryError traceback)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}: '{path}' is a file, not a directory; give a directory you can write")
+    if make:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"{key}: cannot make the directory '{path}' ({err.strerror}); give a directory you can write") from None
+    nearest = path.absolute()
+    while not nearest.exists():
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise ConfigError(f"{key}: '{nearest}' is a file, so '{path}' cannot be a directory; give a directory you can write")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: '{nearest}' is not writable; give a directory you can write")
     return path
 
 
@@ -117,7 +124,7 @@ def train(cfg: DictConfig) -> Result:
         for name in ("", "rlhflab", "lightning", "lightning.pytorch", "lightning.fabric"):
             logging.getLogger(name).setLevel(logging.WARNING)
     out = output_dir(cfg)
-    writable_dir("cache_dir", Path(cfg.cache_dir))
+    writable_dir("cache_dir", Path(cfg.cache_dir), make=False)  # made by the first entry it caches
     resume = ckpt.find(cfg.resume, out, cfg)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
