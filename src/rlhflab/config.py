@@ -102,7 +102,7 @@ def check_trainer(cfg: DictConfig) -> None:
         quiet.setLevel(level)
     nodes = int(cfg.trainer.num_nodes)
     manual = {"NODE_RANK", "MASTER_ADDR"} <= set(os.environ)  # Lightning's launch by hand: the same command on each node
-    if nodes > 1 and type(trainer._accelerator_connector.cluster_environment) is LightningEnvironment and not manual:
+    if nodes > 1 and type(getattr(trainer.strategy, "cluster_environment", None)) is LightningEnvironment and not manual:
         raise ConfigError(f"trainer.num_nodes={nodes}: nothing started this process as one of {nodes} nodes, so it would "
                           "wait for the others forever; run under SLURM (hydra/launcher=slurm, or srun), torchrun "
                           f"--nnodes={nodes}, or the same command on each node with NODE_RANK, MASTER_ADDR and MASTER_PORT set")
