@@ -269,11 +269,17 @@ def test_what_lightnings_trainer_refuses_is_one_line_before_the_run(make_cfg, tm
     assert not (tmp_path / "mlflow.db").exists()
 
 
-def test_several_nodes_launched_by_hand_pass(monkeypatch):
-    """Lightning's own multi-node launch: the same command on each node with NODE_RANK and MASTER_ADDR set."""
-    monkeypatch.setenv("NODE_RANK", "0")
-    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
-    check_trainer(compose_cfg(["trainer=ddp", "trainer.num_nodes=2"]))
+@pytest.mark.parametrize("env", [
+    {"NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"},  # Lightning's launch by hand: the same command on each node
+    {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NAME": "job", "SLURM_NODELIST": "n[1-2]",
+     "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"},  # srun (hydra/launcher=slurm)
+    {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "GROUP_RANK": "0",
+     "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},  # torchrun --nnodes=2
+], ids=["by-hand", "slurm", "torchrun"])
+def test_several_nodes_pass_where_something_launched_them(monkeypatch, env):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    check_trainer(compose_cfg(["trainer=ddp", "trainer.num_nodes=2", "trainer.devices=2"]))
 
 
 @pytest.mark.parametrize("override, tag", [
