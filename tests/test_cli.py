@@ -167,21 +167,31 @@ def test_the_real_command_line_fails_in_one_line(tmp_path, args, key):
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
 
 
-@pytest.mark.parametrize("key, value, says", [("output.dir", "{f}/run", "Not a directory"),
-                                              ("cache_dir", "{f}", "is a file, not a directory"),
-                                              ("cache_dir", "{f}/cache", "a_file' is a file, so"),
-                                              ("output.dir", "/proc/rlhflab", "No such file or directory")])
-def test_a_directory_that_cannot_be_made_is_one_line_before_the_run(tmp_path, key, value, says):
+DIRECTORIES = [("output.dir", "{f}/run", "Not a directory"), ("cache_dir", "{f}", "is a file, not a directory"),
+               ("cache_dir", "{f}/cache", "a_file' is a file, so"), ("output.dir", "/proc/rlhflab", "No such file or directory")]
+
+
+def test_a_directory_that_cannot_be_made_is_one_line_before_the_run(tmp_path, make_cfg):
     """output.dir or cache_dir on a path that cannot hold a directory stopped at a FileNotFoundError or
-    NotADirectoryError traceback (after the MLflow run existed, for cache_dir)."""
+    NotADirectoryError traceback (after the MLflow run existed, for cache_dir). The command line for one of them;
+    train() for each (what the command line prints is its ConfigError)."""
+    from rlhflab.errors import ConfigError
+    from rlhflab.train import train
+
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    value = value.format(f=a_file)
-    out = run_cli(f"{key}={value}", cwd=tmp_path)
+    key, value, says = DIRECTORIES[0]
+    out = run_cli(f"{key}={value.format(f=a_file)}", cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.startswith(f"error: {key}: ") and says in out.stderr, out.stderr[-3000:]
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "Traceback" not in out.stderr
     assert not (tmp_path / "mlflow.db").exists()  # before any run
+    for key, value, says in DIRECTORIES:
+        cfg = make_cfg(f"{key}={value.format(f=a_file)}")
+        with pytest.raises(ConfigError) as err:
+            train(cfg)
+        assert str(err.value).startswith(f"{key}: ") and says in str(err.value), (key, value, str(err.value))
+        assert not (tmp_path / "mlflow.db").exists()  # make_cfg's database: before any run
 
 
 UNTYPED = """_target_: rlhflab.algos.registry.RLOO
