@@ -174,7 +174,7 @@ def test_cli_gpu_settings_without_a_gpu_are_one_line_and_load_nothing(tmp_path):
     """trainer=gpu used to run the stages, then fail in Lightning ('No supported gpu backend found!') in a Hydra
     traceback; mode.device=cuda:1 with spawn, in a generator that 'died without a traceback'."""
     for args, error in [(["trainer=gpu"], "error: trainer.accelerator=gpu: no CUDA GPU is visible here"),
-                        (["mode=async", "mode.device=cuda:1", "mode.start_method=spawn"], "error: mode.device=cuda:1: no CUDA GPU")]:
+                        (["mode=async", "mode.device=cuda:1"], "error: mode.device=cuda:1: no CUDA GPU")]:
         out = run_cli(*args, f"cache_dir={tmp_path}/cache", cwd=tmp_path)
         assert out.returncode == 2, out.stderr[-2000:]
         errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
