@@ -220,6 +220,25 @@ def test_cli_mlflow_file_store_is_one_line_naming_the_key(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_tracking_store_that_cannot_be_opened_is_one_line_for_a_run_and_a_sweep(tmp_path):
+    """A sqlite path through a file stopped at FileExistsError, postgresql:// without its driver at
+    ModuleNotFoundError, databricks without credentials at MlflowException: tracebacks, a sweep's through Hydra."""
+    from rlhflab.tracking import ensure_experiment
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    uri = f"sqlite:///{a_file}/mlflow.db"
+    with pytest.raises(ConfigError, match=re.escape(f"logger.tracking_uri: MLflow cannot open '{uri}' (from MLFLOW_TRACKING_URI "
+                                                    "or logger.tracking_uri=): FileExistsError: ")):
+        ensure_experiment(uri, "rlhflab")
+    for args in (["trainer.max_steps=2"], ["-m", "seed=0,1"]):
+        out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), *args, f"logger.tracking_uri={uri}",
+                              f"cache_dir={tmp_path}/cache"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert out.stderr.startswith(f"error: logger.tracking_uri: MLflow cannot open '{uri}'"), out.stderr[-2000:]
+        assert "Traceback" not in out.stderr and not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize(
     "override, where",
     [

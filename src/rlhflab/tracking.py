@@ -105,23 +105,32 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
     from rlhflab.cli import check_server
 
     check_server(tracking_uri)  # the command line's preflight did too; train(cfg) may be called without it
-    with store_lock(tracking_uri):
-        try:
+    opened = False
+    try:
+        with store_lock(tracking_uri):
             client = MlflowClient(tracking_uri)
-        except MlflowException as err:  # e.g. MLflow 3 refuses its file store ('./mlruns', file:...)
-            why = " ".join(str(err.message).split())
-            raise ConfigError(f"logger.tracking_uri: MLflow cannot open '{redact(tracking_uri)}' (from MLFLOW_TRACKING_URI or "
-                              f"logger.tracking_uri=): {why}") from None
-        experiment = client.get_experiment_by_name(name)
-        if experiment is None:
-            try:
-                return client.create_experiment(name, tags=tags)
-            except Exception:  # another process (not under this lock: a server's other client) created it first
-                experiment = client.get_experiment_by_name(name)
-        for key, value in tags.items():
-            if experiment.tags.get(key) != value and not (key == "mlflow.note.content" and key in experiment.tags):
-                client.set_experiment_tag(experiment.experiment_id, key, value)
-        return experiment.experiment_id
+            experiment = client.get_experiment_by_name(name)
+            opened = True
+            if experiment is None:
+                try:
+                    return client.create_experiment(name, tags=tags)
+                except Exception:  # another process (not under this lock: a server's other client) created it first
+                    experiment = client.get_experiment_by_name(name)
+            for key, value in tags.items():
+                if experiment.tags.get(key) != value and not (key == "mlflow.note.content" and key in experiment.tags):
+                    client.set_experiment_tag(experiment.experiment_id, key, value)
+            return experiment.experiment_id
+    except Exception as err:
+        if opened:
+            raise
+        # The store cannot be opened: a config error, whatever raised it. MLflow 3 refuses its file store
+        # ('./mlruns', file:...); a database URI's driver is not installed (postgresql: ModuleNotFoundError); a
+        # sqlite path runs through a file; databricks has no credentials.
+        why = " ".join(str(err.message if isinstance(err, MlflowException) else f"{type(err).__name__}: {err}").split())
+        if isinstance(err, ImportError):
+            why += " (the store's database driver; pip install it)"
+        raise ConfigError(f"logger.tracking_uri: MLflow cannot open '{redact(tracking_uri)}' (from MLFLOW_TRACKING_URI or "
+                          f"logger.tracking_uri=): {redact(why)}") from None
 
 
 class MlflowTracker:

@@ -24,6 +24,7 @@ import atexit
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,15 @@ class MlflowSweepCallback(Callback):
         self.direction = self.direction or str(OmegaConf.select(config, "hydra.sweeper.direction") or "maximize")
         from mlflow.tracking.context.registry import resolve_tags
 
-        experiment_id = self._experiment_id(config)  # first, under the store lock (it may create the database)
+        try:
+            experiment_id = self._experiment_id(config)  # first, under the store lock (it may create the database)
+        except Exception as err:
+            if not _is_config_error(err):
+                raise
+            # A store that cannot be opened stops the sweep before any job, in one line as a run's would
+            # (through Hydra it was a traceback); SystemExit passes Hydra's handler.
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
         client = self._client()
         swept = swept_params(config)
         run = client.create_run(experiment_id, run_name=sweep_name(config, swept), tags=resolve_tags(_sweep_tags(config, swept)))
