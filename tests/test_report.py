@@ -196,3 +196,23 @@ def test_a_sweep_is_found_by_id_prefix_name_or_latest_and_anything_else_is_one_l
     assert "no run of that id" in error("0" * 32)
     assert error("abcd").startswith("error: sweep=abcd: 2 sweep parent runs start so (")  # the job's abcd2222... is no parent
     assert "no sweep parent run of that id or name" in error("efef")  # a single run's prefix
+
+
+def test_no_database_or_no_sweep_in_it_is_one_line_and_makes_no_database(tmp_path, monkeypatch):
+    """In a directory without mlflow.db, MLflow made an empty database there and the report said 'no sweep parent
+    run of that id or name': now the missing database is named and none is made; a store with no sweep says so."""
+    from mlflow.tracking import MlflowClient
+
+    from rlhflab.report import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        main(["sweep=latest"])
+    assert str(stop.value).startswith("error: tracking_uri: no MLflow database at sqlite:///mlflow.db; run the report where")
+    assert not (tmp_path / "mlflow.db").exists()
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    client.create_run(client.create_experiment("rlhflab"), run_name="rloo")  # a single run, no sweep
+    with pytest.raises(SystemExit) as stop:
+        main(["sweep=latest"])
+    assert str(stop.value) == "error: sweep=latest: sqlite:///mlflow.db holds no sweep; python src/train.py -m ... makes one"

@@ -82,6 +82,8 @@ def find_sweep(client, sweep: str):
                 ids = ", ".join(r.info.run_id for r in found[:3]) + (", ..." if len(found) > 3 else "")
                 raise SystemExit(f"error: sweep={sweep}: {len(found)} sweep parent runs start so ({ids}); "
                                  "give more of the id")
+    if not found and not parents:
+        raise SystemExit(f"error: sweep={sweep}: {client.tracking_uri} holds no sweep; python src/train.py -m ... makes one")
     if not found:
         raise SystemExit(f"error: sweep={sweep}: no sweep parent run of that id or name at {client.tracking_uri}")
     return found[0]
@@ -403,7 +405,12 @@ def main(argv: list[str]) -> Report:
     from mlflow.tracking import MlflowClient
 
     args = parse_args(argv)
-    client = MlflowClient(args["tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
+    uri = args["tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).expanduser().is_file():
+        # MLflow would make an empty database there (in the wrong directory, most likely) and find no sweep in it.
+        raise SystemExit(f"error: tracking_uri: no MLflow database at {uri}; run the report where the sweep ran, "
+                         "or give tracking_uri=sqlite:////path/to/mlflow.db (or set MLFLOW_TRACKING_URI)")
+    client = MlflowClient(uri)
     parent = find_sweep(client, args["sweep"])
     # Sweep names say what was swept (`sweep algo=ppo,rloo 2025-01-31_12-00-00`): a folder name without spaces.
     out_dir = Path(args["out_dir"] or Path("reports") / re.sub(r"[^\w.,=+-]+", "_", parent.info.run_name))
