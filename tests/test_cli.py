@@ -43,6 +43,7 @@ BAD_VALUES = [
     ("trainer.devices=[0,1]", "trainer.devices"),  # GPU indices on CPU
     ("trainer=gpu trainer.devices=[0,0]", "trainer.devices"),
     ("trainer.devices=-1", "trainer.devices"),  # every GPU: not on CPU
+    ('trainer=ddp trainer.devices="3"', "rl.prompts_per_step"),  # a count as a string is 3 ranks, as Lightning reads it
     ("trainer.precision=fp8", "trainer.precision"),
     ("rl.prompts_per_step=0", "rl.prompts_per_step"),
     ("rl.eval_samples_per_prompt=0", "rl.eval_samples_per_prompt"),

@@ -439,22 +439,33 @@ def check_typed(cfg: DictConfig, choices: dict) -> None:
                                f"dataclass of your own added to SCHEMAS['{group}'] in src/rlhflab/schema.py)")
 
 
+def trainer_devices(trainer: DictConfig):
+    """trainer.devices as Lightning reads it: an int (a count, or -1), a list of GPU indices, or another string
+    (auto); a string of digits is a count and "0,1" a list, as Lightning parses them."""
+    devices = trainer.devices
+    if isinstance(devices, ListConfig):
+        return list(devices)
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        return int(devices)
+    if isinstance(devices, str) and "," in devices:
+        parts = [p.strip() for p in devices.split(",") if p.strip()]
+        return [int(p) if p.isdigit() else p for p in parts]
+    return devices
+
+
 def check_trainer_devices(trainer: DictConfig) -> None:
-    """trainer.devices as Lightning reads it: a count >= 1, -1 (every GPU), a list of GPU indices, or auto; on CPU a
+    """trainer.devices as Lightning takes it: a count >= 1, -1 (every GPU), a list of GPU indices, or auto; on CPU a
     count. trainer.devices=0 passed, made an MLflow run, and stopped at Lightning's Trainer in Hydra's
     'Error executing job ... MisconfigurationException'."""
-    devices = trainer.devices
+    devices = trainer_devices(trainer)
     gpu = str(trainer.accelerator) in ("gpu", "cuda", "auto")
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        devices = int(devices)
-    if isinstance(devices, ListConfig):
-        indices = list(devices)
+    if isinstance(devices, list):
         if not gpu:
-            raise SettingError("trainer.devices", f"{indices} is a list of GPU indices, and trainer.accelerator="
-                               f"{trainer.accelerator}; on CPU give a count of processes, e.g. trainer.devices={len(indices) or 1}")
-        if not indices or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in indices) \
-                or len(set(indices)) != len(indices):
-            raise SettingError("trainer.devices", f"{indices} is not a list of distinct GPU indices; give e.g. trainer.devices=[0,1]")
+            raise SettingError("trainer.devices", f"{devices} is a list of GPU indices, and trainer.accelerator="
+                               f"{trainer.accelerator}; on CPU give a count of processes, e.g. trainer.devices={len(devices) or 1}")
+        if not devices or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in devices) \
+                or len(set(devices)) != len(devices):
+            raise SettingError("trainer.devices", f"{devices} is not a list of distinct GPU indices; give e.g. trainer.devices=[0,1]")
         return
     if devices == "auto" or (isinstance(devices, int) and not isinstance(devices, bool) and (devices >= 1 or (devices == -1 and gpu))):
         return
@@ -463,9 +474,9 @@ def check_trainer_devices(trainer: DictConfig) -> None:
 
 
 def ranks(trainer: DictConfig) -> int:
-    """Processes a trainer config starts (1 when `devices` is not a count, e.g. auto or a list of one)."""
-    devices = trainer.devices
-    count = len(devices) if isinstance(devices, ListConfig) else devices if isinstance(devices, int) else 1
+    """Processes a trainer config starts (1 when `devices` is not a count, e.g. auto or -1, or a list of one)."""
+    devices = trainer_devices(trainer)
+    count = len(devices) if isinstance(devices, list) else devices if isinstance(devices, int) and devices > 0 else 1
     return count * trainer.num_nodes
 
 
@@ -486,8 +497,8 @@ def check_generator_device(cfg: DictConfig) -> None:
     first = cuda_index(device)
     if first is None or cfg.trainer.accelerator not in ("gpu", "cuda", "auto"):
         return
-    devices = cfg.trainer.devices
-    training = list(devices) if isinstance(devices, ListConfig) else list(range(devices)) if isinstance(devices, int) else [0]
+    devices = trainer_devices(cfg.trainer)
+    training = devices if isinstance(devices, list) else list(range(devices)) if isinstance(devices, int) and devices > 0 else [0]
     generators = list(range(first, first + len(training)))
     clash = sorted(set(training) & set(generators))
     if clash:

@@ -34,6 +34,7 @@ from rlhflab.models.checks import check_hub
 from rlhflab.naming import redact
 from rlhflab.quiet import quiet_libraries
 from rlhflab.rng import fixed_seed
+from rlhflab.schema import trainer_devices
 from rlhflab.stages.pipeline import run_stages
 from rlhflab.tracking import MlflowTracker
 
@@ -95,7 +96,7 @@ def relaunch_as_one_job(cfg: DictConfig, out: Path) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    distributed_trainer = str(cfg.trainer.devices) not in ("1", "auto") or cfg.trainer.num_nodes > 1
+    distributed_trainer = trainer_devices(cfg.trainer) not in (1, "auto") or cfg.trainer.num_nodes > 1
     if not (distributed_trainer and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN):
         return
     hydra_cfg = HydraConfig.get()
