@@ -140,7 +140,6 @@ def train(cfg: DictConfig) -> Result:
                 elif resume:
                     continued = resume.state["run_id"]
                 run_id = tracker.start(cfg, tags, hydra_overrides(), out, continued)
-                STOP.run_made = True
                 (out / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(tracker.tracking_uri),
                                                                  "experiment": tracker.experiment_name}, indent=1))
             result = _run(cfg, plan, tracker, out, resume)
@@ -153,7 +152,7 @@ def train(cfg: DictConfig) -> Result:
             status = "KILLED"
             raise interrupted from None
         finally:
-            STOP.run_made = STOP.run_made or bool(tracker.run_id)  # a stop that landed while it logged its params
+            STOP.run_made = bool(tracker.run_id)  # set from its start on: a stop while it logged its params made one too
             plan.source.close()
             tracker.finish(status)
 
