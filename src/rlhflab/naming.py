@@ -84,6 +84,13 @@ def run_name(algo: str, overrides: list[str]) -> str:
     return " ".join(parts)[:MAX_RUN_NAME]
 
 
+def sqlite_path(tracking_uri: str):
+    """The database file of a `sqlite:///` tracking URI (a Path), or None for any other store."""
+    from pathlib import Path
+
+    return Path(tracking_uri.removeprefix("sqlite:///")).expanduser() if tracking_uri.startswith("sqlite:///") else None
+
+
 CREDENTIAL = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^:/@\s]*:)[^@\s/]+@")
 
 

@@ -27,6 +27,7 @@ from rlhflab.naming import (
     SWEEP_OVERRIDES_TAG,
     SWEEP_TAG,
     short_override,
+    sqlite_path,
 )
 from rlhflab.report_plots import Bar, Curve, Panel, Point
 
@@ -406,7 +407,8 @@ def main(argv: list[str]) -> Report:
 
     args = parse_args(argv)
     uri = args["tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
-    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).expanduser().is_file():
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
         # MLflow would make an empty database there (in the wrong directory, most likely) and find no sweep in it.
         raise SystemExit(f"error: tracking_uri: no MLflow database at {uri}; run the report where the sweep ran, "
                          "or give tracking_uri=sqlite:////path/to/mlflow.db (or set MLFLOW_TRACKING_URI)")

@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError
-from rlhflab.naming import PARENT_RUN_ENV, default_run_name, redact, run_name
+from rlhflab.naming import PARENT_RUN_ENV, default_run_name, redact, run_name, sqlite_path
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,10 @@ class RunLogger(MLFlowLogger):
 def store_lock(tracking_uri: str):
     """Serialise the first use of a SQLite store: two processes creating a fresh database at once race
     in MLflow's schema migration (one dies with 'duplicate column name')."""
-    if not tracking_uri.startswith("sqlite:///"):
+    db = sqlite_path(tracking_uri)
+    if db is None:
         yield
         return
-    db = Path(tracking_uri.removeprefix("sqlite:///")).expanduser()
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{db}.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
