@@ -5,29 +5,71 @@ Lightning starts ranks 1..N-1 at the first `Trainer.fit` by running the same com
 `train(cfg)`: the stages, RL and the saving. The process group exists from that first fit on.
 Rank 0 alone talks to MLflow and writes files; decisions every rank must share (a cache hit,
 a stop, a non-finite value) go through these helpers so that no rank waits for another forever.
+
+When a run of several ranks fails, each rank's `error:` line names the rank, and a rank whose collective
+failed because another rank is gone says so in one line (`as_rank_error`). Rank 0 watches the ranks it
+launched (`_watch`, in place of Lightning's observer, which SIGKILLed rank 0 five seconds after any other
+rank exited non-zero: its MLflow run stayed RUNNING, with nothing said, even while it wrote a checkpoint).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
+import time
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
+
+from rlhflab.errors import RankLost
 
 
 # What Lightning's launcher puts in rank 0's environment when it starts the other ranks.
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
+# How often rank 0 looks at the ranks it launched, and how long a failed rank's peers get to end the run
+# themselves (a collective that fails at once, an agreed stop) before rank 0's watch ends it.
+WATCH_EVERY_S = 0.5
+GRACE_S = 10.0
+
+_end_lock = threading.Lock()
+_end_owner: str | None = None  # who ends this job after a failure: "run" (its own unwinding) or "watch"
+_job = 0  # which job of this process (a sweep runs several): a watch ends with its job
+
+
+def claim_end(owner: str) -> bool:
+    """True if `owner` ("run": this rank's own stop or error; "watch": rank 0's watch of the ranks it launched)
+    ends this job: the first to ask, or the same one again. The other then says nothing (one closing line)."""
+    global _end_owner
+    with _end_lock:
+        if _end_owner is None:
+            _end_owner = owner
+        return _end_owner == owner
+
+
 @contextmanager
-def one_job():
+def one_job(on_lost: Callable[[], None] = lambda: None):
     """A job that may start ranks (every `train(cfg)`): afterwards its process group is gone and the
     launcher's variables are as before, so the next job of a sweep in this process starts its own ranks
-    (Lightning launches none while LOCAL_RANK is set, and would reuse a group whose peers have exited)."""
+    (Lightning launches none while LOCAL_RANK is set, and would reuse a group whose peers have exited).
+    `on_lost()` (mark the MLflow run FAILED) runs if a launched rank fails while this rank does not end."""
+    global _end_owner, _launched, _job
+    from lightning.pytorch.strategies.launchers import subprocess_script as launcher
+
     before = {k: os.environ.get(k) for k in LAUNCH_VARS}
+    _end_owner, _launched, _job = None, None, _job + 1
+    observer = getattr(launcher, "_launch_process_observer", None)  # absent in another Lightning: its own stays
+    if observer is not None:
+        launcher._launch_process_observer = lambda procs: _start_watch(procs, on_lost)
     try:
         yield
     finally:
+        if observer is not None:
+            launcher._launch_process_observer = observer
         if initialized():
             torch.distributed.destroy_process_group()
         for key, value in before.items():
@@ -35,6 +77,108 @@ def one_job():
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+_launched: list | None = None  # the rank processes this one launched (Lightning's launcher's list)
+
+
+def _start_watch(procs: list, on_lost: Callable[[], None]) -> None:
+    """Instead of Lightning's observer: a thread of rank 0 that watches the ranks it launched."""
+    global _launched
+    _launched = procs
+    threading.Thread(target=_watch, args=(procs, on_lost, _job), daemon=True, name="rlhflab-rank-watch").start()
+
+
+def _watch(procs: list, on_lost: Callable[[], None], job: int) -> None:
+    """Until every launched rank exits 0. When one exits otherwise, this rank usually ends the run itself: its
+    next collective fails at once (gloo; as_rank_error), or the exit was an agreed stop it is acting on too
+    (writing the checkpoint). If it has not begun to end within GRACE_S (busy in a long forward, or waiting in an
+    NCCL collective that never returns), the watch ends it: the run FAILED, one line, the other ranks killed."""
+    while True:
+        time.sleep(WATCH_EVERY_S)
+        codes = [p.poll() for p in procs]
+        if all(code == 0 for code in codes) or job != _job:
+            return
+        if any(codes):
+            break
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and _end_owner is None:
+        time.sleep(WATCH_EVERY_S)
+    if job != _job or not claim_end("watch"):
+        return  # this rank is ending the run itself
+    lost = _lost(procs)  # before the kills below, which would read as more failures
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)  # as Lightning: a rank stuck in a collective does not answer SIGTERM
+    try:
+        on_lost()
+        said = "; the MLflow run is FAILED"
+    except Exception as err:  # the tracking store gone too: still say what happened, and end
+        said = f"; the MLflow run could not be marked FAILED ({type(err).__name__}: {err})"
+    print(f"error: {lost}; rank 0 stopped the run{said}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _lost(procs: list, wait_s: float = 0.0) -> str | None:
+    """'rank 1 of 2 exited with code 1 (its error is above)' for the launched ranks that failed, or None."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        codes = [p.poll() for p in procs]
+        if any(codes) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    node = int(os.environ.get("NODE_RANK", 0)) * (len(procs) + 1)
+    world = world_size() if initialized() else len(procs) + 1
+    said = []
+    for i, code in enumerate(codes):
+        if not code:
+            continue
+        name = f"rank {node + i + 1} of {world}"
+        if code < 0:
+            how = signal.Signals(-code).name
+            said.append(f"{name} was killed by {how}" + (" (out of memory?)" if -code == signal.SIGKILL else ""))
+        elif code - 128 in (signal.SIGINT, signal.SIGTERM):
+            said.append(f"{name} was stopped by {signal.Signals(code - 128).name} (exit code {code})")
+        else:
+            said.append(f"{name} exited with code {code} (its error is above)")
+    return ", ".join(said) or None
+
+
+def as_rank_error(err: BaseException) -> BaseException:
+    """What this rank reports of `err`, which ends its run. In a run of several ranks the message gets
+    `rank R of N: ` (`err.rank`), and a collective that failed because another rank is gone (gloo's
+    'Connection closed by peer', an NCCL error) becomes one line, RankLost, instead of a traceback. An error
+    every rank raised on one shared decision (`err.shared`, e.g. a non-finite loss) is said by rank 0 alone
+    (`err.quiet` elsewhere). Call it while the process group exists."""
+    if not claim_end("run"):
+        time.sleep(GRACE_S * 30)  # rank 0's watch is ending this process (os._exit): say nothing more
+    if not initialized() or world_size() == 1:
+        return err
+    where = f"rank {rank()} of {world_size()}"
+    if _collective_failed(err):
+        lost = _lost(_launched, wait_s=GRACE_S) if _launched and is_main() else None
+        detail = str(err).split("] ", 1)[-1].split(". ")[0]  # gloo: '[.../pair.cc:553] Connection closed by peer ...'
+        err = RankLost(f"{lost}; this rank stopped with it" if lost else
+                       f"another rank stopped first (its own error line says why, or its log): {type(err).__name__}: {detail}")
+    try:
+        err.rank = where
+        err.quiet = bool(getattr(err, "shared", False)) and not is_main()
+    except AttributeError:  # an exception type that takes no attributes is a traceback anyway
+        pass
+    return err
+
+
+def _collective_failed(err: BaseException) -> bool:
+    """Raised by a collective whose peer is gone: a torch.distributed error, gloo's RuntimeError, or any
+    error raised inside torch.distributed (DDP's gradient all-reduce fails inside backward); never rlhflab's own."""
+    if type(err).__module__.startswith("rlhflab"):
+        return False
+    if isinstance(err, getattr(torch.distributed, "DistError", ())) or "gloo" in str(err):
+        return True
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 def initialized() -> bool:

@@ -1,4 +1,7 @@
-"""Errors a user can act on, each a one-line message (the entry point prints it as `error: ...`)."""
+"""Errors a user can act on, each a one-line message (the entry point prints it as `error: ...`).
+
+In a run of several ranks, distributed.as_rank_error adds `rank` ('rank 1 of 2', printed before the message)
+and `quiet` (another rank says it); an error raised by every rank on one shared decision sets `shared`."""
 
 
 class ConfigError(ValueError):
@@ -11,11 +14,13 @@ class StageFailed(RuntimeError):
 
 class NonFiniteError(RuntimeError):
     """A NaN or Inf in a loss, reward, reward-model output or gradient; the message names the step and quantity.
-    `weights_step`: the RL step whose weights gave the value (a checkpoint of them is not a good one), or None."""
+    `weights_step`: the RL step whose weights gave the value (a checkpoint of them is not a good one), or None.
+    `shared`: every rank decided it together (one line for all of them)."""
 
-    def __init__(self, message: str, weights_step: int | None = None) -> None:
+    def __init__(self, message: str, weights_step: int | None = None, shared: bool = False) -> None:
         super().__init__(message)
         self.weights_step = weights_step
+        self.shared = shared
 
 
 class DivergedWeights(NonFiniteError):
@@ -29,6 +34,10 @@ class DivergedWeights(NonFiniteError):
 
 class RewardError(RuntimeError):
     """A reward function raised, returned the wrong number of values, or a non-finite one (named with its row)."""
+
+
+class RankLost(RuntimeError):
+    """In a run of several ranks, another rank failed or was killed; this one stopped with it."""
 
 
 class RunInterrupted(BaseException):

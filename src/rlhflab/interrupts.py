@@ -73,6 +73,8 @@ class StopRequest:
         from rlhflab import distributed
 
         received = [s for s in distributed.gather(self.signum) if s is not None]
+        if received:
+            distributed.claim_end("run")  # every rank stops here: rank 0's watch leaves it to write its checkpoint
         return received[0] if received else None
 
     @contextmanager

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab import distributed
 from rlhflab.config import Plan, check_devices, check_trainer, validate
-from rlhflab.errors import ConfigError, NonFiniteError, RewardError, RunInterrupted, StageFailed
+from rlhflab.errors import ConfigError, NonFiniteError, RankLost, RewardError, RunInterrupted, StageFailed
 from rlhflab.interrupts import STOP, as_interrupt
 from rlhflab.lit import checkpoint as ckpt
 from rlhflab.lit.progress import StageProgressBar
@@ -129,7 +129,7 @@ def train(cfg: DictConfig) -> Result:
     resume = ckpt.find(cfg.resume, out, cfg)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
-    with distributed.one_job(), STOP.installed():
+    with distributed.one_job(on_lost=lambda: tracker.finish("FAILED")), STOP.installed():
         status = "FAILED"
         try:  # from the run's start: a signal that lands while it logs its params still ends it KILLED
             if distributed.is_main():  # the other ranks log nothing to MLflow (their tracker has no run)
@@ -148,7 +148,11 @@ def train(cfg: DictConfig) -> Result:
         except BaseException as err:
             interrupted = as_interrupt(err)
             if interrupted is None:
-                raise
+                said = distributed.as_rank_error(err)  # which rank says it; a lost rank in one line
+                if said is err:
+                    raise
+                raise said from None
+            distributed.claim_end("run")
             status = "KILLED"
             raise interrupted from None
         finally:
@@ -315,10 +319,12 @@ def main(cfg: DictConfig) -> float | None:
         if distributed.is_main():  # every rank stops alike; one says so
             print(f"stopped: {err}{what}{how}", file=sys.stderr)
         sys.exit(err.exit_code)  # a sweep stops too
-    except (ConfigError, StageFailed, NonFiniteError, RewardError) as err:
+    except (ConfigError, StageFailed, NonFiniteError, RewardError, RankLost) as err:
         if sweeping:
             raise  # a sweep records the failed job and goes on
-        print(f"error: {err}", file=sys.stderr)
+        if not getattr(err, "quiet", False):  # another rank says it (distributed.as_rank_error)
+            rank = getattr(err, "rank", None)
+            print(f"error: {rank + ': ' if rank else ''}{err}", file=sys.stderr)
         sys.exit(2 if isinstance(err, ConfigError) else 1)
     return objective(result.metrics, cfg)
 

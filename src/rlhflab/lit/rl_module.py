@@ -261,7 +261,7 @@ class RLHFModule(L.LightningModule):
         if self.cfg.on_nonfinite == "stop":
             fix = f"; if the weights diverged, lower rl.lr (now {self.cfg.lr:g})" if of_weights else ""
             raise NonFiniteError(f"{what} not finite at {where}; stopped before any update with it{fix}",
-                                 self.updates if of_weights else None)
+                                 self.updates if of_weights else None, shared=True)
         log.warning("%s not finite at %s: batch skipped (rl.on_nonfinite=skip_batch)", what, where)
         return False
 
