@@ -179,10 +179,10 @@ def test_resume_refusal_says_which_settings_one_side_lacks():
     ]  # trainer.max_steps may change
 
 
-def test_resume_from_an_older_or_another_directorys_checkpoint_is_a_new_mlflow_run(make_cfg, tmp_path):
-    """Continuing a run in its MLflow run is for its own newest checkpoint (a kill, then resume=auto). From an
-    older checkpoint, or into another directory, the steps after it are another line of training: logged into
-    the old run they were dropped beside the steps it held. They go to a new run that names where it started."""
+def test_resume_from_another_directorys_checkpoint_is_a_new_mlflow_run(make_cfg, tmp_path):
+    """Continuing a run in its MLflow run is for its own newest checkpoint (a kill, then resume=auto). Into another
+    directory, the steps after it are another line of training: logged into the old run they were dropped beside
+    the steps it held. They go to a new run that names where it started."""
     def run(out: str, max_steps: int, resume: str):
         return train(make_cfg(f"trainer.max_steps={max_steps}", "checkpoint.every_n_steps=2", "checkpoint.keep=3",
                               f"resume={resume}", f"output.dir={tmp_path}/{out}"))
@@ -193,19 +193,42 @@ def test_resume_from_an_older_or_another_directorys_checkpoint_is_a_new_mlflow_r
     first = run("a", 6, "null")
     uri, older = make_cfg().logger.tracking_uri, tmp_path / "a" / "checkpoints" / "step-00000004"
     rewards = history(uri, first.run_id, "train/reward")
-    branches = {}
-    for out in ("b", "a"):  # into another directory; back to an older checkpoint in the same directory
-        branch = branches[out] = run(out, 8, str(older))
-        assert branch.run_id not in (first.run_id, None) and branch.run_id == run_id_of(tmp_path / out)
-        tags = MlflowClient(uri).get_run(branch.run_id).data.tags
-        assert tags["rlhflab.resumed_from_run"] == first.run_id and tags["rlhflab.resumed_from"] == str(older.resolve())
-        assert steps(branch.run_id) == [5, 6, 7, 8]  # none dropped
-        assert history(uri, first.run_id, "train/reward") == rewards  # the first run is as it was
-    assert branches["a"].run_id != branches["b"].run_id
+    branch = run("b", 8, str(older))
+    assert branch.run_id not in (first.run_id, None) and branch.run_id == run_id_of(tmp_path / "b")
+    tags = MlflowClient(uri).get_run(branch.run_id).data.tags
+    assert tags["rlhflab.resumed_from_run"] == first.run_id and tags["rlhflab.resumed_from"] == str(older.resolve())
+    assert steps(branch.run_id) == [5, 6, 7, 8]  # none dropped
+    assert history(uri, first.run_id, "train/reward") == rewards  # the first run is as it was
     # a directory's own newest checkpoint, named or found by auto, goes on in the run that wrote it
-    assert run("b", 10, str(tmp_path / "b" / "checkpoints" / "step-00000008")).run_id == branches["b"].run_id
-    assert run("b", 12, "auto").run_id == branches["b"].run_id
-    assert steps(branches["b"].run_id) == [5, 6, 7, 8, 9, 10, 11, 12]
+    assert run("b", 10, str(tmp_path / "b" / "checkpoints" / "step-00000008")).run_id == branch.run_id
+    assert run("b", 12, "auto").run_id == branch.run_id
+    assert steps(branch.run_id) == [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def test_a_new_line_of_training_is_refused_a_directory_holding_another_runs_checkpoints(make_cfg, tmp_path):
+    """Before, a new run (or a branch back to an older checkpoint) in a directory holding another run's checkpoints
+    had its own deleted as they were written (checkpoint.keep keeps the highest steps: the other run's), and
+    resume=auto then continued the other run. Now one line, before any model loads and before any MLflow run."""
+    out = tmp_path / "a"
+    first = train(make_cfg("trainer.max_steps=6", "checkpoint.every_n_steps=2", f"output.dir={out}"))
+    held = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert held == ["step-00000004", "step-00000006"]
+    refusals = {
+        "null": f"output.dir: {out} already holds another run's checkpoints (step-00000004 .. step-00000006); continue "
+                f"that run with resume=auto, or give this run another output.dir (or remove {out}/checkpoints)",
+        str(out / "checkpoints" / "step-00000004"): f"resume: {out}/checkpoints/step-00000004 is older than step-00000006 "
+                f"beside it; start from it in another output.dir (resume={out}/checkpoints/step-00000004 "
+                "output.dir=<new dir>), or continue from the newest with resume=auto",
+    }
+    for resume, refusal in refusals.items():
+        with pytest.raises(ConfigError) as err:
+            train(make_cfg("trainer.max_steps=8", "checkpoint.every_n_steps=2", f"resume={resume}", f"output.dir={out}"))
+        assert str(err.value) == refusal
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == held
+    client = MlflowClient(make_cfg().logger.tracking_uri)
+    experiment = client.get_run(first.run_id).info.experiment_id
+    assert [r.info.run_id for r in client.search_runs([experiment])] == [first.run_id]  # no run was made for either
+    assert train(make_cfg("trainer.max_steps=8", "checkpoint.every_n_steps=2", "resume=auto", f"output.dir={out}")).run_id == first.run_id
 
 
 def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(make_cfg, tmp_path):

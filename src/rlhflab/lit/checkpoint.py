@@ -111,7 +111,15 @@ def differences(saved_yaml: str, cfg: DictConfig) -> list[str]:
 
 
 def find(resume: str | None, output_dir: Path, cfg: DictConfig) -> Checkpoint | None:
-    """The checkpoint `resume` names (auto: the newest in output_dir), checked against the config."""
+    """The checkpoint `resume` names (auto: the newest in output_dir), checked against the config. A new line
+    of training (a new run, or a branch) is refused an output directory that holds another line's checkpoints:
+    `checkpoint.keep` deleted its own as older than those, and resume=auto would then continue the other line."""
+    held = sorted(directory(output_dir).glob("step-*"))
+    if held and resume != "auto" and (not resume or Path(resume).expanduser().resolve().parent != directory(output_dir).resolve()):
+        key = "output.dir" if cfg.output.dir else "hydra.run.dir"
+        span = held[0].name + (f" .. {held[-1].name}" if len(held) > 1 else "")
+        raise ConfigError(f"{key}: {output_dir} already holds another run's checkpoints ({span}); continue that run with "
+                          f"resume=auto, or give this run another {key} (or remove {directory(output_dir)})")
     if not resume:
         return None
     if resume == "auto":
@@ -123,6 +131,11 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig) -> Checkpoint | 
         path = Path(resume).expanduser()
         if not path.is_dir():
             raise ConfigError(f"resume: no checkpoint directory '{resume}'; give a checkpoints/step-* directory, or resume=auto")
+        latest = newest(path.parent) or path
+        if path.resolve().parent == directory(output_dir).resolve() and latest.resolve() != path.resolve():
+            # its checkpoints would fall among the newer ones of the line it leaves
+            raise ConfigError(f"resume: {path} is older than {latest.name} beside it; start from it in another output.dir "
+                              f"(resume={path} output.dir=<new dir>), or continue from the newest with resume=auto")
     checkpoint = read(path)
     changed = differences(checkpoint.config, cfg)
     if changed:
@@ -130,15 +143,11 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig) -> Checkpoint | 
                           "(only trainer.max_steps, checkpoint.*, output.*, cache_dir and logging keys may change) or start a new run in another output.dir")
     # The run goes on in its MLflow run only where it is the same line of training: the newest whole checkpoint of
     # this output directory (a kill and resume=auto; the steps the killed run logged after it repeat bit for bit
-    # and are not logged twice). From another directory's checkpoint, or an older one than this directory's newest,
-    # the steps after it are new, and logging them into the old run would drop them beside the ones it holds.
+    # and are not logged twice). From another directory's checkpoint the steps after it are new, and logging them
+    # into the old run would drop them beside the ones it holds.
     why = None
-    if resume != "auto":  # auto is this directory's newest by construction
-        latest = newest(path.parent) or path
-        if path.resolve().parent != directory(output_dir).resolve():
-            why = f"it is not in this run's directory {output_dir}"
-        elif latest.resolve() != path.resolve():
-            why = f"{latest.name} is newer"
+    if resume != "auto" and path.resolve().parent != directory(output_dir).resolve():
+        why = f"it is not in this run's directory {output_dir}"
     checkpoint.forked = why is not None
     if checkpoint.forked:
         log.info("resume: starting from %s (RL step %d) in a new MLflow run, tagged rlhflab.resumed_from_run=%s: %s",
