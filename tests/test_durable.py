@@ -231,6 +231,36 @@ def test_a_new_line_of_training_is_refused_a_directory_holding_another_runs_chec
     assert train(make_cfg("trainer.max_steps=8", "checkpoint.every_n_steps=2", "resume=auto", f"output.dir={out}")).run_id == first.run_id
 
 
+def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_does(make_cfg, tmp_path, capsys):
+    """A reward function (or its server) that fails mid-run: the error line named only the failure, though the run
+    had a checkpoint to continue from once the cause is fixed. It now names the checkpoint and the command."""
+    import rlhflab.train as entry
+
+    fn = tmp_path / "flaky.py"
+    fn.write_text("calls = []\n"
+                  "def score(prompts, completions, **columns):\n"
+                  "    calls.append(1)\n"
+                  "    if len(calls) == 6:\n"
+                  "        raise OSError('the reward server went away')\n"
+                  "    return [float(c.count('good')) for c in completions]\n")
+    out = tmp_path / "run"
+    args = ["reward=function", f"reward.fn={fn}:score", "trainer.max_steps=8", "checkpoint.every_n_steps=2", f"output.dir={out}"]
+    with pytest.raises(SystemExit) as exit:
+        entry.main(make_cfg(*args))
+    assert exit.value.code == 1
+    newest = sorted((out / "checkpoints").iterdir())[-1]
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after MLflow's own lines about a new database
+    assert err.startswith("error: reward function score raised OSError: the reward server went away (on "), err
+    assert err.endswith(f"; its newest checkpoint is {newest}: once fixed, the same command with resume=auto "
+                        f"output.dir={out} continues from it"), err
+    failed = run_id_of(out)
+    client = MlflowClient(make_cfg().logger.tracking_uri)
+    assert client.get_run(failed).info.status == "FAILED"
+    done = train(make_cfg(*args, "resume=auto"))  # the function no longer fails: as the line says
+    assert done.run_id == failed and client.get_run(failed).info.status == "FINISHED"
+    assert [step for step, _ in history(make_cfg().logger.tracking_uri, failed, "train/reward")] == list(range(1, 9))
+
+
 def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(make_cfg, tmp_path):
     """A checkpoint at the step budget (a run killed after its last checkpoint, or rerun with resume=auto):
     nothing is trained, and the policy saved and the closing numbers are the checkpoint's."""

@@ -226,7 +226,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
                 else:
                     kept = (f"step {bad}'s weights may be the cause; no checkpoint before them"
                             + ("" if ckpt.newest(ckpt.directory(out)) else " (set checkpoint.every_n_steps)"))
-                raise NonFiniteError(f"{err}; {kept}", bad) from None
+                raise NonFiniteError(f"{err}; {kept}", bad, err.shared) from None
             except BaseException as err:
                 # A stop that arrived between steps (Lightning's own SIGTERM check, or while waiting for the
                 # generator) still leaves a checkpoint of the last whole step.
@@ -324,9 +324,23 @@ def main(cfg: DictConfig) -> float | None:
             raise  # a sweep records the failed job and goes on
         if not getattr(err, "quiet", False):  # another rank says it (distributed.as_rank_error)
             rank = getattr(err, "rank", None)
-            print(f"error: {rank + ': ' if rank else ''}{err}", file=sys.stderr)
+            print(f"error: {rank + ': ' if rank else ''}{err}{resume_hint(err, cfg)}", file=sys.stderr)
         sys.exit(2 if isinstance(err, ConfigError) else 1)
     return objective(result.metrics, cfg)
+
+
+def resume_hint(err: Exception, cfg: DictConfig) -> str:
+    """For a failure outside the run's own numbers (a reward function or server, a lost rank) after a checkpoint:
+    how to continue from it once the cause is fixed. A non-finite value names its checkpoint itself."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not isinstance(err, (RewardError, RankLost)) or not STOP.run_made:
+        return ""
+    out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
+    last = out and ckpt.newest(ckpt.directory(Path(out)))
+    if not last:
+        return ""
+    return f"; its newest checkpoint is {last}: once fixed, the same command with resume=auto output.dir={out} continues from it"
 
 
 def objective(metrics: dict[str, float], cfg: DictConfig) -> float | None:
