@@ -231,6 +231,27 @@ def test_a_new_line_of_training_is_refused_a_directory_holding_another_runs_chec
     assert train(make_cfg("trainer.max_steps=8", "checkpoint.every_n_steps=2", "resume=auto", f"output.dir={out}")).run_id == first.run_id
 
 
+def test_resume_auto_passes_over_a_damaged_checkpoint_and_refuses_when_all_are(make_cfg, tmp_path, caplog):
+    """A damaged newest checkpoint is named and an older one continues. With every one damaged, resume=auto started a
+    new run there, whose own checkpoints checkpoint.keep then deleted as below the damaged ones' steps."""
+    from rlhflab.lit.checkpoint import WEIGHTS
+
+    out = tmp_path / "a"
+    args = ["checkpoint.every_n_steps=2", f"output.dir={out}"]
+    first = train(make_cfg("trainer.max_steps=4", *args))
+    step2, step4 = sorted((out / "checkpoints").iterdir())
+    (step4 / WEIGHTS).write_bytes(b"")  # a disk that lost it
+    again = train(make_cfg("trainer.max_steps=6", "resume=auto", *args))
+    assert f"checkpoint {step4} is damaged ({WEIGHTS} is 0 bytes" in caplog.text
+    assert again.run_id == first.run_id and again.module.updates == 6
+    for path in (out / "checkpoints").iterdir():
+        (path / WEIGHTS).write_bytes(b"")
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg("trainer.max_steps=8", "resume=auto", *args))
+    assert str(err.value) == (f"resume=auto: every checkpoint in {out}/checkpoints is damaged (named above); remove them to "
+                              "start a new run there, or give another output.dir")
+
+
 def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_does(make_cfg, tmp_path, capsys):
     """A reward function (or its server) that fails mid-run: the error line named only the failure, though the run
     had a checkpoint to continue from once the cause is fixed. It now names the checkpoint and the command."""

@@ -124,6 +124,9 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig) -> Checkpoint | 
         return None
     if resume == "auto":
         path = newest(directory(output_dir))
+        if path is None and held:  # a new run's checkpoints would fall below theirs (checkpoint.keep)
+            raise ConfigError(f"resume=auto: every checkpoint in {directory(output_dir)} is damaged (named above); "
+                              f"remove them to start a new run there, or give another output.dir")
         if path is None:
             log.info("resume=auto: no checkpoint in %s; starting a new run", directory(output_dir))
             return None
