@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from conftest import SHRINK, cli_run, wait_for
 from test_sweep import mlflow_server  # noqa: F401  (a fixture: `mlflow server` on a free local port)
 from rlhflab.algos.registry import RLOO
-from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, StageFailed
+from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, StageFailed, TrackingLost
 from rlhflab.models.build import ensure_base_model
 from rlhflab.rewards.builtin import RuleReward
 from rlhflab.train import train
@@ -280,6 +280,82 @@ def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_
     done = train(make_cfg(*args, "resume=auto"))  # the function no longer fails: as the line says
     assert done.run_id == failed and client.get_run(failed).info.status == "FINISHED"
     assert [step for step, _ in history(make_cfg().logger.tracking_uri, failed, "train/reward")] == list(range(1, 9))
+
+
+def store_goes_away(monkeypatch, when) -> dict:
+    """From the first metrics write holding a row `when` picks, the client's writes raise what MLflow raises for a
+    server that refuses connections (seen against a killed `mlflow server`). Returns the real writes."""
+    from mlflow.exceptions import MlflowException
+
+    refused = ("API request to http://127.0.0.1:5123/api/2.0/mlflow/runs/log-batch failed with exception "
+               "HTTPConnectionPool(host='127.0.0.1', port=5123): Max retries exceeded with url: /api/2.0/mlflow/runs/"
+               "log-batch (Caused by NewConnectionError(\"HTTPConnection(host='127.0.0.1', port=5123): Failed to "
+               "establish a new connection: [Errno 111] Connection refused\"))")
+    down = []
+    writes = {name: getattr(MlflowClient, name) for name in ("log_batch", "set_terminated", "set_tag", "log_table")}
+
+    def failing(name):
+        def write(self, *args, **kwargs):
+            if not down and any(when(m) for m in kwargs.get("metrics") or ()):
+                down.append(True)
+            if down:
+                raise MlflowException(refused)
+            return writes[name](self, *args, **kwargs)
+        return write
+
+    for name in writes:
+        monkeypatch.setattr(MlflowClient, name, failing(name))
+    return writes
+
+
+def test_a_tracking_store_that_stops_answering_stops_the_run_with_a_checkpoint_keeping_its_metrics(make_cfg, tmp_path,
+                                                                                                     monkeypatch, capsys):
+    """A tracking server down for longer than MLflow's retries: the run died at its next metrics write with a
+    ~180-line chained traceback, no checkpoint (none was due), the buffered metrics lost and the run left RUNNING.
+    Now it stops at the step boundary with a checkpoint that keeps the unwritten metrics, in one line, and a
+    resume once the store answers writes them first: every step once. The failure is MLflow's own exception for
+    a refused connection (seen against a killed `mlflow server`), raised by the client's writes."""
+    import rlhflab.train as entry
+
+    writes = store_goes_away(monkeypatch, lambda m: m.key == "train/reward" and m.step == 3)
+    out = tmp_path / "run"
+    args = ["trainer.max_steps=8", "logger.flush_every_s=0", f"output.dir={out}"]
+    with pytest.raises(SystemExit) as exit:
+        entry.main(make_cfg(*args))
+    assert exit.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    checkpoint = out / "checkpoints" / "step-00000003"
+    assert err == (f"error: mlflow: {make_cfg().logger.tracking_uri} stopped answering ([Errno 111] Connection refused); "
+                   "the run stopped at RL step 3 with a checkpoint that keeps the 20 metric values it could not write; "
+                   f"its newest checkpoint is {checkpoint}: once fixed, the same command with resume=auto "
+                   f"output.dir={out} continues from it"), err
+    kept = torch.load(checkpoint / "state.pt", weights_only=True)["unwritten_metrics"]
+    assert any(key == "train/reward" and step == 3 for key, _, _, step in kept), kept
+    for name, write in writes.items():
+        monkeypatch.setattr(MlflowClient, name, write)  # it answers again
+    run_id = run_id_of(out)
+    uri = make_cfg().logger.tracking_uri
+    assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"  # it could not be ended either
+    assert train(make_cfg(*args, "resume=auto")).run_id == run_id
+    assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+    assert [step for step, _ in history(uri, run_id, "train/reward")] == list(range(1, 9))
+
+
+def test_a_tracking_store_gone_at_the_runs_end_leaves_its_metrics_in_a_file(make_cfg, tmp_path, monkeypatch):
+    """The store stops answering as the trained run writes its summaries: nothing is left to train or resume, so the
+    metrics it did not take go to a file named in one line, beside the saved policy."""
+    import json
+
+    store_goes_away(monkeypatch, lambda m: m.key == "perf/total_s")
+    out = tmp_path / "run"
+    with pytest.raises(TrackingLost) as err:
+        train(make_cfg("trainer.max_steps=2", "logger.flush_every_s=0", f"output.dir={out}"))
+    kept = json.loads((out / "unwritten_metrics.json").read_text())
+    assert "perf/total_s" in {key for key, _, _, _ in kept}
+    assert str(err.value) == (f"mlflow: {make_cfg().logger.tracking_uri} stopped answering ([Errno 111] Connection refused); "
+                              f"the run trained to the end (policy: {out}/policy), but its MLflow run {run_id_of(out)} is "
+                              f"not ended and {len(kept)} metric values are in {out}/unwritten_metrics.json instead")
+    assert (out / "policy" / "model.safetensors").is_file()
 
 
 def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(make_cfg, tmp_path):

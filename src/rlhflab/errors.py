@@ -40,6 +40,15 @@ class RankLost(RuntimeError):
     """In a run of several ranks, another rank failed or was killed; this one stopped with it."""
 
 
+class TrackingLost(RuntimeError):
+    """The MLflow store stopped answering. `checkpointed`: the RL stage stopped (every rank together) with a
+    checkpoint that keeps what the store did not take; otherwise the run had ended and wrote it to a file."""
+
+    def __init__(self, message: str, checkpointed: bool) -> None:
+        super().__init__(message)
+        self.checkpointed = self.shared = checkpointed
+
+
 class RunInterrupted(BaseException):
     """SIGINT or SIGTERM asked the run to stop. A BaseException, like KeyboardInterrupt, so that no
     `except Exception` on the way up swallows it; unlike KeyboardInterrupt, Lightning re-raises it."""

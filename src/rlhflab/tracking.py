@@ -133,6 +133,27 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
                           f"logger.tracking_uri=): {redact(why)}") from None
 
 
+def store_failed(err: BaseException) -> bool:
+    """The store did not answer or failed on its side (a server down past MLflow's retries, a 5xx, a SQLite file
+    gone or locked too long), as opposed to refusing a request (a bad value), which is a bug to raise."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(err, MlflowException):
+        return err.error_code in ("INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED")
+    return isinstance(err, OSError) or type(err).__name__ in ("OperationalError", "ConnectionError", "Timeout")
+
+
+def store_error(err: BaseException) -> str:
+    """One line of why, without the address's credentials."""
+    from mlflow.exceptions import MlflowException
+
+    text = " ".join(str(err.message if isinstance(err, MlflowException) else f"{type(err).__name__}: {err}").split())
+    # MLflow's HTTP failure nests urllib3's in requests' ('API request to ... failed with exception
+    # HTTPConnectionPool(...): Max retries exceeded ... [Errno 111] Connection refused'): the OS's words say it
+    cause = re.search(r"\[Errno -?\d+\] [^'\"()]+|Read timed out|Connection aborted|Remote end closed connection", text)
+    return redact(cause.group(0).strip(" .") if cause else text[:300])
+
+
 class MlflowTracker:
     """Owns the MLflow run of one `train(cfg)` call.
 
@@ -158,6 +179,11 @@ class MlflowTracker:
         self._keys: dict[str, str] = {}  # metric name -> the name MLflow accepts
         self._client = None
         self._system = None
+        self.experiment_id: str | None = None
+        # Why the store stopped answering (a server down past MLflow's own retries, a SQLite file gone), or None.
+        # What was not written stays in `pending`; the RL stage then stops with a checkpoint that keeps it
+        # (lit/checkpoint.Checkpointer), and a resume writes it first.
+        self.lost: str | None = None
         # MLflow prints "View run ... at <tracking URI>" when a run against a server ends, password and all;
         # the closing line of a run gives a redacted link instead.
         os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
@@ -175,7 +201,7 @@ class MlflowTracker:
         """Create the run (or reopen `resume_run_id`), with params, the config, lineage and a description."""
         from mlflow.tracking.context.registry import resolve_tags
 
-        experiment_id = ensure_experiment(self.tracking_uri, self.experiment_name)
+        experiment_id = self.experiment_id = ensure_experiment(self.tracking_uri, self.experiment_name)
         client = self.client
         if resume_run_id:
             client.update_run(resume_run_id, status="RUNNING")
@@ -236,7 +262,7 @@ class MlflowTracker:
         for key, value in metrics.items():
             if step > self.logged_steps.get(key, -1):
                 self.pending.append(Metric(self._metric_key(key), float(value), now, step))
-        if time.monotonic() - self.flushed_at >= self.flush_every_s:
+        if time.monotonic() - self.flushed_at >= self.flush_every_s and self.lost is None:  # lost: kept for the checkpoint
             self.flush()
 
     def _metric_key(self, key: str) -> str:
@@ -250,14 +276,47 @@ class MlflowTracker:
         return clean
 
     def flush(self) -> None:
-        """Write every buffered metric (MLflow takes at most 1000 per batch)."""
+        """Write every buffered metric (MLflow takes at most 1000 per batch). What the store does not take stays
+        buffered (see `lost`)."""
         self.flushed_at = time.monotonic()
         if not self.pending or self.run_id is None:
             return
         rows, self.pending = self.pending, []
-        client = self.client
-        for i in range(0, len(rows), 1000):
-            client.log_batch(self.run_id, metrics=rows[i : i + 1000])
+        client, written = self.client, 0
+        with self.writing("metrics", lambda: self.pending.__setitem__(slice(0, 0), rows[written:])):
+            for written in range(0, len(rows), 1000):
+                client.log_batch(self.run_id, metrics=rows[written : written + 1000])
+            written = len(rows)
+
+    @contextmanager
+    def writing(self, what: str, on_lost=lambda: None):
+        """A write to the store. When the store does not answer (after MLflow's own retries) or fails on its side,
+        the run goes on without it: `on_lost()` keeps what was not written, `lost` says why (warned once), and the
+        RL stage stops at its next step with a checkpoint. A request the store refuses (a bad value) still raises."""
+        try:
+            yield
+        except Exception as err:
+            if not store_failed(err):
+                raise
+            on_lost()
+            if self.lost is None:
+                log.warning("mlflow: %s did not take the run's %s (%s); the run stops at its next RL step with a checkpoint "
+                            "that keeps what was not written", redact(self.tracking_uri), what, store_error(err))
+            self.lost = store_error(err)
+
+    def replay(self, rows: list) -> None:
+        """Metrics a stopped run's checkpoint kept because the store did not take them (`unwritten`), logged
+        first on resume; a step the run already holds is not logged twice."""
+        from mlflow.entities import Metric
+
+        for key, value, timestamp, step in rows:
+            if step > self.logged_steps.get(key, -1):
+                self.pending.append(Metric(key, value, timestamp, step))
+        self.flush()
+
+    def unwritten(self) -> list[list]:
+        """The buffered metrics as plain rows (key, value, timestamp, step), for a checkpoint."""
+        return [[m.key, m.value, m.timestamp, m.step] for m in self.pending]
 
     def log_params(self, params: dict[str, str]) -> None:
         """Params not logged yet (a resumed run keeps the values it started with)."""
@@ -265,10 +324,14 @@ class MlflowTracker:
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
 
-        have = self.client.get_run(self.run_id).data.params
-        new = [Param(k, redact(str(v))[:6000]) for k, v in params.items() if k not in have]
-        if new:
-            self.client.log_batch(self.run_id, params=new)
+        if self.lost is not None:
+            log.warning("mlflow: params not logged (%s): %s", self.lost, redact(str(params)))
+            return
+        with self.writing("params", lambda: log.warning("mlflow: params not logged: %s", redact(str(params)))):
+            have = self.client.get_run(self.run_id).data.params
+            new = [Param(k, redact(str(v))[:6000]) for k, v in params.items() if k not in have]
+            if new:
+                self.client.log_batch(self.run_id, params=new)
 
     def log_generations(self, rows: list[dict]) -> None:
         """A table (MLflow's table artifact) of sampled completions with their rewards."""
@@ -277,24 +340,30 @@ class MlflowTracker:
         if not rows:
             return
         table = {key: [row[key] for row in rows] for key in rows[0]}
-        self.client.log_table(self.run_id, data=table, artifact_file="generations.json")
+        if self.lost is None:
+            with self.writing("generations"):
+                self.client.log_table(self.run_id, data=table, artifact_file="generations.json")
 
     def log_artifacts(self, path: Path, artifact_path: str) -> None:
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
-        self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        if self.lost is None:
+            with self.writing(f"artifacts {artifact_path}/ (they are in {path})"):
+                self.client.log_artifacts(self.run_id, str(path), artifact_path)
 
     def set_tag(self, key: str, value: str) -> None:
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
-        self.client.set_tag(self.run_id, key, redact(str(value)))
+        if self.lost is None:
+            with self.writing(f"tag {key}"):
+                self.client.set_tag(self.run_id, key, redact(str(value)))
 
     def url(self, table: bool = False) -> str | None:
         """The run's page in an MLflow UI served from this tracking URI (default port), in the training
         view; `table`: the experiment's runs table sorted by gold reward instead."""
         if self.run_id is None:
             return None
-        experiment_id = self.client.get_run(self.run_id).info.experiment_id
+        experiment_id = self.experiment_id or self.client.get_run(self.run_id).info.experiment_id
         base = self.tracking_uri if self.tracking_uri.startswith("http") else "http://127.0.0.1:5000"
         page = f"{redact(base.rstrip('/'))}/#/experiments/{experiment_id}"
         if table:
@@ -308,5 +377,9 @@ class MlflowTracker:
         if self._system is not None:
             self._system.finish()
             self._system = None
-        self.flush()  # every buffered metric lands before the run ends
-        self.client.set_terminated(self.run_id, status)
+        self.flush()  # every buffered metric lands before the run ends (a store that stopped answering: one more try)
+        if self.pending:
+            return  # not taken: the run stays RUNNING, and what is buffered goes to a checkpoint or a file (train)
+        with self.writing(f"end ({status})"):
+            self.client.set_terminated(self.run_id, status)
+            self.lost = None  # it answered again, and took every metric

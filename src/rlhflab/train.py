@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab import distributed
 from rlhflab.config import Plan, check_devices, check_trainer, validate
-from rlhflab.errors import ConfigError, NonFiniteError, RankLost, RewardError, RunInterrupted, StageFailed
+from rlhflab.errors import ConfigError, NonFiniteError, RankLost, RewardError, RunInterrupted, StageFailed, TrackingLost
 from rlhflab.interrupts import STOP, as_interrupt
 from rlhflab.lit import checkpoint as ckpt
 from rlhflab.lit.progress import StageProgressBar
@@ -140,11 +140,12 @@ def train(cfg: DictConfig) -> Result:
                 elif resume:
                     continued = resume.state["run_id"]
                 run_id = tracker.start(cfg, tags, hydra_overrides(), out, continued)
+                if continued:  # what the stopped run could not write (its store stopped answering), first
+                    tracker.replay(resume.state.get("unwritten_metrics", []))
                 (out / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(tracker.tracking_uri),
                                                                  "experiment": tracker.experiment_name}, indent=1))
             result = _run(cfg, plan, tracker, out, resume)
             status = "FINISHED"
-            return result
         except BaseException as err:
             interrupted = as_interrupt(err)
             if interrupted is None:
@@ -159,6 +160,13 @@ def train(cfg: DictConfig) -> Result:
             STOP.run_made = bool(tracker.run_id)  # set from its start on: a stop while it logged its params made one too
             plan.source.close()
             tracker.finish(status)
+    if tracker.lost:  # trained to the end, but the store stopped answering: what it did not take goes to a file
+        kept = out / "unwritten_metrics.json"
+        kept.write_text(json.dumps(tracker.unwritten()))
+        raise TrackingLost(f"mlflow: {redact(tracker.tracking_uri)} stopped answering ({tracker.lost}); the run trained to "
+                           f"the end (policy: {out / 'policy'}), but its MLflow run {tracker.run_id} is not ended and "
+                           f"{len(tracker.pending)} metric values are in {kept} instead", checkpointed=False)
+    return result
 
 
 def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume: ckpt.Checkpoint | None) -> Result:
@@ -319,7 +327,7 @@ def main(cfg: DictConfig) -> float | None:
         if distributed.is_main():  # every rank stops alike; one says so
             print(f"stopped: {err}{what}{how}", file=sys.stderr)
         sys.exit(err.exit_code)  # a sweep stops too
-    except (ConfigError, StageFailed, NonFiniteError, RewardError, RankLost) as err:
+    except (ConfigError, StageFailed, NonFiniteError, RewardError, RankLost, TrackingLost) as err:
         if sweeping:
             raise  # a sweep records the failed job and goes on
         if not getattr(err, "quiet", False):  # another rank says it (distributed.as_rank_error)
@@ -334,7 +342,9 @@ def resume_hint(err: Exception, cfg: DictConfig) -> str:
     how to continue from it once the cause is fixed. A non-finite value names its checkpoint itself."""
     from hydra.core.hydra_config import HydraConfig
 
-    if not isinstance(err, (RewardError, RankLost)) or not STOP.run_made:
+    if not isinstance(err, (RewardError, RankLost, TrackingLost)) or not STOP.run_made:
+        return ""
+    if isinstance(err, TrackingLost) and not err.checkpointed:  # it trained to the end: nothing to continue
         return ""
     out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
     last = out and ckpt.newest(ckpt.directory(Path(out)))

@@ -24,9 +24,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab import distributed
-from rlhflab.errors import ConfigError, RunInterrupted
+from rlhflab.errors import ConfigError, RunInterrupted, TrackingLost
 from rlhflab.interrupts import STOP
 from rlhflab.models.cache import damage, write_manifest
+from rlhflab.naming import redact
 from rlhflab.tracking import flatten
 
 log = logging.getLogger(__name__)
@@ -190,12 +191,21 @@ class Checkpointer(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         due = self.next_at is not None and module.updates >= self.next_at
         stop = STOP.agreed()  # one decision for every rank, whichever got the signal
-        if (due or stop) and module.can_checkpoint():
+        tracker = getattr(module.logger, "tracker", None)  # rank 0's; the others have no run
+        lost = distributed.any_true(bool(tracker and tracker.lost)) and module.can_checkpoint()
+        if (due or stop or lost) and module.can_checkpoint():
             self.save(module)
             if due:
                 self.next_at = (module.updates // self.every + 1) * self.every
         if stop:
             raise RunInterrupted(stop)
+        if lost:
+            distributed.claim_end("run")
+            if not (tracker and tracker.lost):
+                raise TrackingLost("mlflow: the tracking store stopped answering (rank 0 says why)", checkpointed=True)
+            raise TrackingLost(f"mlflow: {redact(tracker.tracking_uri)} stopped answering ({tracker.lost}); the run "
+                               f"stopped at RL step {module.updates} with a checkpoint that keeps the "
+                               f"{len(tracker.pending)} metric values it could not write", checkpointed=True)
 
     def save(self, module) -> Path | None:
         """Every rank gives its state (collective); rank 0 writes the checkpoint, after the metrics of every step
@@ -205,6 +215,8 @@ class Checkpointer(L.Callback):
         if distributed.is_main():
             if hasattr(module.logger, "flush"):  # rlhflab's RunLogger: metrics up to this step, written now
                 module.logger.flush()
+                # what the store did not take (it stopped answering) goes with the checkpoint; a resume writes it
+                state = {**state, "unwritten_metrics": module.logger.tracker.unwritten()}
             self.last = write(self.root, module.updates, tensors, optimizer, state, self.config_yaml, self.keep)
             log.info("checkpoint: %s", self.last)
         return self.last
