@@ -122,10 +122,41 @@ def test_reward_functions_get_the_rows_columns_and_are_combined_with_weights(tmp
     assert reward.components == pytest.approx({"train/reward/correct_digits": (1 + 2 / 4) / 2, "train/reward/exact": 0.5})
 
 
+def test_a_function_returns_none_where_it_does_not_apply_as_in_trl(tmp_path, caplog):
+    """TRL's reward functions return None for a completion they do not apply to (a math checker on a coding
+    prompt); such a function was refused in one line ('returned list, not a list of numbers'). Now the sum leaves
+    it out, each function's logged mean is over the completions it scored, and a completion no function scores
+    gets 0 with a warning, as TRL does."""
+    import sys
+    import types
+
+    module = types.ModuleType("none_rewards")
+    module.evens = lambda prompts, completions, **kw: [1.0 if i % 2 == 0 else None for i in range(len(completions))]
+    module.firsts = lambda prompts, completions, **kw: [3.0 if i == 1 else None for i in range(len(completions))]
+    sys.modules["none_rewards"] = module
+    try:
+        path = write(tmp_path / "train.csv", rows())
+        task = PromptsTask(path=str(path), eval_path=str(path), tokenizer="char")
+        task.setup(task.build_tokenizer())
+        reward = FunctionReward(fns=["none_rewards:evens", "none_rewards:firsts"], weights=[1.0, 2.0])
+        texts = ["a", "b", "c", "d"]
+        rollout = Rollout(query=torch.zeros(4, 1, dtype=torch.long), response=torch.zeros(4, 4, dtype=torch.long),
+                          response_mask=torch.ones(4, 4), logprobs=torch.zeros(4, 4), version=0,
+                          prompts=task.prompts("train")[:4], texts=texts, rows=torch.arange(4), split="train")
+        assert reward.score(None, task, rollout).tolist() == [1.0, 6.0, 1.0, 0.0]
+        assert reward.components == {"train/reward/evens": 1.0, "train/reward/firsts": 3.0}
+        assert "no function scored 1 of 4 completions (first: prompt" in caplog.text and "completion 'd'" in caplog.text
+    finally:
+        del sys.modules["none_rewards"]
+
+
 @pytest.mark.parametrize("returned, message", [
     (lambda prompts, completions, **kw: [1.0], r"^reward function bad returned 1 values for 2 completions"),
     (lambda prompts, completions, **kw: [1.0, float("nan")], r"^reward function bad returned nan for dataset row 8 \(prompt '8=', completion 'y'\)"),
     (lambda prompts, completions, **kw: 1 / 0, r"^reward function bad raised ZeroDivisionError: division by zero"),
+    (lambda prompts, completions, **kw: [1.0, "high"], r"^reward function bad returned str 'high' for dataset row 8 "
+                                                       r"\(prompt '8=', completion 'y'\); return a finite number, or None"),
+    (lambda prompts, completions, **kw: 2.0, r"^reward function bad returned float, not a list of numbers"),
 ])
 def test_a_misbehaving_reward_function_is_one_line_naming_it_and_the_row(returned, message):
     with pytest.raises(RewardError, match=message) as err:

@@ -47,7 +47,8 @@ def load_callable(spec: str, key: str) -> Callable:
 
 
 def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwargs: dict, rows: list[int] | None) -> "torch.Tensor":
-    """fn's values as an (n,) float tensor, or a one-line RewardError naming `name` and the row."""
+    """fn's values as an (n,) float tensor (NaN where it returned None: it does not apply there, as in TRL), or a
+    one-line RewardError naming `name` and the row."""
     n = len(completions)
     try:
         values = fn(prompts=prompts, completions=completions, **kwargs)
@@ -55,16 +56,25 @@ def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwarg
         raise RewardError(f"reward function {name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
                           f"(on {n} completions; first prompt {str(prompts[0])[:60]!r})") from None
     try:
-        values = [float(v) for v in values]
-    except (TypeError, ValueError):
+        values = list(values)
+    except TypeError:
         raise RewardError(f"reward function {name} returned {type(values).__name__}, not a list of numbers") from None
     if len(values) != n:
         raise RewardError(f"reward function {name} returned {len(values)} values for {n} completions; return one per completion")
+    out = []
     for i, v in enumerate(values):
-        if not math.isfinite(v):
+        if v is None:  # TRL's convention: the function does not apply to this completion
+            out.append(math.nan)
+            continue
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            v = f"{type(v).__name__} {str(v)[:40]!r}"
+        if isinstance(v, str) or not math.isfinite(v):
             row = f"dataset row {rows[i]}" if rows is not None else f"completion {i}"
             raise RewardError(f"reward function {name} returned {v} for {row} (prompt {str(prompts[i])[:60]!r}, "
-                              f"completion {str(completions[i])[:60]!r}); return a finite number")
+                              f"completion {str(completions[i])[:60]!r}); return a finite number, or None where it does not apply")
+        out.append(v)
     import torch
 
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor(out, dtype=torch.float32)

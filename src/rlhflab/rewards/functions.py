@@ -6,13 +6,17 @@
 conversational dataset), `completions` the sampled texts (for a conversational dataset,
 `[{"role": "assistant", "content": text}]` each), and `kwargs` the dataset's other
 columns for the same rows (e.g. a reference `answer`). Several functions are summed
-with `reward.weights`, and each one's mean is logged as `train/reward/<name>`. A
-function that raises, returns the wrong number of values, or a NaN stops the run in
-one line naming the function and the row.
+with `reward.weights`, and each one's mean is logged as `train/reward/<name>`. As in
+TRL, a function returns None for a completion it does not apply to (a math checker on
+a coding prompt): the sum leaves it out, its mean is over the rest, and a completion
+that no function scores gets 0 (a warning says so once). A function that raises,
+returns the wrong number of values, or a NaN stops the run in one line naming the
+function and the row.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +25,8 @@ from rlhflab.callables import call_reward, load_callable
 from rlhflab.contracts import MemoryStrategy, Task
 from rlhflab.errors import ConfigError
 from rlhflab.rollout.batch import Rollout
+
+log = logging.getLogger(__name__)
 
 
 def _name(spec: str) -> str:
@@ -46,16 +52,26 @@ class FunctionReward:
         if len(self.weights) != len(specs):
             raise ConfigError(f"reward.weights: {len(self.weights)} weights for {len(specs)} functions; give one per function")
         self.components: dict[str, float] = {}
+        self.warned = False
 
     def _score(self, task: Task, split: str, prompts: list[str], texts: list[str], rows: torch.Tensor | None) -> torch.Tensor:
         prompts, completions, kwargs = task.reward_inputs(split, rows, prompts, texts)
         total = torch.zeros(len(texts))
+        scored = torch.zeros(len(texts), dtype=torch.bool)
         self.components = {}
         row_ids = rows.tolist() if rows is not None else None
         for (name, fn), weight in zip(self.functions, self.weights):
             values = call_reward(fn, name, prompts, completions, kwargs, row_ids)
-            self.components[f"train/reward/{name}"] = float(values.mean())
-            total += weight * values
+            applies = ~values.isnan()  # None: it does not apply there
+            if applies.any():
+                self.components[f"train/reward/{name}"] = float(values[applies].mean())
+            total += weight * values.nan_to_num(0.0)
+            scored |= applies
+        if not scored.all() and not self.warned:
+            i = int((~scored).nonzero()[0])
+            log.warning("reward: no function scored %d of %d completions (first: prompt %r, completion %r): their reward "
+                        "is 0, as in TRL (said once)", int((~scored).sum()), len(texts), str(prompts[i])[:60], str(completions[i])[:60])
+            self.warned = True
         return total
 
     def score(self, memory: MemoryStrategy, task: Task, rollout: Rollout) -> torch.Tensor:
