@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import SHRINK, cli_run, wait_for
+from conftest import SHRINK, TRAIN, cli_run, wait_for
 from test_sweep import mlflow_server  # noqa: F401  (a fixture: `mlflow server` on a free local port)
 from rlhflab.algos.registry import RLOO
 from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, StageFailed, TrackingLost
@@ -356,6 +356,39 @@ def test_a_tracking_store_gone_at_the_runs_end_leaves_its_metrics_in_a_file(make
                               f"the run trained to the end (policy: {out}/policy), but its MLflow run {run_id_of(out)} is "
                               f"not ended and {len(kept)} metric values are in {out}/unwritten_metrics.json instead")
     assert (out / "policy" / "model.safetensors").is_file()
+
+
+def test_two_runs_started_in_the_same_second_get_their_own_directories(tmp_path):
+    """Hydra's default run directory was outputs/<date>/<HH-MM-SS>: two runs a script started at once (`&`) shared
+    it, and the second's policy/ and .hydra/config.yaml replaced the first's. It is now to the microsecond."""
+    cmd = [sys.executable, TRAIN, "--cfg", "hydra", "--resolve"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    dirs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        dirs.append(next(line.split()[1] for line in out.splitlines() if line.strip().startswith("dir: outputs/")))
+    assert dirs[0] != dirs[1], dirs
+
+
+def test_a_second_run_in_a_directory_in_use_is_one_line(make_cfg, tmp_path):
+    """The same output.dir twice at once overwrote the first run's policy/, checkpoints and mlflow_run.json while
+    both trained. The run there holds a lock; another is refused before any model loads or MLflow run exists."""
+    import fcntl
+
+    from rlhflab.train import LOCK_FILE
+
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / LOCK_FILE, "w") as held:  # what the first run holds while it trains
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242")
+        held.flush()
+        with pytest.raises(ConfigError) as err:
+            train(make_cfg("trainer.max_steps=2", f"output.dir={out}"))
+        assert str(err.value) == (f"output.dir: {out} is in use by another run (pid 4242); give this run another "
+                                  "output.dir, or wait for that one to end")
+        assert not (out / "mlflow_run.json").exists()
+    assert train(make_cfg("trainer.max_steps=2", f"output.dir={out}")).output_dir == out  # free once it ended
 
 
 def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(make_cfg, tmp_path):

@@ -8,6 +8,7 @@ FAILED or KILLED in MLflow and with exit code 0, 1 (2 for bad input) or 128 + th
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -15,7 +16,9 @@ import shlex
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -39,6 +42,7 @@ from rlhflab.stages.pipeline import run_stages
 from rlhflab.tracking import MlflowTracker
 
 log = logging.getLogger("rlhflab")
+LOCK_FILE = ".rlhflab.lock"  # in the output directory: which process runs there
 
 
 @dataclass
@@ -65,8 +69,37 @@ def output_dir(cfg: DictConfig) -> Path:
     elif HydraConfig.initialized():
         path = Path(HydraConfig.get().runtime.output_dir)
     else:
-        path = Path("outputs") / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")
+        now = datetime.now()
+        path = Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S-%f")
     return writable_dir("output.dir", path).resolve()
+
+
+@contextmanager
+def output_lock(out: Path, key: str):
+    """One run at a time in an output directory, held by rank 0 for the run: a second run there (the same
+    output.dir or hydra.run.dir twice by mistake) overwrote the first's policy/, checkpoints and
+    mlflow_run.json while both trained. It is now one line before any model loads."""
+    if not distributed.is_main():  # the other ranks of this run
+        yield
+        return
+    handle = open(out / LOCK_FILE, "a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
+            raise ConfigError(f"{key}: {out} is in use by another run (pid {holder}); give this run another {key}, "
+                              "or wait for that one to end") from None
+        except OSError:  # a filesystem without locks: run unguarded, as before
+            pass
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # and with it the lock
 
 
 def writable_dir(key: str, path: Path, make: bool = True) -> Path:
@@ -126,6 +159,13 @@ def train(cfg: DictConfig) -> Result:
             logging.getLogger(name).setLevel(logging.WARNING)
     out = output_dir(cfg)
     writable_dir("cache_dir", Path(cfg.cache_dir), make=False)  # made by the first entry it caches
+    # One run at a time in a directory; what follows may read its checkpoints.
+    with output_lock(out, "output.dir" if cfg.output.dir else "hydra.run.dir"):
+        return _train_job(cfg, plan, out)
+
+
+def _train_job(cfg: DictConfig, plan: Plan, out: Path) -> Result:
+    """train(cfg) from the checkpoint it resumes on: the MLflow run, the stages and RL, its end."""
     resume = ckpt.find(cfg.resume, out, cfg)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
