@@ -373,21 +373,25 @@ def test_two_runs_started_in_the_same_second_get_their_own_directories(tmp_path)
 def test_a_second_run_in_a_directory_in_use_is_one_line(make_cfg, tmp_path):
     """The same output.dir twice at once overwrote the first run's policy/, checkpoints and mlflow_run.json while
     both trained. The run there holds a lock; another is refused before any model loads or MLflow run exists."""
-    import fcntl
-
     from rlhflab.train import LOCK_FILE
 
     out = tmp_path / "run"
     out.mkdir()
-    with open(out / LOCK_FILE, "w") as held:  # what the first run holds while it trains
-        fcntl.flock(held, fcntl.LOCK_EX)
-        held.write("4242")
-        held.flush()
+    # the first run, as far as the lock goes: another process that holds it (and wrote its pid)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys\n"
+                               f"f = open({str(out / LOCK_FILE)!r}, 'a+'); fcntl.lockf(f, fcntl.LOCK_EX)\n"
+                               "f.truncate(0); f.write(str(os.getpid())); f.flush(); print('held', flush=True)\n"
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
         with pytest.raises(ConfigError) as err:
             train(make_cfg("trainer.max_steps=2", f"output.dir={out}"))
-        assert str(err.value) == (f"output.dir: {out} is in use by another run (pid 4242); give this run another "
+        assert str(err.value) == (f"output.dir: {out} is in use by another run (pid {holder.pid}); give this run another "
                                   "output.dir, or wait for that one to end")
         assert not (out / "mlflow_run.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
     assert train(make_cfg("trainer.max_steps=2", f"output.dir={out}")).output_dir == out  # free once it ended
 
 

@@ -85,8 +85,10 @@ def output_lock(out: Path, key: str):
     handle = open(out / LOCK_FILE, "a+")
     try:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            # A POSIX record lock: a forked child (the async generator) does not inherit it, so a learner that was
+            # SIGKILLed frees the directory at once, whatever its generator is still doing.
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):
             handle.seek(0)
             holder = handle.read().strip() or "?"
             raise ConfigError(f"{key}: {out} is in use by another run (pid {holder}); give this run another {key}, "
