@@ -283,10 +283,13 @@ class MlflowTracker:
             return
         rows, self.pending = self.pending, []
         client, written = self.client, 0
-        with self.writing("metrics", lambda: self.pending.__setitem__(slice(0, 0), rows[written:])):
+
+        def keep_the_rest():  # before anything logged since, in step order
+            self.pending[:0] = rows[written:]
+
+        with self.writing("metrics", keep_the_rest):
             for written in range(0, len(rows), 1000):
                 client.log_batch(self.run_id, metrics=rows[written : written + 1000])
-            written = len(rows)
 
     @contextmanager
     def writing(self, what: str, on_lost=lambda: None):
