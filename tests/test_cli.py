@@ -168,6 +168,19 @@ def test_the_real_command_line_fails_in_one_line(tmp_path, args, key):
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("argv", [["--shell-completion"], ["-sc"]])
+def test_shell_completion_without_what_to_do_is_one_line(argv, capsys):
+    """Hydra raised its ValueError ('Expecting one subcommand ...') as a traceback."""
+    from rlhflab.cli import preflight
+
+    with pytest.raises(SystemExit) as exit:
+        preflight(argv)
+    assert exit.value.code == 2
+    assert capsys.readouterr().err == ("error: --shell-completion: say what to do: install=bash (or zsh, fish), "
+                                       "uninstall=bash, or query=bash; e.g. eval \"$(python src/train.py -sc install=bash)\"\n")
+    preflight(["-sc", "install=bash"])  # left to Hydra
+
+
 DIRECTORIES = [("output.dir", "{f}/run", "Not a directory"), ("cache_dir", "{f}", "is a file, not a directory"),
                ("cache_dir", "{f}/cache", "a_file' is a file, so"), ("output.dir", "/proc/rlhflab", "No such file or directory")]
 

@@ -38,6 +38,7 @@ def preflight(argv: list[str]) -> None:
         print(render_help())
         sys.exit(0)
     if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
+        check_shell_completion(argv)
         return
     overrides = [a for a in argv if not a.startswith("-")]
     register()
@@ -103,6 +104,15 @@ def sweep_searches(cfg) -> dict:
     with open_dict(cfg):
         del cfg["hydra"]
     return searched
+
+
+def check_shell_completion(argv: list[str]) -> None:
+    """`--shell-completion` (`-sc`) alone was Hydra's ValueError traceback ('Expecting one subcommand')."""
+    if not any(a in ("--shell-completion", "-sc") for a in argv):
+        return
+    if not any(a.split("=")[0] in ("install", "uninstall", "query") for a in argv):
+        fail("--shell-completion: say what to do: install=bash (or zsh, fish), uninstall=bash, or query=bash; "
+             "e.g. eval \"$(python src/train.py -sc install=bash)\"")
 
 
 def check_launcher(choices: dict) -> None:
