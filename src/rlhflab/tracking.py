@@ -307,6 +307,15 @@ class MlflowTracker:
                             "that keeps what was not written", redact(self.tracking_uri), what, store_error(err))
             self.lost = store_error(err)
 
+    def _write(self, what: str, write, skipped=lambda: None) -> None:
+        """A write other than metrics (which stay buffered for the checkpoint): not tried once the store stopped
+        answering (`skipped()` says what was left out), else tried as `writing` says."""
+        if self.lost is not None:
+            skipped()
+            return
+        with self.writing(what, skipped):
+            write()
+
     def replay(self, rows: list) -> None:
         """Metrics a stopped run's checkpoint kept because the store did not take them (`unwritten`), logged
         first on resume; a step the run already holds is not logged twice."""
@@ -327,14 +336,13 @@ class MlflowTracker:
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
 
-        if self.lost is not None:
-            log.warning("mlflow: params not logged (%s): %s", self.lost, redact(str(params)))
-            return
-        with self.writing("params", lambda: log.warning("mlflow: params not logged: %s", redact(str(params)))):
+        def write():
             have = self.client.get_run(self.run_id).data.params
             new = [Param(k, redact(str(v))[:6000]) for k, v in params.items() if k not in have]
             if new:
                 self.client.log_batch(self.run_id, params=new)
+
+        self._write("params", write, lambda: log.warning("mlflow: params not logged: %s", redact(str(params))))
 
     def log_generations(self, rows: list[dict]) -> None:
         """A table (MLflow's table artifact) of sampled completions with their rewards."""
@@ -343,23 +351,18 @@ class MlflowTracker:
         if not rows:
             return
         table = {key: [row[key] for row in rows] for key in rows[0]}
-        if self.lost is None:
-            with self.writing("generations"):
-                self.client.log_table(self.run_id, data=table, artifact_file="generations.json")
+        self._write("generations", lambda: self.client.log_table(self.run_id, data=table, artifact_file="generations.json"))
 
     def log_artifacts(self, path: Path, artifact_path: str) -> None:
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
-        if self.lost is None:
-            with self.writing(f"artifacts {artifact_path}/ (they are in {path})"):
-                self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        self._write(f"artifacts {artifact_path}/ (they are in {path})",
+                    lambda: self.client.log_artifacts(self.run_id, str(path), artifact_path))
 
     def set_tag(self, key: str, value: str) -> None:
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
-        if self.lost is None:
-            with self.writing(f"tag {key}"):
-                self.client.set_tag(self.run_id, key, redact(str(value)))
+        self._write(f"tag {key}", lambda: self.client.set_tag(self.run_id, key, redact(str(value))))
 
     def url(self, table: bool = False) -> str | None:
         """The run's page in an MLflow UI served from this tracking URI (default port), in the training
