@@ -68,14 +68,17 @@ class StopRequest:
         for s in SIGNALS:
             signal.signal(s, self._handle)
 
-    def agreed(self) -> int | None:
-        """The signal any rank received (every rank must call this at the same point), or None."""
+    def agreed(self, tracking_lost: bool = False) -> tuple[int | None, bool]:
+        """What every rank stops for, in one collective at a step boundary (every rank must call this at the same
+        point): the signal any rank received, or None; and whether any rank's tracking store stopped answering
+        (rank 0's: it alone writes to MLflow)."""
         from rlhflab import distributed
 
-        received = [s for s in distributed.gather(self.signum) if s is not None]
+        asked = distributed.gather((self.signum, tracking_lost))
+        received = [s for s, _ in asked if s is not None]
         if received:
             distributed.claim_end("run")  # every rank stops here: rank 0's watch leaves it to write its checkpoint
-        return received[0] if received else None
+        return (received[0] if received else None), any(lost for _, lost in asked)
 
     @contextmanager
     def at_step_boundaries(self):

@@ -190,9 +190,10 @@ class Checkpointer(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         due = self.next_at is not None and module.updates >= self.next_at
-        stop = STOP.agreed()  # one decision for every rank, whichever got the signal
         tracker = getattr(module.logger, "tracker", None)  # rank 0's; the others have no run
-        lost = distributed.any_true(bool(tracker and tracker.lost)) and module.can_checkpoint()
+        # one decision for every rank, whichever got the signal (a store that stopped answering: at a checkpointable step)
+        stop, lost = STOP.agreed(bool(tracker and tracker.lost))
+        lost = lost and module.can_checkpoint()
         if (due or stop or lost) and module.can_checkpoint():
             self.save(module)
             if due:
