@@ -161,14 +161,15 @@ def train(cfg: DictConfig) -> Result:
             logging.getLogger(name).setLevel(logging.WARNING)
     out = output_dir(cfg)
     writable_dir("cache_dir", Path(cfg.cache_dir), make=False)  # made by the first entry it caches
+    key = "output.dir" if cfg.output.dir else "hydra.run.dir"  # what chose `out`, for the messages about it
     # One run at a time in a directory; what follows may read its checkpoints.
-    with output_lock(out, "output.dir" if cfg.output.dir else "hydra.run.dir"):
-        return _train_job(cfg, plan, out)
+    with output_lock(out, key):
+        return _train_job(cfg, plan, out, key)
 
 
-def _train_job(cfg: DictConfig, plan: Plan, out: Path) -> Result:
+def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     """train(cfg) from the checkpoint it resumes on: the MLflow run, the stages and RL, its end."""
-    resume = ckpt.find(cfg.resume, out, cfg)
+    resume = ckpt.find(cfg.resume, out, cfg, key)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
     with distributed.one_job(on_lost=lambda: tracker.finish("FAILED")), STOP.installed():

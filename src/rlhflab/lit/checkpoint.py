@@ -111,13 +111,13 @@ def differences(saved_yaml: str, cfg: DictConfig) -> list[str]:
     return [f"{k}: {old.get(k, absent)} -> {new.get(k, absent)}" for k in keys]
 
 
-def find(resume: str | None, output_dir: Path, cfg: DictConfig) -> Checkpoint | None:
+def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "output.dir") -> Checkpoint | None:
     """The checkpoint `resume` names (auto: the newest in output_dir), checked against the config. A new line
     of training (a new run, or a branch) is refused an output directory that holds another line's checkpoints:
-    `checkpoint.keep` deleted its own as older than those, and resume=auto would then continue the other line."""
+    `checkpoint.keep` deleted its own as older than those, and resume=auto would then continue the other line.
+    `key`: the setting that chose output_dir, for the message."""
     held = sorted(directory(output_dir).glob("step-*"))
     if held and resume != "auto" and (not resume or Path(resume).expanduser().resolve().parent != directory(output_dir).resolve()):
-        key = "output.dir" if cfg.output.dir else "hydra.run.dir"
         span = held[0].name + (f" .. {held[-1].name}" if len(held) > 1 else "")
         raise ConfigError(f"{key}: {output_dir} already holds another run's checkpoints ({span}); continue that run with "
                           f"resume=auto, or give this run another {key} (or remove {directory(output_dir)})")
