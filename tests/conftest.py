@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see docs/ENV.md
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist's workers export COLUMNS=80 and LINES=24. The runs these tests start are piped, as a cluster
+    # job's, whose environment sets neither (an 80-column RL progress bar wraps into padded lines).
+    for _var in ("COLUMNS", "LINES"):
+        os.environ.pop(_var, None)
 
 import signal
 import subprocess
@@ -63,7 +68,12 @@ def tokenizer_without_pad(unk: bool = False, specials: tuple[str, ...] = ()):
 
 @pytest.fixture(scope="session")
 def stage_cache(tmp_path_factory) -> Path:
-    """One cache for the whole session: the tiny model, SFT and RM are trained once."""
+    """One cache for the whole session: the tiny model, SFT and RM are trained once. Under pytest-xdist its
+    workers share it (the cache's lock makes the second to need an entry wait for the first to write it)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "rlhflab-cache"  # this session's, beside each worker's
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("rlhflab-cache")
 
 

@@ -20,14 +20,16 @@ TRAIN = str(ROOT / "src" / "train.py")
 SHORT = [*SHRINK, "trainer.max_steps=20", "rl.eval_every=10", "trainer.devices=2"]
 
 
-def clean_env(tmp_path) -> dict[str, str]:
+def clean_env(tmp_path, cache=None) -> dict[str, str]:
+    """The environment of a run of its own: its MLflow store, and its stage cache unless `cache` (the session's,
+    for a test whose subject is not how ranks train the stages) is given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RLHFLAB_MLFLOW", "MASTER_", "LOCAL_RANK", "WORLD_SIZE"))}
-    return env | {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "RLHFLAB_CACHE": str(tmp_path / "cache"),
+    return env | {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "RLHFLAB_CACHE": str(cache or tmp_path / "cache"),
                   "OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def run(tmp_path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = clean_env(tmp_path)
+def run(tmp_path, *args: str, timeout: int = 600, cache=None) -> subprocess.CompletedProcess:
+    env = clean_env(tmp_path, cache)
     # subprocess.run kills the child on timeout; Lightning's rank-1 process is its child and dies with it (pdeathsig).
     out = subprocess.run([sys.executable, TRAIN, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=timeout)
@@ -91,7 +93,7 @@ def test_a_sweep_of_two_rank_jobs_nests_under_one_parent(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm-rank0"])
-def test_a_signal_stops_both_ranks_with_one_checkpoint_and_resumes(tmp_path, sig, group):
+def test_a_signal_stops_both_ranks_with_one_checkpoint_and_resumes(tmp_path, stage_cache, sig, group):
     """Ctrl-C in a terminal sends SIGINT to every rank; `kill PID` sends SIGTERM to rank 0 alone. Either way both
     ranks stop at the same step boundary, one checkpoint is written, and the run exits 128 + the signal without a
     traceback. Before: with SIGINT, rank 1 (which does not hold the written path) took the checkpoint for missing
@@ -101,7 +103,7 @@ def test_a_signal_stops_both_ranks_with_one_checkpoint_and_resumes(tmp_path, sig
     on two ranks into the same MLflow run."""
     out = tmp_path / "run"
     args = ["trainer=ddp", *SHORT, f"output.dir={out}", f"hydra.run.dir={out}"]
-    with cli_run([*args, "trainer.max_steps=100000"], tmp_path, clean_env(tmp_path)) as proc:
+    with cli_run([*args, "trainer.max_steps=100000"], tmp_path, clean_env(tmp_path, stage_cache)) as proc:
         log = out / "train.log"
         wait_for(lambda: log.exists() and "eval after 0 RL steps" in log.read_text(), 600, "the RL stage", proc)
         (os.killpg if group else os.kill)(proc.pid, sig)  # the terminal signals the whole foreground group
@@ -118,14 +120,14 @@ def test_a_signal_stops_both_ranks_with_one_checkpoint_and_resumes(tmp_path, sig
     if sig == signal.SIGTERM:
         return  # the resume is the same either way
     step = int(checkpoint.name.split("-")[1])
-    run(tmp_path, *args, f"trainer.max_steps={step + 2}", "resume=auto")
+    run(tmp_path, *args, f"trainer.max_steps={step + 2}", "resume=auto", cache=stage_cache)
     assert client.get_run(run_id).info.status == "FINISHED"
     losses = [m.step for m in client.get_metric_history(run_id, "train/loss")]
     assert losses == list(range(1, step + 3)), losses  # every step once, the resumed ones in the same run
 
 
 @pytest.mark.slow
-def test_a_rank_that_fails_while_rank_0_is_busy_ends_the_run_failed_in_one_line(tmp_path):
+def test_a_rank_that_fails_while_rank_0_is_busy_ends_the_run_failed_in_one_line(tmp_path, stage_cache):
     """Rank 1's reward function raises while rank 0's is still working. Before, Lightning's observer SIGKILLed rank
     0 five seconds after rank 1 exited: exit 137, no line from rank 0, and the MLflow run RUNNING forever. Now rank
     0's watch gives it GRACE_S to end by itself, then marks the run FAILED and says which rank failed."""
@@ -137,7 +139,7 @@ def test_a_rank_that_fails_while_rank_0_is_busy_ends_the_run_failed_in_one_line(
         "    time.sleep(600)  # rank 0: busy far longer than the watch waits\n")
     out = tmp_path / "run"
     args = ["trainer=ddp", *SHORT, "reward=function", "reward.fn=rank_reward.py:score", f"output.dir={out}"]
-    with cli_run(args, tmp_path, clean_env(tmp_path)) as proc:
+    with cli_run(args, tmp_path, clean_env(tmp_path, stage_cache)) as proc:
         rc = proc.wait(timeout=300)
         output = proc.stdout.read()
     assert rc == 1, output[-4000:]
