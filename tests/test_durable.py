@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -22,7 +23,7 @@ from safetensors.torch import load_file
 from conftest import SHRINK, TRAIN, cli_run, wait_for
 from test_sweep import mlflow_server  # noqa: F401  (a fixture: `mlflow server` on a free local port)
 from rlhflab.algos.registry import RLOO
-from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, StageFailed, TrackingLost
+from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, StageFailed, TrackingLost, WriteFailed
 from rlhflab.models.build import ensure_base_model
 from rlhflab.rewards.builtin import RuleReward
 from rlhflab.train import train
@@ -654,6 +655,69 @@ def test_two_runs_started_at_once_on_a_fresh_cache_and_database_both_finish(tmp_
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     runs = client.search_runs([client.get_experiment_by_name("rlhflab").experiment_id])
     assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]
+
+
+# ---- a full disk -------------------------------------------------------------------------------
+
+@contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path`: a disk that really fills (ENOSPC). It needs root; skipped elsewhere."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small disk needs `mount -t tmpfs` (root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_resume_continues(tmp_path, stage_cache):
+    """Before: torch.save's '[enforce fail at inline_container.cc:672] unexpected pos 624640 vs 624532', in a
+    70-line traceback that said neither the file nor the disk. Now one line: the checkpoint, the cause, the space
+    left, and how to continue from the newest checkpoint, which stays whole; once there is room, it does."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": uri}
+    with small_disk(tmp_path / "disk", "2M") as disk:  # one checkpoint of the tiny policy (~1.1 MiB) fits, not two
+        out = disk / "run"
+        args = [*SHRINK, "checkpoint.every_n_steps=2", f"output.dir={out}", f"hydra.run.dir={out}"]
+        with cli_run([*args, "trainer.max_steps=6"], tmp_path, env) as proc:
+            rc = proc.wait(timeout=300)
+            output = proc.stdout.read()
+        assert rc == 1, output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+        (line,) = [line for line in output.splitlines() if line.startswith("error: ")]
+        first = out / "checkpoints" / "step-00000002"
+        assert line.startswith(f"error: checkpoint: could not write {out}/checkpoints/step-00000004: No space left on "
+                               "device ("), line
+        assert line.endswith(f"free on its disk); make room on that disk; its newest checkpoint is {first}: once fixed, the "
+                             f"same command with resume=auto output.dir={out} continues from it"), line
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]  # no partial one
+        run_id = run_id_of(out)
+        assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
+        subprocess.run(["mount", "-o", "remount,size=8M", str(disk)], check=True)  # room made
+        with cli_run([*args, "trainer.max_steps=6", "resume=auto"], tmp_path, env) as proc:
+            rc = proc.wait(timeout=300)
+            output = proc.stdout.read()
+        assert rc == 0, output[-3000:]
+        assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+        assert [s for s, _ in history(uri, run_id, "train/loss")] == [1, 2, 3, 4, 5, 6]  # each step once, one run
+        assert (out / "policy" / "model.safetensors").is_file()
+
+
+def test_a_full_disk_for_the_policy_or_the_cache_is_one_line_and_leaves_no_part(make_cfg, tmp_path):
+    """The policy at the end of a run and a cache entry (here the base model) met save_pretrained's
+    'SafetensorError: Error while serializing: I/O error: No space left on device (os error 28)' in a traceback."""
+    with small_disk(tmp_path / "disk", "300K") as disk:  # less than the tiny policy's 345 KiB of weights
+        with pytest.raises(WriteFailed, match=rf"^policy: could not write {disk}/run/policy: No space left on device "
+                                              r"\(\d+\.\d KiB free on its disk\); make room on that disk$"):
+            train(make_cfg("trainer.max_steps=1", f"output.dir={disk}/run"))
+        assert not (disk / "run" / "policy").exists()  # half a policy would load as garbage
+        with pytest.raises(WriteFailed, match=rf"^model: could not write {disk}/cache/models/tiny-\w+: No space left on "
+                                              r"device \(.* free on its disk\); make room on that disk, or set cache_dir="):
+            train(make_cfg("trainer.max_steps=1", f"cache_dir={disk}/cache"))
+        assert [p.name for p in (disk / "cache" / "models").iterdir() if not p.name.endswith(".lock")] == []
+    assert WriteFailed.of(FileNotFoundError(2, "No such file or directory"), "policy", tmp_path) is None  # not the disk
 
 
 # ---- bad model directories, hub ids, credentials ----------------------------------------------

@@ -3,6 +3,15 @@
 In a run of several ranks, distributed.as_rank_error adds `rank` ('rank 1 of 2', printed before the message)
 and `quiet` (another rank says it); an error raised by every rank on one shared decision sets `shared`."""
 
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
 
 class ConfigError(ValueError):
     """Bad input. The message is one line: the config key or file, what is wrong, and the fix."""
@@ -34,6 +43,53 @@ class DivergedWeights(NonFiniteError):
 
 class RewardError(RuntimeError):
     """A reward function raised, returned the wrong number of values, or a non-finite one (named with its row)."""
+
+
+class WriteFailed(RuntimeError):
+    """A file rlhflab writes (a checkpoint, the policy, a cache entry) could not be written: its disk is full, over a
+    quota or a file-size limit, read-only or failing. One line: the file, the cause, the space left on its disk."""
+
+    # What says the disk, not the data: full, over quota, a file-size limit (ulimit -f), read-only, failing.
+    ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
+
+    @classmethod
+    def of(cls, err: BaseException, what: str, path, fix: str = "make room on that disk") -> WriteFailed | None:
+        """`err`, raised while writing `path`, as `what: could not write PATH: CAUSE (N free on its disk); FIX`,
+        or None where no storage error is in it. torch.save's own error only chains it (write through a file
+        object, or it has no errno at all); safetensors says it as '(os error N)'."""
+        code, seen = None, set()
+        while err is not None and id(err) not in seen and code is None:
+            seen.add(id(err))
+            found = re.search(r"\(os error (\d+)\)", str(err))
+            code = err.errno if isinstance(err, OSError) else int(found.group(1)) if found else None
+            err = err.__cause__ or err.__context__
+        if code not in cls.ERRNOS:
+            return None
+        return cls(f"{what}: could not write {path}: {os.strerror(code)} ({_free(Path(path))} free on its disk); {fix}")
+
+
+@contextmanager
+def writing(what: str, path, fix: str = "make room on that disk"):
+    """Around the writing of `path` (clean up partial files inside it, so the space left is what a retry has):
+    a storage error leaves it as WriteFailed, one line; any other error as it was."""
+    try:
+        yield
+    except Exception as err:
+        failed = WriteFailed.of(err, what, path, fix)
+        if failed is None:
+            raise
+        raise failed from None
+
+
+def _free(path: Path) -> str:
+    """The space left on the disk that holds `path` (its nearest existing parent), e.g. '960 KiB'."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    free = shutil.disk_usage(path).free
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if free >= size:
+            return f"{free / size:.1f} {unit}"
+    return f"{free} B"
 
 
 class RankLost(RuntimeError):

@@ -27,7 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab import distributed
 from rlhflab.config import Plan, check_devices, check_trainer, validate
-from rlhflab.errors import ConfigError, NonFiniteError, RankLost, RewardError, RunInterrupted, StageFailed, TrackingLost
+from rlhflab.errors import (ConfigError, NonFiniteError, RankLost, RewardError, RunInterrupted, StageFailed, TrackingLost,
+                            WriteFailed, writing)
 from rlhflab.interrupts import STOP, as_interrupt
 from rlhflab.lit import checkpoint as ckpt
 from rlhflab.lit.progress import StageProgressBar
@@ -326,10 +327,15 @@ def save_policy(module: RLHFModule, tokenizer, path: Path, cfg: DictConfig, trac
     if not distributed.is_main():
         return path
     shutil.rmtree(path, ignore_errors=True)  # a resumed run (or a rerun in the same directory) replaces it
-    module.memory.save_policy(path, cfg.output.merge_lora, state)
-    tokenizer.save_pretrained(path)
-    if (path / "merged").is_dir():
-        tokenizer.save_pretrained(path / "merged")
+    with writing("policy", path):
+        try:
+            module.memory.save_policy(path, cfg.output.merge_lora, state)
+            tokenizer.save_pretrained(path)
+            if (path / "merged").is_dir():
+                tokenizer.save_pretrained(path / "merged")
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)  # half a policy loads as garbage or not at all
+            raise
     if cfg.output.log_policy:
         tracker.log_artifacts(path, "policy")
     return path
@@ -370,7 +376,7 @@ def main(cfg: DictConfig) -> float | None:
         if distributed.is_main():  # every rank stops alike; one says so
             print(f"stopped: {err}{what}{how}", file=sys.stderr)
         sys.exit(err.exit_code)  # a sweep stops too
-    except (ConfigError, StageFailed, NonFiniteError, RewardError, RankLost, TrackingLost) as err:
+    except (ConfigError, StageFailed, NonFiniteError, RewardError, RankLost, TrackingLost, WriteFailed) as err:
         if sweeping:
             raise  # a sweep records the failed job and goes on
         if not getattr(err, "quiet", False):  # another rank says it (distributed.as_rank_error)
@@ -381,11 +387,11 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def resume_hint(err: Exception, cfg: DictConfig) -> str:
-    """For a failure outside the run's own numbers (a reward function or server, a lost rank) after a checkpoint:
+    """For a failure outside the run's own numbers (a reward function or server, a lost rank, a full disk) after a checkpoint:
     how to continue from it once the cause is fixed. A non-finite value names its checkpoint itself."""
     from hydra.core.hydra_config import HydraConfig
 
-    if not isinstance(err, (RewardError, RankLost, TrackingLost)) or not STOP.run_made:
+    if not isinstance(err, (RewardError, RankLost, TrackingLost, WriteFailed)) or not STOP.run_made:
         return ""
     if isinstance(err, TrackingLost) and not err.checkpointed:  # it trained to the end: nothing to continue
         return ""

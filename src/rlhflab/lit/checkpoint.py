@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab import distributed
-from rlhflab.errors import ConfigError, RunInterrupted, TrackingLost
+from rlhflab.errors import ConfigError, RunInterrupted, TrackingLost, writing
 from rlhflab.interrupts import STOP
 from rlhflab.models.cache import damage, write_manifest
 from rlhflab.naming import redact
@@ -57,23 +57,26 @@ def directory(output_dir: Path) -> Path:
 
 
 def write(root: Path, updates: int, tensors: dict, optimizer: dict, state: dict, config_yaml: str, keep: int) -> Path:
-    """Write one checkpoint atomically and drop all but the newest `keep`."""
+    """Write one checkpoint atomically and drop all but the newest `keep`. A full disk (or another storage
+    error) is WriteFailed, one line; the older checkpoints stay, and nothing of this one."""
     from safetensors.torch import save_file
 
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{updates:08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=".step-", dir=root))
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS))
-        torch.save(optimizer, tmp / OPTIMIZER)
-        torch.save(state, tmp / STATE)
-        (tmp / CONFIG).write_text(config_yaml)
-        write_manifest(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with writing("checkpoint", final):
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".step-", dir=root))
+        try:
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / WEIGHTS))
+            for name, obj in ((OPTIMIZER, optimizer), (STATE, state)):
+                with open(tmp / name, "wb") as f:  # a file object: torch.save's error then chains the OSError
+                    torch.save(obj, f)
+            (tmp / CONFIG).write_text(config_yaml)
+            write_manifest(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from rlhflab import distributed
+from rlhflab.errors import writing
 from rlhflab.models.checks import model_dir_damage
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "rlhflab_manifest.json"
+CACHE_FIX = "make room on that disk, or set cache_dir= (or RLHFLAB_CACHE) to a directory on one with room"
 HASH_LIMIT = 2**31  # files above 2 GiB are checked by size only (hashing them would cost seconds per load)
 
 
@@ -121,7 +123,7 @@ def cached(cache_dir: Path, kind: str, name: str, key: str, what: str, build: Ca
         hit = distributed.broadcast(None) if distributed.initialized() else (path.exists() and damage(path) is None)
         if hit:
             return path
-        _build_elsewhere(path, build)
+        _build_elsewhere(path, build, what)
         distributed.barrier()  # rank 0 has published the entry
         return path
     with locked(path, what):
@@ -134,22 +136,25 @@ def cached(cache_dir: Path, kind: str, name: str, key: str, what: str, build: Ca
         if path.exists():
             log.warning("%s: the cached entry %s is damaged (%s); rebuilding it", what, path, damage(path))
             shutil.rmtree(path)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-        try:
-            build(tmp)
-            write_manifest(tmp)
-            tmp.rename(path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with writing(what, path, CACHE_FIX):
+            tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+            try:
+                build(tmp)
+                write_manifest(tmp)
+                tmp.rename(path)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     distributed.barrier()  # the other ranks (started by build's training) may load it now
     return path
 
 
-def _build_elsewhere(path: Path, build: Callable[[Path], None]) -> None:
+def _build_elsewhere(path: Path, build: Callable[[Path], None], what: str) -> None:
     """Another rank's share of a build: the same training, its own output thrown away."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.rank.", dir=path.parent))
-    try:
-        build(tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with writing(what, path, CACHE_FIX):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.rank.", dir=path.parent))
+        try:
+            build(tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
