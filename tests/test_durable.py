@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from safetensors.torch import load_file
 
 from conftest import SHRINK, TRAIN, cli_run, wait_for
@@ -624,7 +624,7 @@ def test_a_broken_reward_model_is_not_cached(make_cfg, tmp_path):
 
 def test_cache_keys_cover_seeds_and_not_the_cache_location(make_cfg, tmp_path, caplog):
     cfg = make_cfg()
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     from rlhflab.config import validate
 
@@ -718,6 +718,26 @@ def test_a_full_disk_for_the_policy_or_the_cache_is_one_line_and_leaves_no_part(
             train(make_cfg("trainer.max_steps=1", f"cache_dir={disk}/cache"))
         assert [p.name for p in (disk / "cache" / "models").iterdir() if not p.name.endswith(".lock")] == []
     assert WriteFailed.of(FileNotFoundError(2, "No such file or directory"), "policy", tmp_path) is None  # not the disk
+
+
+def test_a_full_disk_under_the_sqlite_store_is_said_once_without_tracebacks(make_cfg, tmp_path, capfd):
+    """A full disk under mlflow.db is the store stopping (the run stops with a checkpoint keeping its metrics). Before,
+    MLflow's SQLite store also logged each failed write with two chained tracebacks (~45 lines, at every write until
+    the stop) around rlhflab's own warning and error line."""
+    from rlhflab.tracking import ensure_experiment
+
+    with small_disk(tmp_path / "disk", "4M") as disk:
+        uri = f"sqlite:///{disk}/mlflow.db"
+        ensure_experiment(uri, "rlhflab")  # the store's tables, ~950 KiB
+        room = shutil.disk_usage(disk).used + 64 * 1024  # the run and its params fit, not 30 steps of metrics
+        subprocess.run(["mount", "-o", f"remount,size={room}", str(disk)], check=True)
+        cfg = make_cfg("trainer.max_steps=30", "checkpoint.keep=1")
+        with open_dict(cfg):
+            cfg.logger.tracking_uri = uri
+        with pytest.raises(TrackingLost, match=r"stopped answering \(\(sqlite3.OperationalError\) database or disk is full\);"):
+            train(cfg)  # without SQLAlchemy's '(Background on this error at: https://sqlalche.me/...)'
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "SQLAlchemy database error" not in err, err[-3000:]
 
 
 # ---- bad model directories, hub ids, credentials ----------------------------------------------

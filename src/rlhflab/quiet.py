@@ -46,6 +46,18 @@ class _Once(logging.Filter):
 _ONCE = _Once()
 
 
+class _SaidByTheTracker(logging.Filter):
+    """MLflow's SQLite store logs every failed request with its chained tracebacks (~45 lines) and then raises it.
+    rlhflab says it once itself: a store that stopped answering (a full disk, a file gone) is a warning and a stop
+    with a checkpoint (tracking.MlflowTracker), a refused request or an unopenable store its own error line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("SQLAlchemy database error")
+
+
+_SAID = _SaidByTheTracker()
+
+
 def quiet_libraries() -> None:
     # Lightning installs its own console handler; Hydra's root handler already prints its records.
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero"):
@@ -56,6 +68,9 @@ def quiet_libraries() -> None:
         if _ONCE not in logger.filters:
             logger.addFilter(_ONCE)
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notices
+    store_log = logging.getLogger("mlflow.store.db.utils")
+    if _SAID not in store_log.filters:
+        store_log.addFilter(_SAID)
     import transformers
 
     transformers.utils.logging.set_verbosity_error()  # a fresh reward/value head is expected, not news

@@ -148,6 +148,7 @@ def store_error(err: BaseException) -> str:
     from mlflow.exceptions import MlflowException
 
     text = " ".join(str(err.message if isinstance(err, MlflowException) else f"{type(err).__name__}: {err}").split())
+    text = re.sub(r" ?\(Background on this error at: [^)]*\)", "", text)  # SQLAlchemy's link to its FAQ
     # MLflow's HTTP failure nests urllib3's in requests' ('API request to ... failed with exception
     # HTTPConnectionPool(...): Max retries exceeded ... [Errno 111] Connection refused'): the OS's words say it
     cause = re.search(r"\[Errno -?\d+\] [^'\"()]+|Read timed out|Connection aborted|Remote end closed connection", text)
