@@ -396,12 +396,16 @@ def test_a_second_run_in_a_directory_in_use_is_one_line(make_cfg, tmp_path):
     assert train(make_cfg("trainer.max_steps=2", f"output.dir={out}")).output_dir == out  # free once it ended
 
 
-def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(make_cfg, tmp_path):
+def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(make_cfg, tmp_path, capfd):
     """A checkpoint at the step budget (a run killed after its last checkpoint, or rerun with resume=auto):
-    nothing is trained, and the policy saved and the closing numbers are the checkpoint's."""
+    nothing is trained, and the policy saved and the closing numbers are the checkpoint's. Not on a terminal, the
+    resume's log says nothing of MLflow fetching the run's generations table to append to it (its tqdm bar
+    printed 'Downloading artifacts:   0%|          | 0/1 ...' three times into the log)."""
     first = train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={tmp_path}/run"))
     saved = {k: v.clone() for k, v in first.module.memory.policy.state_dict().items()}
+    capfd.readouterr()
     again = train(make_cfg("trainer.max_steps=2", "resume=auto", f"output.dir={tmp_path}/run"))
+    assert "Downloading artifacts" not in capfd.readouterr().err
     assert again.module.updates == 2
     assert again.metrics["eval/gold_reward"] == first.metrics["eval/gold_reward"]
     assert again.metrics["eval/gold_reward_before"] == first.metrics["eval/gold_reward_before"]

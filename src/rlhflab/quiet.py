@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 import warnings
 
@@ -68,6 +70,8 @@ def quiet_libraries() -> None:
         if _ONCE not in logger.filters:
             logger.addFilter(_ONCE)
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notices
+    if not sys.stderr.isatty():  # a file, a pipe, a cluster job's log: MLflow's tqdm bars would be \r-noise in it
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # (a resume fetches generations.json)
     store_log = logging.getLogger("mlflow.store.db.utils")
     if _SAID not in store_log.filters:
         store_log.addFilter(_SAID)
