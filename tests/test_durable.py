@@ -396,6 +396,36 @@ def test_a_second_run_in_a_directory_in_use_is_one_line(make_cfg, tmp_path):
     assert train(make_cfg("trainer.max_steps=2", f"output.dir={out}")).output_dir == out  # free once it ended
 
 
+def test_resume_into_a_store_without_the_run_is_one_line_and_the_fix_it_gives_works(make_cfg, tmp_path, monkeypatch):
+    """`resume=auto` started from another working directory (the default sqlite:///mlflow.db is relative to it),
+    against another store, or after the run was deleted in the UI met MLflow's 'Run with id=... not found'
+    traceback (or 'The run ... must be in the active state'). One line now, before any model loads."""
+    out = tmp_path / "run"
+    first = train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={out}"))
+    store = make_cfg().logger.tracking_uri
+    assert json.loads((out / "mlflow_run.json").read_text())["tracking_uri"] == store
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    checkpoint = out / "checkpoints" / "step-00000002"
+    relative = make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={out}")
+    with open_dict(relative):
+        relative.logger.tracking_uri = "sqlite:///mlflow.db"  # the default, from another directory
+    with pytest.raises(ConfigError) as err:
+        train(relative)
+    assert str(err.value) == (f"resume: {checkpoint} continues a run, but its MLflow run {first.run_id} is not in "
+                              f"sqlite:///mlflow.db (relative to {elsewhere}); it was logged to {store}; point "
+                              "logger.tracking_uri (or MLFLOW_TRACKING_URI) at the store that holds it, or continue as a "
+                              f"new MLflow run in another directory: resume={checkpoint} output.dir=<another dir>")
+    forked = make_cfg("trainer.max_steps=3", f"resume={checkpoint}", f"output.dir={tmp_path}/branch")
+    with open_dict(forked):
+        forked.logger.tracking_uri = "sqlite:///mlflow.db"
+    assert train(forked).module.updates == 3  # the second way out: a new run in this store, from the checkpoint
+    MlflowClient(store).delete_run(first.run_id)
+    with pytest.raises(ConfigError, match=rf"its MLflow run {first.run_id} was deleted in {store} \(mlflow runs restore "):
+        train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={out}"))
+
+
 def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(make_cfg, tmp_path, capfd):
     """A checkpoint at the step budget (a run killed after its last checkpoint, or rerun with resume=auto):
     nothing is trained, and the policy saved and the closing numbers are the checkpoint's. Not on a terminal, the

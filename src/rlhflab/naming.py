@@ -91,6 +91,13 @@ def sqlite_path(tracking_uri: str):
     return Path(tracking_uri.removeprefix("sqlite:///")).expanduser() if tracking_uri.startswith("sqlite:///") else None
 
 
+def absolute_uri(tracking_uri: str) -> str:
+    """`tracking_uri` with a relative sqlite path made absolute (sqlite:///mlflow.db is relative to the working
+    directory): what a later run started from elsewhere needs to find the store."""
+    db = sqlite_path(tracking_uri)
+    return f"sqlite:///{db.absolute()}" if db is not None and not db.is_absolute() else tracking_uri
+
+
 CREDENTIAL = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^:/@\s]*:)[^@\s/]+@")
 
 

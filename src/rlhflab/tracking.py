@@ -197,6 +197,31 @@ class MlflowTracker:
             self._client = MlflowClient(self.tracking_uri)
         return self._client
 
+    def cannot_continue(self, run_id: str, output_dir: Path) -> str | None:
+        """Why the run `run_id` (a checkpoint's) cannot be continued in this store, or None: it is not there (another
+        store, a relative sqlite path from another directory, a database deleted) or it was deleted."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            run = None
+        if run is not None and run.info.lifecycle_stage != "deleted":
+            return None
+        here = redact(self.tracking_uri)
+        db = sqlite_path(self.tracking_uri)
+        if db is not None and not db.is_absolute():
+            here += f" (relative to {Path.cwd()})"
+        if run is not None:
+            return f"its MLflow run {run_id} was deleted in {here} (mlflow runs restore --run-id {run_id} brings it back)"
+        try:
+            then = json.loads((output_dir / "mlflow_run.json").read_text())["tracking_uri"]
+        except (OSError, ValueError, KeyError):
+            then = None
+        return f"its MLflow run {run_id} is not in {here}" + (f"; it was logged to {then}" if then else "")
+
     def start(self, cfg: DictConfig, tags: dict[str, str], overrides: list[str], output_dir: Path,
               resume_run_id: str | None = None) -> str:
         """Create the run (or reopen `resume_run_id`), with params, the config, lineage and a description."""

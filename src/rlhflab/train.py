@@ -35,7 +35,7 @@ from rlhflab.lit.progress import StageProgressBar
 from rlhflab.lit.rl_module import RLHFModule
 from rlhflab.models.build import ensure_base_model, load_tokenizer
 from rlhflab.models.checks import check_hub
-from rlhflab.naming import redact
+from rlhflab.naming import absolute_uri, redact
 from rlhflab.quiet import quiet_libraries
 from rlhflab.rng import fixed_seed
 from rlhflab.schema import trainer_devices
@@ -183,10 +183,15 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
                             "rlhflab.resumed_from": str(resume.path.resolve())}
                 elif resume:
                     continued = resume.state["run_id"]
+                    missing = tracker.cannot_continue(continued, out)
+                    if missing:  # MLflow's 'Run with id=... not found' traceback, after the checkpoint was read
+                        raise ConfigError(f"resume: {resume.path} continues a run, but {missing}; point logger.tracking_uri "
+                                          "(or MLFLOW_TRACKING_URI) at the store that holds it, or continue as a new MLflow "
+                                          f"run in another directory: resume={resume.path} output.dir=<another dir>")
                 run_id = tracker.start(cfg, tags, hydra_overrides(), out, continued)
                 if continued:  # what the stopped run could not write (its store stopped answering), first
                     tracker.replay(resume.state.get("unwritten_metrics", []))
-                (out / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(tracker.tracking_uri),
+                (out / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(absolute_uri(tracker.tracking_uri)),
                                                                  "experiment": tracker.experiment_name}, indent=1))
             result = _run(cfg, plan, tracker, out, resume)
             status = "FINISHED"
