@@ -73,6 +73,8 @@ BAD_VALUES = [
     ("model.sft_path=/no/such/model", "model.sft_path"),
     ("algo=nope", "algo=nope"),
     ("-m algo=rloo,grpo algo.kl_coef=0.1", "algo.kl_coef"),
+    ("-m seed=0,1 output.dir=runs/a", "output.dir"),  # job 1 replaced job 0's policy/ without a word
+    ("-m experiment=sweep_optuna output.dir=runs/a", "output.dir"),  # every trial into one directory
     # distributed (issue 11)
     ("trainer=ddp rl.prompts_per_step=3", "rl.prompts_per_step"),
     ("trainer=ddp task.num_eval_prompts=1", "task.num_eval_prompts"),

@@ -48,6 +48,7 @@ def preflight(argv: list[str]) -> None:
     except Exception as err:  # an override Hydra's grammar cannot parse
         fail(composition_error(err, overrides))
     servers: set[str] = set()
+    outputs: dict[str, list[str]] = {}  # a fixed output.dir: the jobs that would write there
     for job in jobs:
         which = f" (sweep job: {' '.join(job)})" if multirun else ""
         try:
@@ -57,6 +58,8 @@ def preflight(argv: list[str]) -> None:
             check_launcher(searched["choices"])
             check(cfg)
             searched_keys_exist(cfg, searched)
+            if multirun:
+                check_one_output_per_job(cfg, job, searched, outputs)
             if cfg.logger.tracking_uri not in servers:
                 servers.add(cfg.logger.tracking_uri)
                 check_server(cfg.logger.tracking_uri)
@@ -113,6 +116,22 @@ def check_shell_completion(argv: list[str]) -> None:
     if not any(a.split("=")[0] in ("install", "uninstall", "query") for a in argv):
         fail("--shell-completion: say what to do: install=bash (or zsh, fish), uninstall=bash, or query=bash; "
              "e.g. eval \"$(python src/train.py -sc install=bash)\"")
+
+
+def check_one_output_per_job(cfg, job: list[str], searched: dict, outputs: dict[str, list[str]]) -> None:
+    """A sweep's jobs each need their own output.dir: given one fixed value (`-m seed=0,1 output.dir=runs/a`), the
+    second job replaced the first's policy/ and mlflow_run.json without a word (or, once the first had written
+    checkpoints, was refused). A value that interpolates (${hydra:job.num}) differs per job; so does a swept one."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(cfg.output, resolve=False).get("dir")
+    if raw is None or "${" in str(raw):
+        return
+    outputs.setdefault(str(raw), []).append(" ".join(job))
+    if len(outputs[str(raw)]) > 1 or searched["params"]:  # two jobs of the grid, or a sweeper's trials
+        raise ConfigError(f"output.dir: every job of this sweep would write to {raw}, each replacing the last one's "
+                          "policy/; leave output.dir out (each job gets hydra.sweep.dir/<job number>), or make it differ "
+                          f"per job: output.dir='{raw}/${{hydra:job.num}}'")
 
 
 def check_launcher(choices: dict) -> None:
