@@ -49,9 +49,20 @@ def own_task(tmp_path: Path, *extra: str, reward: tuple[str, ...] = ("reward=fun
 
 # ---- files -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def saved(path: Path, data: list[dict], split: str | None = None) -> Path:
+    """A `datasets.Dataset` (or, with `split`, a DatasetDict holding it as that split) written by save_to_disk."""
+    import datasets
+
+    table = datasets.Dataset.from_list(data)
+    (datasets.DatasetDict({split: table}) if split else table).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet", "Dataset.save_to_disk", "DatasetDict.save_to_disk"])
 def test_prompt_files_of_each_format_give_the_same_task(tmp_path, suffix):
-    path = write(tmp_path / f"train{suffix}", rows())
+    """save_to_disk directories were refused in datasets' words ('Please use `load_from_disk` instead')."""
+    path = (saved(tmp_path / "train", rows(), "train" if suffix.startswith("DatasetDict") else None)
+            if suffix.endswith("save_to_disk") else write(tmp_path / f"train{suffix}", rows()))
     task = PromptsTask(path=str(path), eval_fraction=0.25, tokenizer="char", seed=0)
     tokenizer = task.build_tokenizer()
     counts = task.setup(tokenizer)
@@ -60,6 +71,15 @@ def test_prompt_files_of_each_format_give_the_same_task(tmp_path, suffix):
     # the other columns reach a reward function for the same rows
     prompts, completions, kwargs = task.reward_inputs("train", torch.tensor([0, 1]), task.prompts("train")[:2], ["x", "y"])
     assert ["r" + p[:3][::-1] for p in prompts] == kwargs["answer"] and set(kwargs) == {"answer", "level"}
+
+
+def test_a_saved_datasetdict_without_the_split_is_one_line_naming_its_splits(tmp_path):
+    path = saved(tmp_path / "dd", rows(), "validation")
+    with pytest.raises(ConfigError, match=rf"^task.path: '{path}' \(saved with save_to_disk\) has no split 'train'; its "
+                                          r"splits are validation: choose one with task.split=$"):
+        PromptsTask(path=str(path))
+    task = PromptsTask(path=str(path), split="validation", eval_fraction=0.25, tokenizer="char")
+    assert task.setup(task.build_tokenizer())["task/train_prompts"] == 30
 
 
 def test_overlong_prompts_are_dropped_or_truncated_and_counted(tmp_path):

@@ -1,7 +1,7 @@
 """`task=prompts`: your own prompts, demonstrations and preference pairs, from files or the hub.
 
-Every table is read with `datasets.load_dataset`: a local JSON Lines, JSON, CSV or
-Parquet file, or a hub dataset name with its split. Prompts are text, or a list of
+Every table is read with `datasets`: a local JSON Lines, JSON, CSV or Parquet file, a
+directory written by `save_to_disk`, or a hub dataset name with its split. Prompts are text, or a list of
 `{"role", "content"}` messages (conversational, as in TRL), rendered with the tokenizer's
 chat template. A prompt longer than `max_prompt_tokens` is dropped or truncated (its
 start cut, `overlong`), and the counts are logged. The rows' other columns reach the
@@ -26,8 +26,20 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parqu
 SPECIALS = {"pad": "[PAD]", "eos": "[EOS]", "bos": "[BOS]", "unk": "[UNK]"}
 
 
+def saved_to_disk(path: Path) -> bool:
+    """A directory written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def is_local(path: str) -> bool:
+    """A table read from this machine (a file by its suffix, a save_to_disk directory), not the hub."""
+    local = Path(path).expanduser()
+    return local.suffix in BUILDERS or saved_to_disk(local)
+
+
 def load_table(path: str, split: str, key: str):
-    """A `datasets.Dataset` from a local file (by its suffix) or a hub dataset name; one-line errors naming `key`."""
+    """A `datasets.Dataset` from a local file (by its suffix), a directory written by `save_to_disk` (a Dataset, or
+    a DatasetDict's `split`), or a hub dataset name; one-line errors naming `key`."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -40,6 +52,16 @@ def load_table(path: str, split: str, key: str):
             if local.stat().st_size == 0:
                 raise ConfigError(f"{key}: '{path}' has no rows")
             table = datasets.load_dataset(BUILDERS[local.suffix], data_files=str(local), split="train")
+        elif saved_to_disk(local):
+            # Dataset.save_to_disk / DatasetDict.save_to_disk: load_dataset refuses it ('Please use load_from_disk')
+            table = datasets.load_from_disk(str(local))
+            if isinstance(table, datasets.DatasetDict):
+                if split not in table:
+                    how = {"task.path": "task.split=", "task.eval_path": "task.eval_split="}.get(key)
+                    raise ConfigError(f"{key}: '{path}' (saved with save_to_disk) has no split '{split}'; its splits are "
+                                      f"{', '.join(table)}: " + (f"choose one with {how}" if how else
+                                                                 f"give {key} the directory of the split to use"))
+                table = table[split]
         else:
             table = datasets.load_dataset(path, split=split)
     except ConfigError:
@@ -110,7 +132,7 @@ class PromptsTask:
         self.rendered: dict[str, list[str]] = {}
         # Local files are read now (a missing field fails before anything loads); hub datasets when the run
         # needs them (setup), so that a preset validates without downloading.
-        if all(Path(p).expanduser().suffix in BUILDERS for p in (path, eval_path, demonstrations_path, preferences_path) if p):
+        if all(is_local(p) for p in (path, eval_path, demonstrations_path, preferences_path) if p):
             self._load()
 
     def _load(self) -> None:
