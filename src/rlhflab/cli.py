@@ -48,7 +48,7 @@ def preflight(argv: list[str]) -> None:
     except Exception as err:  # an override Hydra's grammar cannot parse
         fail(composition_error(err, overrides))
     servers: set[str] = set()
-    outputs: dict[str, list[str]] = {}  # a fixed output.dir: the jobs that would write there
+    outputs: set[str] = set()  # the fixed output.dir values of the jobs so far
     for job in jobs:
         which = f" (sweep job: {' '.join(job)})" if multirun else ""
         try:
@@ -59,7 +59,7 @@ def preflight(argv: list[str]) -> None:
             check(cfg)
             searched_keys_exist(cfg, searched)
             if multirun:
-                check_one_output_per_job(cfg, job, searched, outputs)
+                check_one_output_per_job(cfg, searched, outputs)
             if cfg.logger.tracking_uri not in servers:
                 servers.add(cfg.logger.tracking_uri)
                 check_server(cfg.logger.tracking_uri)
@@ -118,7 +118,7 @@ def check_shell_completion(argv: list[str]) -> None:
              "e.g. eval \"$(python src/train.py -sc install=bash)\"")
 
 
-def check_one_output_per_job(cfg, job: list[str], searched: dict, outputs: dict[str, list[str]]) -> None:
+def check_one_output_per_job(cfg, searched: dict, outputs: set[str]) -> None:
     """A sweep's jobs each need their own output.dir: given one fixed value (`-m seed=0,1 output.dir=runs/a`), the
     second job replaced the first's policy/ and mlflow_run.json without a word (or, once the first had written
     checkpoints, was refused). A value that interpolates (${hydra:job.num}) differs per job; so does a swept one."""
@@ -127,11 +127,11 @@ def check_one_output_per_job(cfg, job: list[str], searched: dict, outputs: dict[
     raw = OmegaConf.to_container(cfg.output, resolve=False).get("dir")
     if raw is None or "${" in str(raw):
         return
-    outputs.setdefault(str(raw), []).append(" ".join(job))
-    if len(outputs[str(raw)]) > 1 or searched["params"]:  # two jobs of the grid, or a sweeper's trials
+    if str(raw) in outputs or searched["params"]:  # two jobs of the grid, or a sweeper's trials
         raise ConfigError(f"output.dir: every job of this sweep would write to {raw}, each replacing the last one's "
                           "policy/; leave output.dir out (each job gets hydra.sweep.dir/<job number>), or make it differ "
                           f"per job: output.dir='{raw}/${{hydra:job.num}}'")
+    outputs.add(str(raw))
 
 
 def check_launcher(choices: dict) -> None:

@@ -157,4 +157,3 @@ def _build_elsewhere(path: Path, build: Callable[[Path], None], what: str) -> No
             build(tmp)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-
