@@ -320,14 +320,15 @@ def test_a_tracking_server_that_is_not_there_is_one_line(tmp_path):
 
     from rlhflab.cli import check_server
 
-    with socket.socket() as probe:  # a port nothing listens on
-        probe.bind(("127.0.0.1", 0))
+    with socket.socket() as probe:  # a port nothing listens on: bound, not listening, so no other test takes it
+        probe.bind(("127.0.0.1", 0))  # (closed before, it went to test_durable's server on the other xdist worker)
         port = probe.getsockname()[1]
-    for args in (["trainer.max_steps=5"], ["-m", "seed=0,1"]):
-        out = run_cli(f"logger.tracking_uri=http://127.0.0.1:{port}", *args, cwd=tmp_path)
-        assert out.returncode == 2 and out.stderr.startswith(
-            f"error: logger.tracking_uri: no MLflow server answers at http://127.0.0.1:{port} ("), out.stderr
-        assert out.stderr.strip().splitlines() == [out.stderr.strip()] and not (tmp_path / "mlflow.db").exists()
+        for args in (["trainer.max_steps=5"], ["-m", "seed=0,1"]):
+            out = run_cli(f"logger.tracking_uri=http://127.0.0.1:{port}", *args, cwd=tmp_path)
+            assert out.returncode == 2 and out.stderr.startswith(
+                f"error: logger.tracking_uri: no MLflow server answers at http://127.0.0.1:{port} ([Errno 111] "
+                "Connection refused)"), out.stderr
+            assert out.stderr.strip().splitlines() == [out.stderr.strip()] and not (tmp_path / "mlflow.db").exists()
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501 to a GET
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

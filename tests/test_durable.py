@@ -481,6 +481,16 @@ def test_a_repeated_signal_while_the_stop_unwinds_is_the_same_stop(monkeypatch, 
     assert restored is signal.default_int_handler  # put back as the process had it
 
 
+def accept_from(server, proc):
+    """The next connection to `server` that `proc` made. Under pytest-xdist another worker's test may connect to a
+    port it probed and released, which this server then took: that one is closed and passed over."""
+    while True:
+        conn, (_, port) = server.accept()
+        if any(c.laddr.port == port for c in psutil.Process(proc.pid).net_connections(kind="tcp")):
+            return conn
+        conn.close()
+
+
 @pytest.mark.parametrize("answered", [0, 1])
 def test_a_stop_before_the_run_exists_says_so_in_one_line(tmp_path, answered):
     """Ctrl-C while a tracking server does not answer. In the command line's check (answered=0) it printed a
@@ -497,7 +507,7 @@ def test_a_stop_before_the_run_exists_says_so_in_one_line(tmp_path, answered):
         with cli_run([f"logger.tracking_uri=http://127.0.0.1:{server.getsockname()[1]}", f"output.dir={tmp_path}/run"],
                      tmp_path) as proc:
             for i in range(answered + 1):
-                conn, _ = server.accept()
+                conn = accept_from(server, proc)
                 held.append(conn)
                 if i < answered:
                     conn.recv(4096)
