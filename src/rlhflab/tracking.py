@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError
-from rlhflab.naming import PARENT_RUN_ENV, default_run_name, redact, run_name, sqlite_path
+from rlhflab.naming import PARENT_RUN_ENV, absolute_uri, default_run_name, redact, run_name, sqlite_path
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +211,7 @@ class MlflowTracker:
         if run is not None and run.info.lifecycle_stage != "deleted":
             return None
         here = redact(self.tracking_uri)
-        db = sqlite_path(self.tracking_uri)
-        if db is not None and not db.is_absolute():
+        if absolute_uri(self.tracking_uri) != self.tracking_uri:  # a relative sqlite path
             here += f" (relative to {Path.cwd()})"
         if run is not None:
             return f"its MLflow run {run_id} was deleted in {here} (mlflow runs restore --run-id {run_id} brings it back)"
