@@ -49,17 +49,20 @@ def compose_cfg(overrides: list[str] = (), shrink: bool = True) -> DictConfig:
         return compose(config_name="train", overrides=(SHRINK if shrink else []) + list(overrides))
 
 
-def tokenizer_without_pad(unk: bool = False, specials: tuple[str, ...] = ()):
+def tokenizer_without_pad(unk: bool = False, specials: tuple[str, ...] = (), bos: bool = False):
     """A character tokenizer for the reverse example's text (digits and '=') with BOS and EOS and no pad token, as
     many hub tokenizers: with `unk` an unknown token as Llama 1/2's, with reserved `specials` as Llama 3's, else
-    none (GPT-2's and Pythia's unknown token is their EOS)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    none (GPT-2's and Pythia's unknown token is their EOS). With `bos`, `tokenizer(text)` starts with BOS, as
+    Llama's and Gemma's do (GPT-2's, Pythia's and Qwen's do not)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(["<s>", "</s>", *(["<unk>"] * unk), *specials, *sorted("0123456789=")])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>" if unk else "</s>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
     backend.decoder = decoders.Fuse()
+    if bos:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
                                         unk_token="<unk>" if unk else None, additional_special_tokens=list(specials))
     assert tokenizer.pad_token is None

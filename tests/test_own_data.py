@@ -286,12 +286,13 @@ def test_stages_train_on_your_demonstrations_and_preferences(make_cfg, tmp_path,
 # ---- a from_pretrained model whose tokenizer has no pad token -----------------------------------------------
 
 
-def pretrained_without_pad(path: Path, unk: bool = False, specials: tuple[str, ...] = (), spare_rows: int = 0) -> Path:
+def pretrained_without_pad(path: Path, unk: bool = False, specials: tuple[str, ...] = (), spare_rows: int = 0,
+                           bos: bool = False) -> Path:
     """A saved Llama and its character tokenizer with no pad token (conftest.tokenizer_without_pad), with one
     embedding row per token as Llama 2's and GPT-2's, or `spare_rows` more as Pythia's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = tokenizer_without_pad(unk, specials)
+    tokenizer = tokenizer_without_pad(unk, specials, bos)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer) + spare_rows, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=1, num_attention_heads=2, bos_token_id=0, eos_token_id=1))
@@ -331,6 +332,42 @@ def test_a_llama2_like_model_without_pad_token_trains(make_cfg, tmp_path):
     assert result.module.updates == 2
     assert result.module.tokenizer.pad_token == "<unk>"
 
+
+def first_tokens(query: torch.Tensor, pad: int) -> list[list[int]]:
+    """Each left-padded row's first two tokens."""
+    return [row[row != pad][:2].tolist() for row in query]
+
+
+def test_plain_text_prompts_start_with_the_bos_their_tokenizer_adds(make_cfg, tmp_path):
+    """A Llama's or Gemma's tokenizer puts BOS first (`tokenizer(text)`), and the model was trained so. Prompts are
+    tokenized without special tokens (a chat template writes its own BOS), so plain-text prompts reached the policy,
+    the reward model and stage sft without it (TRL's GRPO has the same defect: trl#3520, garbage from Gemma)."""
+    path = pretrained_without_pad(tmp_path / "llama_bos", unk=True, bos=True)
+    result = train(make_cfg("model.name_or_path=" + str(path), "model.arch=null", *own_task(tmp_path), "trainer.max_steps=1",
+                            shrink=False))
+    tokenizer = result.module.tokenizer
+    for query in (result.module.train_query, result.module.eval_query):
+        starts = first_tokens(query, tokenizer.pad_token_id)
+        assert all(s[0] == tokenizer.bos_token_id and s[1] != tokenizer.bos_token_id for s in starts), starts[:3]
+
+
+def test_bos_is_added_once_and_only_where_the_tokenizer_adds_it(tmp_path):
+    from rlhflab.lit.data import encode_completions, encode_prompts
+
+    with_bos, without = tokenizer_without_pad(unk=True, bos=True), tokenizer_without_pad(unk=True)
+    for tok in (with_bos, without):
+        tok.pad_token = "<unk>"
+    # plain text gets BOS; text that starts with it (a chat template's rendering) keeps its one
+    assert first_tokens(encode_prompts(with_bos, ["12=", "<s>34="]), with_bos.pad_token_id) == [[0, 4], [0, 6]]
+    assert first_tokens(encode_prompts(without, ["12="]), without.pad_token_id) == [[4, 5]]
+    ids, _, labels = encode_completions(with_bos, ["12="], ["21"])
+    assert ids[0].tolist() == [0, 4, 5, 13, 5, 4, 1]  # BOS, prompt, response, EOS: no BOS before the response
+    assert labels[0].tolist() == [-100] * 4 + [5, 4, 1]
+    # the prompt budget counts the BOS: a truncated prompt keeps its end and fits with it
+    prompts = write(tmp_path / "p.jsonl", [{"prompt": "123456="}, {"prompt": "1="}])
+    task = PromptsTask(path=str(prompts), eval_path=str(prompts), max_prompt_tokens=4, overlong="truncate")
+    task.setup(with_bos)
+    assert [encode_prompts(with_bos, [p])[0].tolist() for p in task.prompts("train")] == [[0, 8, 9, 13], [0, 4, 13]]  # "56=", "1="
 
 def test_a_gold_reward_model_without_pad_token_scores_a_batch(tmp_path):
     """task=tldr's gold judge (a Pythia reward model) may have no pad token: a batch of texts raised 'Asking to pad

@@ -7,6 +7,7 @@ from itertools import count
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from rlhflab.models.build import prompt_ids
 from rlhflab.rollout.batch import trim_left
 
 
@@ -28,7 +29,7 @@ def _pad(rows: list[list[int]], pad: int, left: bool) -> torch.Tensor:
 
 def encode_prompts(tokenizer, prompts: list[str]) -> torch.Tensor:
     """(n, P) prompt ids, left-padded so every completion starts in the same column."""
-    return _pad(_ids(tokenizer, prompts), tokenizer.pad_token_id, left=True)
+    return _pad(prompt_ids(tokenizer, prompts), tokenizer.pad_token_id, left=True)
 
 
 def encode_completions(tokenizer, prompts: list[str], responses: list[str]):
@@ -37,7 +38,7 @@ def encode_completions(tokenizer, prompts: list[str], responses: list[str]):
     labels are -100 on the prompt and the padding, so SFT learns the response and EOS only.
     """
     rows, labels = [], []
-    for p, r in zip(_ids(tokenizer, prompts), _ids(tokenizer, responses)):
+    for p, r in zip(prompt_ids(tokenizer, prompts), _ids(tokenizer, responses)):
         rows.append(p + r + [tokenizer.eos_token_id])
         labels.append([-100] * len(p) + r + [tokenizer.eos_token_id])
     input_ids = _pad(rows, tokenizer.pad_token_id, left=False)

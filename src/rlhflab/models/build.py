@@ -132,6 +132,24 @@ def read_reward_norm(path) -> tuple[float, float]:
     return 0.0, 1.0
 
 
+def leading_bos(tokenizer) -> int | None:
+    """The BOS id that the tokenizer's own default, `tokenizer(text)`, puts first (Llama's, Gemma's, Mistral's), else
+    None (GPT-2's, Pythia's, Qwen's)."""
+    bos = tokenizer.bos_token_id
+    return bos if bos is not None and tokenizer("")["input_ids"][:1] == [bos] else None
+
+
+def prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Prompt texts as the model was trained to read them: BOS first where its tokenizer puts one, once.
+
+    A chat template writes its BOS into the text, so prompts are tokenized without special tokens; a plain-text
+    prompt then lacked the BOS that `tokenizer(text)` gives (TRL's GRPO has that defect, trl#3520: garbage from
+    Gemma). A rendering that already starts with BOS keeps its one.
+    """
+    rows, bos = tokenizer(prompts, add_special_tokens=False)["input_ids"], leading_bos(tokenizer)
+    return rows if bos is None else [r if r[:1] == [bos] else [bos, *r] for r in rows]
+
+
 def foreign_tokenizer(model_path, tokenizer):
     """The tokenizer saved with a reward model if its vocabulary differs from the policy's, else None."""
     from transformers import AutoTokenizer

@@ -19,6 +19,7 @@ import torch
 
 from rlhflab.callables import call_reward, load_callable
 from rlhflab.errors import ConfigError
+from rlhflab.models.build import leading_bos, prompt_ids
 
 log = logging.getLogger(__name__)
 
@@ -174,17 +175,19 @@ class PromptsTask:
     def setup(self, tokenizer) -> dict[str, int]:
         """Render prompts (chat template), enforce max_prompt_tokens; returns the counts it logged."""
         self._load()
-        counts = {}
+        counts, bos = {}, leading_bos(tokenizer)
         for split, table in self.tables.items():
             kept, texts, dropped, truncated = [], [], 0, 0
-            for row, prompt in enumerate(list(table[self.prompt_field])):
-                text = self._render(prompt, tokenizer)
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            rendered = [self._render(prompt, tokenizer) for prompt in table[self.prompt_field]]
+            for row, (text, ids) in enumerate(zip(rendered, prompt_ids(tokenizer, rendered))):
                 if len(ids) > self.max_prompt_tokens:
                     if self.overlong == "drop":
                         dropped += 1
                         continue
-                    text, truncated = tokenizer.decode(ids[-self.max_prompt_tokens :]), truncated + 1  # keep the end
+                    # keep the end; the budget counts the BOS that encoding puts first
+                    body = ids[1:] if bos is not None else ids
+                    keep = self.max_prompt_tokens - (bos is not None)
+                    text, truncated = tokenizer.decode(body[len(body) - keep :]), truncated + 1
                 kept.append(row)
                 texts.append(text)
             if not texts:
