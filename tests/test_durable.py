@@ -784,6 +784,45 @@ def test_a_full_disk_under_the_sqlite_store_is_said_once_without_tracebacks(make
     assert "Traceback" not in err and "SQLAlchemy database error" not in err, err[-3000:]
 
 
+def test_a_full_artifact_store_is_said_at_the_start_and_at_the_end_keeps_the_run_and_no_part(make_cfg, tmp_path, caplog):
+    """MLflow keeps a run's files (config.yaml, generations.json, the policy) in the experiment's artifact store, not in
+    mlflow.db. With that disk full, a run's start was a 30-line traceback. At its end the policy was half copied
+    there (a truncated model.safetensors, listed as the run's policy), and the warning said the tracking store had
+    stopped answering and that the run would stop at its next RL step (it had ended); generations.json was then
+    dropped without a word."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with small_disk(tmp_path / "disk", "64K") as disk:  # config.yaml and generations.json fit, not the 345 KiB policy
+        client = MlflowClient(uri)
+        client.create_experiment("rlhflab", artifact_location=str(disk))
+        cfg = make_cfg("trainer.max_steps=2", f"output.dir={tmp_path}/run")
+        with open_dict(cfg):
+            cfg.logger.tracking_uri = uri
+        with caplog.at_level(logging.WARNING, logger="rlhflab"):
+            result = train(cfg)
+        run = client.get_run(result.run_id)
+        policy = tmp_path / "run" / "policy"
+        (line,) = [r.getMessage() for r in caplog.records if "artifact" in r.getMessage() or "mlflow" in r.getMessage()]
+        assert line == (f"mlflow: the run's policy/: could not write {run.info.artifact_uri}/policy: No space left on device "
+                        f"({line.split('(')[1].split(')')[0]}); make room on that disk (experiment 'rlhflab' keeps its "
+                        f"runs' files there); it is in {policy}, and once there is room MLFLOW_TRACKING_URI={uri} mlflow "
+                        f"artifacts log-artifacts --local-dir {policy} --run-id {result.run_id} --artifact-path policy logs it")
+        assert run.info.status == "FINISHED" and run.data.tags["perf/mem_method"]  # the store took what came after
+        assert sorted(a.path for a in client.list_artifacts(result.run_id)) == ["config.yaml", "generations.json"]  # no part
+        subprocess.run(["mount", "-o", "remount,size=1M", str(disk)], check=True)  # room made: the line's command works
+        command = line.split("room ")[-1].removesuffix(" logs it").split()
+        subprocess.run([sys.executable, "-m", *command[1:]], env={**os.environ, "MLFLOW_TRACKING_URI": uri}, check=True,
+                       capture_output=True)
+        assert [a.path for a in client.list_artifacts(result.run_id, "policy")] == [f"policy/{f.name}" for f in sorted(policy.iterdir())]
+        used = shutil.disk_usage(disk).used
+        subprocess.run(["mount", "-o", f"remount,size={used}", str(disk)], check=True)  # full: not even config.yaml fits
+        with pytest.raises(WriteFailed, match=rf"^mlflow: the run's config.yaml: could not write {disk}/\w+/artifacts/"
+                                              r"config.yaml: No space left on device \(0 B free on its disk\); make room on "
+                                              r"that disk \(experiment 'rlhflab' keeps its runs' files there\)$"):
+            train(cfg)
+        failed = client.search_runs([run.info.experiment_id], order_by=["start_time DESC"])[0]
+        assert failed.info.status == "FAILED" and not client.list_artifacts(failed.info.run_id)
+
+
 # ---- bad model directories, hub ids, credentials ----------------------------------------------
 
 def test_damaged_model_directories_are_one_line_before_anything_loads(tmp_path, capsys):

@@ -53,17 +53,24 @@ class WriteFailed(RuntimeError):
     ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
 
     @classmethod
-    def of(cls, err: BaseException, what: str, path, fix: str = "make room on that disk") -> WriteFailed | None:
-        """`err`, raised while writing `path`, as `what: could not write PATH: CAUSE (N free on its disk); FIX`,
-        or None where no storage error is in it. torch.save's own error only chains it (write through a file
-        object, or it has no errno at all); safetensors says it as '(os error N)'."""
+    def storage_errno(cls, err: BaseException) -> int | None:
+        """The errno in `err` or the errors it chains that says the disk (ERRNOS), else None. torch.save's own
+        error only chains it (write through a file object, or it has no errno at all); safetensors says it as
+        '(os error N)'."""
         code, seen = None, set()
         while err is not None and id(err) not in seen and code is None:
             seen.add(id(err))
             found = re.search(r"\(os error (\d+)\)", str(err))
             code = err.errno if isinstance(err, OSError) else int(found.group(1)) if found else None
             err = err.__cause__ or err.__context__
-        if code not in cls.ERRNOS:
+        return code if code in cls.ERRNOS else None
+
+    @classmethod
+    def of(cls, err: BaseException, what: str, path, fix: str = "make room on that disk") -> WriteFailed | None:
+        """`err`, raised while writing `path`, as `what: could not write PATH: CAUSE (N free on its disk); FIX`,
+        or None where no storage error is in it."""
+        code = cls.storage_errno(err)
+        if code is None:
             return None
         return cls(f"{what}: could not write {path}: {os.strerror(code)} ({_free(Path(path))} free on its disk); {fix}")
 

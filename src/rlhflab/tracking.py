@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
-from rlhflab.errors import ConfigError
+from rlhflab.errors import ConfigError, WriteFailed
 from rlhflab.naming import PARENT_RUN_ENV, absolute_uri, default_run_name, redact, run_name, sqlite_path
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,8 @@ class MlflowTracker:
         params = [Param(k, v) for k, v in flatten(OmegaConf.to_container(cfg, resolve=True)).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             client.log_batch(self.run_id, params=params[i : i + 100])
-        client.log_text(self.run_id, redact(OmegaConf.to_yaml(cfg, resolve=True)), "config.yaml")
+        with self.artifact_store("config.yaml"):  # before anything trains: a full artifact disk is said now
+            client.log_text(self.run_id, redact(OmegaConf.to_yaml(cfg, resolve=True)), "config.yaml")
         log.info("mlflow: run %s (%s) in experiment '%s' at %s", self.run_id, name, self.experiment_name, redact(self.tracking_uri))
         self._start_system_metrics()
         return self.run_id
@@ -376,13 +378,61 @@ class MlflowTracker:
         if not rows:
             return
         table = {key: [row[key] for row in rows] for key in rows[0]}
-        self._write("generations", lambda: self.client.log_table(self.run_id, data=table, artifact_file="generations.json"))
+
+        def write():
+            with self.artifact_store("generations.json", warn="; the table of sampled completions is not kept elsewhere"):
+                self.client.log_table(self.run_id, data=table, artifact_file="generations.json")
+
+        self._write("generations", write, lambda: log.warning("mlflow: generations.json not logged (the store stopped "
+                                                               "answering); the table of sampled completions is not kept elsewhere"))
 
     def log_artifacts(self, path: Path, artifact_path: str) -> None:
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
-        self._write(f"artifacts {artifact_path}/ (they are in {path})",
-                    lambda: self.client.log_artifacts(self.run_id, str(path), artifact_path))
+        later = (f"; it is in {path}, and once there is room MLFLOW_TRACKING_URI={redact(absolute_uri(self.tracking_uri))} "
+                 f"mlflow artifacts log-artifacts --local-dir {path} --run-id {self.run_id} --artifact-path {artifact_path} logs it")
+
+        def write():
+            with self.artifact_store(f"{artifact_path}/", warn=later):
+                self.client.log_artifacts(self.run_id, str(path), artifact_path)
+
+        self._write(f"artifacts {artifact_path}/ (they are in {path})", write)
+
+    @contextmanager
+    def artifact_store(self, what: str, warn: str | None = None):
+        """Around the copy of `what` into the run's artifacts. MLflow keeps them in the experiment's artifact store
+        (for a SQLite store, by default ./mlruns in the directory the experiment was made from), not in mlflow.db:
+        that store's disk being full (read-only, failing) is not the tracking store stopping. What was copied of
+        `what` is removed (a half-copied policy would load as garbage). Then, with `warn` (the run's end), a warning
+        that adds `warn`, and the run goes on; without (its start), WriteFailed, one line, before anything trains."""
+        try:
+            yield
+        except Exception as err:
+            # the disk, in a directory of this machine (asked only then: a server that is down retries for minutes)
+            where = self._artifact_dir() if WriteFailed.storage_errno(err) else None
+            if where is None:
+                raise
+            target = where / what.rstrip("/")
+            if target.is_dir():
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                target.unlink(missing_ok=True)
+            # said after the removal: the space left is what a retry has
+            failed = WriteFailed.of(err, f"mlflow: the run's {what}", target,
+                                    f"make room on that disk (experiment '{self.experiment_name}' keeps its runs' files there)")
+            if warn is None:
+                raise failed from None
+            log.warning("%s%s", failed, warn)
+
+    def _artifact_dir(self) -> Path | None:
+        """The run's artifact directory where it is a directory of this machine (a local or file: store), else None."""
+        from urllib.parse import urlparse
+
+        try:
+            uri = urlparse(self.client.get_run(self.run_id).info.artifact_uri)
+        except Exception:  # noqa: BLE001 - the store itself not answering: as before, `writing` says so
+            return None
+        return Path(uri.path) if uri.scheme in ("", "file") else None
 
     def set_tag(self, key: str, value: str) -> None:
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
