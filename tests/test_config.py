@@ -280,6 +280,9 @@ def test_async_reference_auto_is_the_generator_unless_the_learners_costs_nothing
                                    "DeepSpeed installed"),
     ("trainer.accelerator=mps", "trainer: Lightning's Trainer refuses it: `MPSAccelerator` can not run on your system"),
     ("trainer.num_nodes=2", "trainer.num_nodes=2: nothing started this process as one of 2 nodes"),  # it waited forever
+    # Lightning warned twice and trained in bf16-mixed; the run's params said 16-mixed (a sweep of the two: twins)
+    ("trainer.precision=16-mixed", "trainer.precision=16-mixed: Lightning would run bf16-mixed instead (AMP with fp16 is "
+                                   "not supported on CPU); set trainer.precision=bf16-mixed, or run on a GPU (trainer=gpu)"),
 ])
 def test_what_lightnings_trainer_refuses_is_one_line_before_the_run(make_cfg, tmp_path, override, error):
     """Each stopped at stage sft as Hydra's 'Error executing job ... MisconfigurationException', its MLflow run made."""

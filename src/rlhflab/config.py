@@ -7,6 +7,8 @@ wrong, and how to fix it.
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -94,12 +96,20 @@ def check_trainer(cfg: DictConfig) -> None:
     level = quiet.level
     quiet.setLevel(logging.WARNING)
     try:
-        trainer = instantiate(cfg.trainer, logger=False, callbacks=[])
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            trainer = instantiate(cfg.trainer, logger=False, callbacks=[])
     except Exception as err:
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
         raise ConfigError(f"trainer: Lightning's Trainer refuses it: {' '.join(str(cause).split())}") from None
     finally:
         quiet.setLevel(level)
+    asked = str(cfg.trainer.precision)
+    asked = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}.get(asked, asked)
+    if trainer.precision != asked:  # Lightning's substitute (fp16 AMP on CPU: bf16-mixed), which the run's params would hide
+        why = next((m.group(1) for w in said if (m := re.search(r" but (.+?)\. Using", str(w.message)))), "")
+        raise ConfigError(f"trainer.precision={asked}: Lightning would run {trainer.precision} instead{f' ({why})' if why else ''}; "
+                          f"set trainer.precision={trainer.precision}" + (", or run on a GPU (trainer=gpu)" if "CPU" in why else ""))
     nodes = int(cfg.trainer.num_nodes)
     manual = {"NODE_RANK", "MASTER_ADDR"} <= set(os.environ)  # Lightning's launch by hand: the same command on each node
     if nodes > 1 and type(getattr(trainer.strategy, "cluster_environment", None)) is LightningEnvironment and not manual:
