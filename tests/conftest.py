@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see docs/ENV.md
@@ -67,6 +68,25 @@ def tokenizer_without_pad(unk: bool = False, specials: tuple[str, ...] = (), bos
                                         unk_token="<unk>" if unk else None, additional_special_tokens=list(specials))
     assert tokenizer.pad_token is None
     return tokenizer
+
+
+def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) of a run's metric, by step."""
+    from mlflow.tracking import MlflowClient
+
+    return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def run_id_of(out: Path) -> str:
+    """The MLflow run of the run whose output directory is `out`."""
+    return json.loads((out / "mlflow_run.json").read_text())["run_id"]
+
+
+def tensors(path: Path) -> dict:
+    """Every tensor of the safetensors files in `path`, by name."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
 @pytest.fixture(scope="session")

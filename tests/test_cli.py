@@ -321,7 +321,7 @@ def test_a_tracking_server_that_is_not_there_is_one_line(tmp_path):
     from rlhflab.cli import check_server
 
     with socket.socket() as probe:  # a port nothing listens on: bound, not listening, so no other test takes it
-        probe.bind(("127.0.0.1", 0))  # (closed before, it went to test_durable's server on the other xdist worker)
+        probe.bind(("127.0.0.1", 0))  # (closed before, it went to test_failures' server on the other xdist worker)
         port = probe.getsockname()[1]
         for args in (["trainer.max_steps=5"], ["-m", "seed=0,1"]):
             out = run_cli(f"logger.tracking_uri=http://127.0.0.1:{port}", *args, cwd=tmp_path)

@@ -1,0 +1,402 @@
+"""How runs stop and fail (issue 12): interruptions, non-finite values, full disks, bad model directories, hub ids
+and credentials. Each stops in one line, keeps what it can (a checkpoint, the metrics) and says how to go on."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf, open_dict
+
+from conftest import SHRINK, cli_run, history, run_id_of, wait_for
+from test_sweep import mlflow_server  # noqa: F401  (a fixture: `mlflow server` on a free local port)
+from rlhflab.algos.registry import RLOO
+from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, TrackingLost, WriteFailed
+from rlhflab.rewards.builtin import RuleReward
+from rlhflab.train import train
+
+
+# ---- interruptions ---------------------------------------------------------------------------
+
+def burner():
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def test_a_repeated_signal_while_the_stop_unwinds_is_the_same_stop(monkeypatch, capsys):
+    """Ctrl-C twice under DDP: rank 1's second SIGINT landed after train() had put the default handler back, in
+    its last cleanup, and it printed a KeyboardInterrupt traceback. The command line's main() keeps rlhflab's
+    handler until it exits: the late signal is the same stop, exit 130 and one line."""
+    import rlhflab.train as entry
+    from rlhflab.interrupts import STOP
+
+    def stopped_train(cfg):
+        try:
+            with STOP.installed():
+                STOP.signum = signal.SIGINT
+                STOP.run_made = True  # as train() marks it once its MLflow run exists
+                raise RunInterrupted(signal.SIGINT)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # the repeat, after train's handlers are restored
+            time.sleep(0)  # a bytecode boundary: Python runs the handler here
+
+    monkeypatch.setattr(entry, "train", stopped_train)
+    cfg = OmegaConf.create({"output": {"dir": "/tmp/x"}})
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's; a background job has SIG_IGN
+    try:
+        with pytest.raises(SystemExit) as exit:
+            entry.main(cfg)
+    except KeyboardInterrupt:
+        pytest.fail("the repeated SIGINT reached Python's default handler: KeyboardInterrupt")
+    finally:
+        restored = signal.signal(signal.SIGINT, before)
+    assert exit.value.code == 130
+    assert capsys.readouterr().err.startswith("stopped: stopped by SIGINT; the MLflow run is KILLED. Continue")
+    assert restored is signal.default_int_handler  # put back as the process had it
+
+
+def accept_from(server, proc):
+    """The next connection to `server` that `proc` made. Under pytest-xdist another worker's test may connect to a
+    port it probed and released, which this server then took: that one is closed and passed over."""
+    while True:
+        conn, (_, port) = server.accept()
+        if any(c.laddr.port == port for c in psutil.Process(proc.pid).net_connections(kind="tcp")):
+            return conn
+        conn.close()
+
+
+@pytest.mark.parametrize("answered", [0, 1])
+def test_a_stop_before_the_run_exists_says_so_in_one_line(tmp_path, answered):
+    """Ctrl-C while a tracking server does not answer. In the command line's check (answered=0) it printed a
+    KeyboardInterrupt traceback; once that check had its answer (a proxy's 404) and the run's own check hung
+    (answered=1), the line said 'the MLflow run is KILLED. Continue with ... resume=auto' of a run that was never
+    made. The accepted connection is the event: the signal lands while that request waits."""
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        server.settimeout(120)
+        held = []
+        with cli_run([f"logger.tracking_uri=http://127.0.0.1:{server.getsockname()[1]}", f"output.dir={tmp_path}/run"],
+                     tmp_path) as proc:
+            for i in range(answered + 1):
+                conn = accept_from(server, proc)
+                held.append(conn)
+                if i < answered:
+                    conn.recv(4096)
+                    conn.sendall(b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    conn.close()
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=60)
+            output = proc.stdout.read()
+        for conn in held:
+            conn.close()
+    assert rc == 130, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert "Traceback" not in output and "KILLED" not in output, output[-3000:]
+    assert last == ("stopped: stopped by SIGINT before its MLflow run was made: there is nothing to resume; run the "
+                    "command again" if answered else "stopped: stopped by SIGINT while no run was training"), output[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code, group", [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, True)])
+def test_signal_under_load_stops_within_seconds_killed_with_checkpoint(tmp_path, stage_cache, sig, code, group):
+    """A second CPU-heavy process runs meanwhile. The async run stops in under 30 s, its MLflow run is
+    KILLED, a checkpoint is left, the exit code says which signal, and no process is left behind. SIGTERM
+    goes to the whole process group, as a scheduler's preemption may send it: the generator leaves it to the
+    learner, which finishes its step with a checkpoint."""
+    env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    out = tmp_path / "run"
+    load = burner()
+    try:
+        with cli_run([*SHRINK, "mode=async", "trainer.max_steps=100000", f"output.dir={out}", f"hydra.run.dir={out}"],
+                     tmp_path, env) as proc:
+            wait_for(lambda: "eval after 0 RL steps" in (out / "train.log").read_text() if (out / "train.log").exists() else False,
+                     300, "the RL stage", proc)
+            children = psutil.Process(proc.pid).children(recursive=True)
+            sent = time.monotonic()
+            (os.killpg if group else os.kill)(proc.pid, sig)
+            rc = proc.wait(timeout=60)
+            took = time.monotonic() - sent
+            output = proc.stdout.read()
+    finally:
+        load.kill()
+        load.wait()
+    assert rc == code, output[-3000:]
+    assert took < 30, took
+    assert list((out / "checkpoints").glob("step-*")), output[-3000:]
+    assert MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id_of(out)).info.status == "KILLED"
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert "Traceback" not in output
+    assert output.count(f"{sig.name} received") == 1, output[-3000:]  # the learner's, not the generator's too
+
+
+# ---- non-finite values ----------------------------------------------------------------------
+
+class NaNReward(RuleReward):
+    """The gold rule, NaN on the training batches numbered in `bad` (1-based; evaluation does not
+    score when rl.log_generations=0)."""
+
+    bad: set[int] = set()
+    calls = 0
+
+    def score(self, memory, task, rollout):
+        type(self).calls += 1
+        scores = super().score(memory, task, rollout)
+        return scores * float("nan") if type(self).calls in self.bad else scores
+
+
+def nan_reward(*bad: int) -> list[str]:
+    NaNReward.bad, NaNReward.calls = set(bad), 0
+    return ["reward=rule", "reward._target_=test_failures.NaNReward", "rl.log_generations=0"]
+
+
+class NaNLossRLOO(RLOO):
+    """RLOO whose loss turns NaN at its third update (and every one after it, or only those in `bad`)."""
+
+    updates = 0
+    bad: set[int] | None = None
+
+    def loss(self, logprobs, values, batch):
+        type(self).updates += 1
+        loss, metrics = super().loss(logprobs, values, batch)
+        nan = type(self).updates >= 3 if self.bad is None else type(self).updates in self.bad
+        return (loss * float("nan") if nan else loss), metrics
+
+
+def test_nan_reward_stops_naming_step_and_quantity_and_keeps_the_checkpoint(make_cfg):
+    cfg = make_cfg(*nan_reward(4, 5, 6, 7, 8), "trainer.max_steps=8", "checkpoint.every_n_steps=2")
+    with pytest.raises(NonFiniteError) as err:
+        train(cfg)
+    message = str(err.value)
+    assert message.startswith("the rewards (train/reward) not finite at RL step 4") and "\n" not in message
+    assert "the last good checkpoint is" in message and message.endswith("step-00000002")
+    client = MlflowClient(cfg.logger.tracking_uri)
+    assert client.search_runs([client.get_experiment_by_name("rlhflab").experiment_id])[0].info.status == "FAILED"
+
+
+@pytest.mark.parametrize("mode", ["mode=sync", "mode=async staleness=1", "mode=async staleness=0"])
+def test_diverged_weights_stop_in_one_line_not_naming_their_checkpoint_as_good(make_cfg, tmp_path, mode):
+    """rl.lr=1e30: the first update's loss and clipped gradient are finite, its step is not. Sampling with those
+    weights failed in torch.multinomial, a traceback (in the generator process: 'generator process failed' and
+    its traceback); and the checkpoint of step 1 holds them."""
+    cfg = make_cfg("rl.lr=1e30", "trainer.max_steps=6", "checkpoint.every_n_steps=1", *mode.split(), f"output.dir={tmp_path}")
+    with pytest.raises(NonFiniteError) as err:
+        train(cfg)
+    message = str(err.value)
+    assert "\n" not in message and "lower rl.lr (now 1e+30)" in message, message
+    # staleness 1: the learner meets the NaN first, in its loss on the batch sampled one update earlier
+    if mode != "mode=async staleness=1":
+        assert message.startswith("the policy's sampling probabilities (NaN/Inf logits: its weights have diverged) "
+                                  "not finite at RL step 2"), message
+    assert message.endswith("step 1's weights may be the cause; no checkpoint before them"), message
+    assert MlflowClient(cfg.logger.tracking_uri).get_run(run_id_of(tmp_path)).info.status == "FAILED"
+
+
+def test_nan_loss_stops_before_the_update(make_cfg):
+    NaNLossRLOO.updates, NaNLossRLOO.bad = 0, None
+    with pytest.raises(NonFiniteError, match=r"^train/loss not finite at RL step 3"):
+        train(make_cfg("algo._target_=test_failures.NaNLossRLOO", "trainer.max_steps=6"))
+
+
+def test_skip_batch_goes_on_past_a_non_finite_batch(make_cfg):
+    cfg = make_cfg(*nan_reward(3), "trainer.max_steps=4", "rl.on_nonfinite=skip_batch")
+    result = train(cfg)
+    assert (result.module.updates, result.module.skipped_batches, result.module.policy_version) == (4, 1, 5)
+    skipped = history(cfg.logger.tracking_uri, result.run_id, "train/skipped_batches")
+    assert skipped == [(2, 1.0)]  # logged at the step it happened after
+
+
+def test_a_batch_skipped_after_its_forward_leaves_no_activations_counted(make_cfg, tmp_path):
+    """A batch whose loss is NaN is skipped after its policy forward saved activations for a backward that never
+    runs: the meter forgets them, so the run's activation peak is that of the same run skipping the same batch
+    before any forward (a NaN reward)."""
+    NaNLossRLOO.updates, NaNLossRLOO.bad = 0, {3}
+    after = train(make_cfg(*nan_reward(), "algo._target_=test_failures.NaNLossRLOO", "trainer.max_steps=4",
+                           "rl.on_nonfinite=skip_batch", f"output.dir={tmp_path / 'after'}"))
+    before = train(make_cfg(*nan_reward(3), "trainer.max_steps=4", "rl.on_nonfinite=skip_batch", f"output.dir={tmp_path / 'before'}"))
+    assert after.module.skipped_batches == before.module.skipped_batches == 1
+    assert after.module.activations.peak == before.module.activations.peak > 0
+
+
+# ---- a full disk -------------------------------------------------------------------------------
+
+@contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path`: a disk that really fills (ENOSPC). It needs root; skipped elsewhere."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small disk needs `mount -t tmpfs` (root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_resume_continues(tmp_path, stage_cache):
+    """Before: torch.save's '[enforce fail at inline_container.cc:672] unexpected pos 624640 vs 624532', in a
+    70-line traceback that said neither the file nor the disk. Now one line: the checkpoint, the cause, the space
+    left, and how to continue from the newest checkpoint, which stays whole; once there is room, it does."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": uri}
+    with small_disk(tmp_path / "disk", "2M") as disk:  # one checkpoint of the tiny policy (~1.1 MiB) fits, not two
+        out = disk / "run"
+        args = [*SHRINK, "checkpoint.every_n_steps=2", f"output.dir={out}", f"hydra.run.dir={out}"]
+        with cli_run([*args, "trainer.max_steps=6"], tmp_path, env) as proc:
+            rc = proc.wait(timeout=300)
+            output = proc.stdout.read()
+        assert rc == 1, output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+        (line,) = [line for line in output.splitlines() if line.startswith("error: ")]
+        first = out / "checkpoints" / "step-00000002"
+        assert line.startswith(f"error: checkpoint: could not write {out}/checkpoints/step-00000004: No space left on "
+                               "device ("), line
+        assert line.endswith(f"free on its disk); make room on that disk; its newest checkpoint is {first}: once fixed, the "
+                             f"same command with resume=auto output.dir={out} continues from it"), line
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]  # no partial one
+        run_id = run_id_of(out)
+        assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
+        subprocess.run(["mount", "-o", "remount,size=8M", str(disk)], check=True)  # room made
+        with cli_run([*args, "trainer.max_steps=6", "resume=auto"], tmp_path, env) as proc:
+            rc = proc.wait(timeout=300)
+            output = proc.stdout.read()
+        assert rc == 0, output[-3000:]
+        assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+        assert [s for s, _ in history(uri, run_id, "train/loss")] == [1, 2, 3, 4, 5, 6]  # each step once, one run
+        assert (out / "policy" / "model.safetensors").is_file()
+
+
+def test_a_full_disk_for_the_policy_or_the_cache_is_one_line_and_leaves_no_part(make_cfg, tmp_path):
+    """The policy at the end of a run and a cache entry (here the base model) met save_pretrained's
+    'SafetensorError: Error while serializing: I/O error: No space left on device (os error 28)' in a traceback."""
+    with small_disk(tmp_path / "disk", "300K") as disk:  # less than the tiny policy's 345 KiB of weights
+        with pytest.raises(WriteFailed, match=rf"^policy: could not write {disk}/run/policy: No space left on device "
+                                              r"\(\d+\.\d KiB free on its disk\); make room on that disk$"):
+            train(make_cfg("trainer.max_steps=1", f"output.dir={disk}/run"))
+        assert not (disk / "run" / "policy").exists()  # half a policy would load as garbage
+        with pytest.raises(WriteFailed, match=rf"^model: could not write {disk}/cache/models/tiny-\w+: No space left on "
+                                              r"device \(.* free on its disk\); make room on that disk, or set cache_dir="):
+            train(make_cfg("trainer.max_steps=1", f"cache_dir={disk}/cache"))
+        assert [p.name for p in (disk / "cache" / "models").iterdir() if not p.name.endswith(".lock")] == []
+    assert WriteFailed.of(FileNotFoundError(2, "No such file or directory"), "policy", tmp_path) is None  # not the disk
+
+
+def test_a_full_disk_under_the_sqlite_store_is_said_once_without_tracebacks(make_cfg, tmp_path, capfd):
+    """A full disk under mlflow.db is the store stopping (the run stops with a checkpoint keeping its metrics). Before,
+    MLflow's SQLite store also logged each failed write with two chained tracebacks (~45 lines, at every write until
+    the stop) around rlhflab's own warning and error line."""
+    from rlhflab.tracking import ensure_experiment
+
+    with small_disk(tmp_path / "disk", "4M") as disk:
+        uri = f"sqlite:///{disk}/mlflow.db"
+        ensure_experiment(uri, "rlhflab")  # the store's tables, ~950 KiB
+        room = shutil.disk_usage(disk).used + 64 * 1024  # the run and its params fit, not 30 steps of metrics
+        subprocess.run(["mount", "-o", f"remount,size={room}", str(disk)], check=True)
+        cfg = make_cfg("trainer.max_steps=30", "checkpoint.keep=1")
+        with open_dict(cfg):
+            cfg.logger.tracking_uri = uri
+        with pytest.raises(TrackingLost, match=r"stopped answering \(\(sqlite3.OperationalError\) database or disk is full\);"):
+            train(cfg)  # without SQLAlchemy's '(Background on this error at: https://sqlalche.me/...)'
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "SQLAlchemy database error" not in err, err[-3000:]
+
+
+def test_a_full_artifact_store_is_said_at_the_start_and_at_the_end_keeps_the_run_and_no_part(make_cfg, tmp_path, caplog):
+    """MLflow keeps a run's files (config.yaml, generations.json, the policy) in the experiment's artifact store, not in
+    mlflow.db. With that disk full, a run's start was a 30-line traceback. At its end the policy was half copied
+    there (a truncated model.safetensors, listed as the run's policy), and the warning said the tracking store had
+    stopped answering and that the run would stop at its next RL step (it had ended); generations.json was then
+    dropped without a word."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with small_disk(tmp_path / "disk", "64K") as disk:  # config.yaml and generations.json fit, not the 345 KiB policy
+        client = MlflowClient(uri)
+        client.create_experiment("rlhflab", artifact_location=str(disk))
+        cfg = make_cfg("trainer.max_steps=2", f"output.dir={tmp_path}/run")
+        with open_dict(cfg):
+            cfg.logger.tracking_uri = uri
+        with caplog.at_level(logging.WARNING, logger="rlhflab"):
+            result = train(cfg)
+        run = client.get_run(result.run_id)
+        policy = tmp_path / "run" / "policy"
+        (line,) = [r.getMessage() for r in caplog.records if "artifact" in r.getMessage() or "mlflow" in r.getMessage()]
+        assert line == (f"mlflow: the run's policy/: could not write {run.info.artifact_uri}/policy: No space left on device "
+                        f"({line.split('(')[1].split(')')[0]}); make room on that disk (experiment 'rlhflab' keeps its "
+                        f"runs' files there); it is in {policy}, and once there is room MLFLOW_TRACKING_URI={uri} mlflow "
+                        f"artifacts log-artifacts --local-dir {policy} --run-id {result.run_id} --artifact-path policy logs it")
+        assert run.info.status == "FINISHED" and run.data.tags["perf/mem_method"]  # the store took what came after
+        assert sorted(a.path for a in client.list_artifacts(result.run_id)) == ["config.yaml", "generations.json"]  # no part
+        subprocess.run(["mount", "-o", "remount,size=1M", str(disk)], check=True)  # room made: the line's command works
+        command = line.split("room ")[-1].removesuffix(" logs it").split()
+        subprocess.run([sys.executable, "-m", *command[1:]], env={**os.environ, "MLFLOW_TRACKING_URI": uri}, check=True,
+                       capture_output=True)
+        assert [a.path for a in client.list_artifacts(result.run_id, "policy")] == [f"policy/{f.name}" for f in sorted(policy.iterdir())]
+        used = shutil.disk_usage(disk).used
+        subprocess.run(["mount", "-o", f"remount,size={used}", str(disk)], check=True)  # full: not even config.yaml fits
+        with pytest.raises(WriteFailed, match=rf"^mlflow: the run's config.yaml: could not write {disk}/\w+/artifacts/"
+                                              r"config.yaml: No space left on device \(0 B free on its disk\); make room on "
+                                              r"that disk \(experiment 'rlhflab' keeps its runs' files there\)$"):
+            train(cfg)
+        failed = client.search_runs([run.info.experiment_id], order_by=["start_time DESC"])[0]
+        assert failed.info.status == "FAILED" and not client.list_artifacts(failed.info.run_id)
+
+
+# ---- bad model directories, hub ids, credentials ----------------------------------------------
+
+def test_damaged_model_directories_are_one_line_before_anything_loads(tmp_path, capsys):
+    from rlhflab.cli import preflight
+
+    bad_json, truncated = tmp_path / "bad_json", tmp_path / "truncated"
+    for d in (bad_json, truncated):
+        d.mkdir()
+    (bad_json / "config.json").write_text("{not json")
+    (truncated / "config.json").write_text("{}")
+    (truncated / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    for path, problem in ((bad_json, "config.json is not valid JSON"), (truncated, "model.safetensors is truncated")):
+        with pytest.raises(SystemExit) as exit:
+            preflight([f"model.sft_path={path}"])
+        assert exit.value.code == 2
+        line = capsys.readouterr().err.strip()
+        assert line.startswith(f"error: model.sft_path: '{path}' is not an intact saved model ({problem}") and "\n" not in line
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_an_unknown_hub_id_is_one_line_and_creates_no_run(make_cfg, tmp_path, monkeypatch, offline):
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = make_cfg("model.name_or_path=nobody/no-such-model", "model.arch=null")
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"^model.name_or_path: 'nobody/no-such-model' is not in the local Hugging Face cache"):
+        train(cfg)
+    assert time.monotonic() - started < 30  # not a minute of retries
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.slow
+def test_credentials_never_reach_params_artifacts_or_logs(mlflow_server, tmp_path, stage_cache):
+    """A tracking URI with a password (here against a real `mlflow server`, which ignores it) is redacted
+    in the params, the config.yaml artifact, the tags, the log and mlflow_run.json."""
+    secret = mlflow_server.replace("http://", "http://alice:s3cr3t-token@")
+    out = tmp_path / "run"
+    env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": secret, "NO_PROXY": "127.0.0.1,localhost"}
+    with cli_run([*SHRINK, "trainer.max_steps=1", f"output.dir={out}", f"hydra.run.dir={out}"], tmp_path, env) as proc:
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()[-3000:]
+        console = proc.stdout.read()
+    client = MlflowClient(mlflow_server)
+    run = client.get_run(run_id_of(out))
+    texts = {"params": json.dumps(run.data.params), "tags": json.dumps(run.data.tags), "console": console,
+             "train.log": (out / "train.log").read_text(), "mlflow_run.json": (out / "mlflow_run.json").read_text(),
+             "config.yaml": Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))).read_text()}
+    assert [name for name, text in texts.items() if "s3cr3t" in text] == []
+    assert run.data.params["logger.tracking_uri"].startswith("http://alice:***@127.0.0.1")
