@@ -267,7 +267,8 @@ def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_
 
 def store_goes_away(monkeypatch, when) -> dict:
     """From the first metrics write holding a row `when` picks, the client's writes raise what MLflow raises for a
-    server that refuses connections (seen against a killed `mlflow server`). Returns the real writes."""
+    server that refuses connections (seen against a killed `mlflow server`). Returns the real writes, and under
+    "tries" the list of the writes tried since (each costs minutes of MLflow's retries against a real server)."""
     from mlflow.exceptions import MlflowException
 
     refused = ("API request to http://127.0.0.1:5123/api/2.0/mlflow/runs/log-batch failed with exception "
@@ -282,13 +283,15 @@ def store_goes_away(monkeypatch, when) -> dict:
             if not down and any(when(m) for m in kwargs.get("metrics") or ()):
                 down.append(True)
             if down:
+                tries.append(name)
                 raise MlflowException(refused)
             return writes[name](self, *args, **kwargs)
         return write
 
     for name in writes:
         monkeypatch.setattr(MlflowClient, name, failing(name))
-    return writes
+    tries = []
+    return {**writes, "tries": tries}
 
 
 def test_a_tracking_store_that_stops_answering_stops_the_run_with_a_checkpoint_keeping_its_metrics(make_cfg, tmp_path,
@@ -314,14 +317,40 @@ def test_a_tracking_store_that_stops_answering_stops_the_run_with_a_checkpoint_k
                    f"output.dir={out} continues from it"), err
     kept = torch.load(checkpoint / "state.pt", weights_only=True)["unwritten_metrics"]
     assert any(key == "train/reward" and step == 3 for key, _, _, step in kept), kept
-    for name, write in writes.items():
-        monkeypatch.setattr(MlflowClient, name, write)  # it answers again
+    for name in ("log_batch", "set_terminated", "set_tag", "log_table"):
+        monkeypatch.setattr(MlflowClient, name, writes[name])  # it answers again
     run_id = run_id_of(out)
     uri = make_cfg().logger.tracking_uri
     assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"  # it could not be ended either
     assert train(make_cfg(*args, "resume=auto")).run_id == run_id
     assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
     assert [step for step, _ in history(uri, run_id, "train/reward")] == list(range(1, 9))
+
+
+def test_a_store_lost_in_the_stages_is_tried_once_more_as_the_run_ends_not_at_every_stage_end(make_cfg, tmp_path,
+                                                                                             monkeypatch, capsys):
+    """Each try against a server that is down costs MLflow's retries, ~4 minutes at its defaults. A store lost in stage
+    sft was tried again at that stage's end, stage rm's end and the checkpoint: ~16 minutes before the run stopped at
+    RL step 1. Now the metrics wait, unwritten, for the checkpoint, and the run's end tries once more."""
+    import rlhflab.train as entry
+
+    writes = store_goes_away(monkeypatch, lambda m: m.key.startswith("sft/"))
+    out = tmp_path / "run"
+    args = ["trainer.max_steps=4", "logger.flush_every_s=0", f"output.dir={out}", f"cache_dir={tmp_path}/cache"]
+    with pytest.raises(SystemExit) as exit:
+        entry.main(make_cfg(*args))
+    assert exit.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "stopped answering ([Errno 111] Connection refused); the run stopped at RL step 1 with a checkpoint" in err, err
+    assert writes["tries"] == ["log_batch", "log_batch"], writes["tries"]  # where it was lost, and as the run ended
+    for name in ("log_batch", "set_terminated", "set_tag", "log_table"):
+        monkeypatch.setattr(MlflowClient, name, writes[name])  # it answers again
+    uri = make_cfg().logger.tracking_uri
+    run_id = run_id_of(out)
+    assert train(make_cfg(*args, "resume=auto")).run_id == run_id
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "FINISHED" and "perf/param_bytes_trainable" in run.data.params  # not written then
+    assert history(uri, run_id, "sft/loss") and [s for s, _ in history(uri, run_id, "train/reward")] == [1, 2, 3, 4]
 
 
 def test_a_tracking_store_gone_at_the_runs_end_leaves_its_metrics_in_a_file(make_cfg, tmp_path, monkeypatch):

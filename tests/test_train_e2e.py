@@ -1,6 +1,8 @@
 """End to end: the real config, shrunk, through train(cfg): stages, RL, MLflow."""
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -50,9 +52,10 @@ def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_p
     assert "sft/loss" in run.data.metrics and "rm/held_out_accuracy" in run.data.metrics
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"config.yaml", "generations.json"} <= artifacts
-    table = client.load_table(run.info.experiment_id, "generations.json", run_ids=[result.run_id])
-    assert {"prompt", "response", "reward", "gold_reward", "rl_step"} <= set(table.columns)
-    assert set(table["rl_step"]) == {0, 80}
+    # (not client.load_table: it finds runs through mlflow.search_runs, in the process-wide tracking URI)
+    table = json.loads(Path(client.download_artifacts(result.run_id, "generations.json", str(tmp_path))).read_text())
+    assert {"prompt", "response", "reward", "gold_reward", "rl_step"} <= set(table["columns"])
+    assert {row[table["columns"].index("rl_step")] for row in table["data"]} == {0, 80}
 
 
 def test_evaluations_are_labelled_with_the_rl_step_mlflow_plots_them_at(make_cfg, caplog):

@@ -70,6 +70,10 @@ def quiet_libraries() -> None:
         if _ONCE not in logger.filters:
             logger.addFilter(_ONCE)
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notices
+    # A tracking server that stopped answering: MLflow's client retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES), urllib3
+    # warns at each retry, and the system-metrics thread at each sample; the tracker says it once, with its cause.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    logging.getLogger("mlflow.system_metrics.system_metrics_monitor").setLevel(logging.ERROR)
     if not sys.stderr.isatty():  # a file, a pipe, a cluster job's log: MLflow's tqdm bars would be \r-noise in it
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # (a resume fetches generations.json)
     store_log = logging.getLogger("mlflow.store.db.utils")

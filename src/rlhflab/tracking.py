@@ -19,6 +19,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
@@ -61,9 +62,22 @@ class RunLogger(MLFlowLogger):
     def __init__(self, tracker: "MlflowTracker") -> None:
         super().__init__(tracking_uri=tracker.tracking_uri, run_id=tracker.run_id)
         self.tracker = tracker
+        self._experiment_id = tracker.experiment_id
+
+    @property
+    @rank_zero_experiment
+    def experiment(self):
+        """The tracker's client. Lightning asks for it at every Trainer's setup, and MLFlowLogger's own asked the store
+        for the run each time: a server that had stopped answering ended the stage in a traceback."""
+        return self.tracker.client
 
     def log_metrics(self, metrics, step=None) -> None:
         self.tracker.log_metrics(metrics, step or 0)
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        """Through the tracker, as every write: MLFlowLogger's own met a store that had stopped answering with its
+        traceback."""
+        self.tracker.log_params(dict(params))
 
     def save(self) -> None:
         """Lightning calls this after every `self.log` step: the tracker writes when its interval is due, not here."""
@@ -289,7 +303,7 @@ class MlflowTracker:
         for key, value in metrics.items():
             if step > self.logged_steps.get(key, -1):
                 self.pending.append(Metric(self._metric_key(key), float(value), now, step))
-        if time.monotonic() - self.flushed_at >= self.flush_every_s and self.lost is None:  # lost: kept for the checkpoint
+        if time.monotonic() - self.flushed_at >= self.flush_every_s:
             self.flush()
 
     def _metric_key(self, key: str) -> str:
@@ -302,11 +316,12 @@ class MlflowTracker:
                 log.warning("mlflow: metric %r is logged as %r (MLflow allows letters, digits and _/. - in names)", key, clean)
         return clean
 
-    def flush(self) -> None:
+    def flush(self, again: bool = False) -> None:
         """Write every buffered metric (MLflow takes at most 1000 per batch). What the store does not take stays
-        buffered (see `lost`)."""
+        buffered (see `lost`). Once the store stopped answering, they wait (for a checkpoint, or the run's end, which
+        tries `again`): each try against a server that is down costs MLflow's retries, ~4 minutes at its defaults."""
         self.flushed_at = time.monotonic()
-        if not self.pending or self.run_id is None:
+        if not self.pending or self.run_id is None or (self.lost is not None and not again):
             return
         rows, self.pending = self.pending, []
         client, written = self.client, 0
@@ -369,7 +384,8 @@ class MlflowTracker:
             if new:
                 self.client.log_batch(self.run_id, params=new)
 
-        self._write("params", write, lambda: log.warning("mlflow: params not logged: %s", redact(str(params))))
+        self._write("params", write, lambda: log.warning("mlflow: params not logged (the store stopped answering): %s",
+                                                          redact(", ".join(f"{k}={v}" for k, v in params.items()))))
 
     def log_generations(self, rows: list[dict]) -> None:
         """A table (MLflow's table artifact) of sampled completions with their rewards."""
@@ -458,7 +474,7 @@ class MlflowTracker:
         if self._system is not None:
             self._system.finish()
             self._system = None
-        self.flush()  # every buffered metric lands before the run ends (a store that stopped answering: one more try)
+        self.flush(again=True)  # every buffered metric lands before the run ends (a store that stopped answering: one more try)
         if self.pending:
             return  # not taken: the run stays RUNNING, and what is buffered goes to a checkpoint or a file (train)
         with self.writing(f"end ({status})"):
