@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,42 +184,94 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 40.0) -> None:
+def listens(proc: subprocess.Popen, port: int) -> bool:
+    """A process of `proc`'s tree (the server forks its workers) listens on `port`."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.Error:
+        return False
+    for process in tree:
+        try:
+            if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in process.net_connections(kind="tcp")):
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
+def wait_healthy(url: str, port: int, proc: subprocess.Popen, log: Path, timeout: float = 40.0) -> bool:
+    """True once `proc` answers /health on its own socket; False when `port` was taken before it could bind it (by
+    another xdist worker's server, which may answer /health meanwhile); any other end fails the test."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            if "already in use" in log.read_text():
+                return False
             pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
+                if response.status == 200 and listens(proc, port):
+                    return True
         except OSError:
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)
     pytest.fail(f"mlflow server not healthy after {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+
+
+@contextmanager
+def running_mlflow_server(tmp_path: Path, ports=None):
+    """`mlflow server` on a free local port, SQLite backend in tmp_path; always terminated. A port picked free is not
+    reserved until the server binds it: where another process took it first, the next port is tried (3 in all)."""
+    ports = ports or iter(free_port, None)
+    for attempt in range(3):
+        port, log = next(ports), tmp_path / f"server-{attempt}.log"
+        cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+               "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+               "--workers", "1"]
+        with open(log, "w") as out:
+            # Its own session, so that SIGTERM reaches the server and the workers it forks.
+            proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            if wait_healthy(url, port, proc, log):
+                yield url
+                return
+        finally:
+            stop_group(proc)
+    pytest.fail(f"mlflow server: 3 ports in a row were taken before it could bind them; see {tmp_path}/server-*.log")
 
 
 @pytest.fixture
 def mlflow_server(tmp_path, monkeypatch):
-    """`mlflow server` on a free local port, SQLite backend in tmp_path; always terminated."""
+    """`mlflow server` on a free local port (running_mlflow_server)."""
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")  # a proxy in the environment must not see these calls
-    port, log = free_port(), tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
-           "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1"]
-    with open(log, "w") as out:
-        # Its own session, so that SIGTERM reaches the server and the workers it forks.
-        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log)
+    with running_mlflow_server(tmp_path) as url:
         yield url
-    finally:
-        stop_group(proc)
+
+
+def test_a_server_whose_port_was_taken_meanwhile_moves_to_another(tmp_path, monkeypatch):
+    """free_port() releases its port before the server binds it, so under xdist another worker's server could take it:
+    this server then failed to bind, and the other one answered /health in its place."""
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with running_mlflow_server(tmp_path, iter([busy, free_port()])) as url:
+            assert not url.endswith(f":{busy}")
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                assert response.status == 200
+    assert "already in use" in (tmp_path / "server-0.log").read_text()
 
 
 def stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM the server's process group (it forks workers and job consumers), then kill what is left."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass  # it had ended (a port taken before it could bind)
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
