@@ -77,6 +77,24 @@ def test_fsdp_trains_hydra_rlhfs_adapters(tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp_shards_a_model_whose_head_is_tied_to_its_embeddings(tmp_path):
+    """tie_word_embeddings (GPT-2, Gemma, Qwen2.5, Llama 3.2 1B/3B) was refused under trainer=fsdp, after the stages
+    had trained: the head and the embeddings were separate units of one parameter. They are one unit now, kept
+    gathered from forward to backward: Hydra-RLHF runs its trunk (the embeddings) without the LM head for the value,
+    and with the unit resharded in between, the backward read an empty storage ('setStorage: ... out of bounds for
+    storage of size 0'). Seen equal to trainer=ddp, whose gold and KL it matched to the printed digits."""
+    from transformers import AutoModelForCausalLM
+
+    run(tmp_path, "trainer=fsdp", "memory=hydra", "algo=ppo", "+model.arch.tie_word_embeddings=true", *SHORT,
+        "output.dir=run")
+    client, (result,) = runs(tmp_path)
+    history = {k: [m.value for m in client.get_metric_history(result.info.run_id, k)] for k in ("train/grad_norm", "eval/kl")}
+    assert min(history["train/grad_norm"]) > 0 and history["eval/kl"][-1] > 0.01, history
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy")
+    assert policy.get_output_embeddings().weight is policy.get_input_embeddings().weight  # saved tied, gathered whole
+
+
+@pytest.mark.slow
 def test_a_sweep_of_two_rank_jobs_nests_under_one_parent(tmp_path):
     tiny = ["trainer.max_steps=2", "rl.prompts_per_step=4", "rl.eval_every=0", "stages.sft.epochs=1",
             "stages.rm.epochs=1", "task.num_demonstrations=64", "task.num_preference_pairs=64",

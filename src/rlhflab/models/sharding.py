@@ -2,7 +2,8 @@
 
 A Hugging Face model is sharded in units: each decoder layer, then the backbone (embeddings and
 final norm), then each head (the LM head, a score or value head), then the model itself as the root
-(under a peft wrapper too: generate() enters the wrapped model, not the wrapper). Every unit that
+(under a peft wrapper too: generate() enters the wrapped model, not the wrapper). A head tied to the input
+embeddings shares one unit with them. Every unit that
 rlhflab's code calls on its own (the trunk for Hydra-RLHF's heads, the LM head) is thus an FSDP unit
 that gathers its own parameters. FSDP2 wants the root's forward to run first: `warm_up` does that. Frozen models (reference, reward) are sharded too, so every rank
 holds 1/N of every model. Parameters become DTensors; `local` and `full` read them.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlhflab.errors import ConfigError
 
 
 def _hf(model: nn.Module) -> nn.Module:
@@ -21,12 +21,13 @@ def _hf(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def check_shardable(model: nn.Module) -> None:
-    base = _hf(model)
+def tied_head(base: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(input embeddings, output head) where the head's weight is the embeddings' (tie_word_embeddings: GPT-2, Gemma,
+    Qwen2.5, Llama 3.2 1B/3B), else None."""
     head, embed = base.get_output_embeddings(), base.get_input_embeddings()
     if head is not None and embed is not None and getattr(head, "weight", None) is embed.weight:
-        raise ConfigError(f"trainer=fsdp: {type(base).__name__} ties its output head to its input embeddings, which rlhflab "
-                          "shards as separate units; use trainer=ddp for this model")
+        return embed, head
+    return None
 
 
 def decoder_layers(base: nn.Module) -> list[nn.Module]:
@@ -46,13 +47,15 @@ def shard(model: nn.Module, mesh) -> nn.Module:
     layers = decoder_layers(base)
     if not layers:
         return fully_shard(model, mesh=mesh)  # a small module (a scalar head): one unit
-    check_shardable(model)
     backbone = base.base_model
     for layer in layers:
         fully_shard(layer, mesh=mesh)
+    tied = tied_head(base)
+    if tied:  # one parameter, two modules: one unit for both (it gathers for either, and reshards once both ran)
+        fully_shard(list(tied), mesh=mesh, reshard_after_forward=False)
     fully_shard(backbone, mesh=mesh)
     for child in base.children():
-        if child is not backbone and any(True for _ in child.parameters()):
+        if child is not backbone and (not tied or child is not tied[1]) and any(True for _ in child.parameters()):
             fully_shard(child, mesh=mesh)
     fully_shard(base, mesh=mesh)
     return model
