@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 
-
 def _hf(model: nn.Module) -> nn.Module:
     """The transformers model under a peft wrapper (the model itself when there is none)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -51,7 +50,7 @@ def shard(model: nn.Module, mesh) -> nn.Module:
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     tied = tied_head(base)
-    if tied:  # one parameter, two modules: one unit for both (it gathers for either, and reshards once both ran)
+    if tied:  # one parameter, two modules: one unit, gathered from a forward to its backward (docs/DISTRIBUTED.md)
         fully_shard(list(tied), mesh=mesh, reshard_after_forward=False)
     fully_shard(backbone, mesh=mesh)
     for child in base.children():
