@@ -216,16 +216,16 @@ def test_lora_names_that_reach_no_decoder_layer_are_one_line():
 
 def test_fsdp_units_are_each_models_own_decoder_layers():
     """Sharding found decoder layers at `base_model.layers` (Llama, GPT-NeoX) only: GPT-2 went whole into one unit,
-    its tied head unchecked. The units are now the classes a model names in _no_split_modules."""
+    its tied head unchecked. The units are now the classes a model names in _no_split_modules, and a tied head is
+    found, to share its embeddings' unit (tests/test_distributed.py trains one under trainer=fsdp)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlhflab.errors import ConfigError
-    from rlhflab.models.sharding import decoder_layers, shard
+    from rlhflab.models.sharding import decoder_layers, tied_head
 
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                                          num_attention_heads=2))
     assert decoder_layers(llama) == list(llama.model.layers)
     gpt2 = _gpt2(tie=False)
-    assert decoder_layers(gpt2) == list(gpt2.transformer.h)
-    with pytest.raises(ConfigError, match="^trainer=fsdp: GPT2LMHeadModel ties its output head to its input embeddings"):
-        shard(_gpt2(), mesh=None)  # refused before any collective
+    assert decoder_layers(gpt2) == list(gpt2.transformer.h) and tied_head(gpt2) is None and tied_head(llama) is None
+    tied = _gpt2()
+    assert tied_head(tied) == (tied.transformer.wte, tied.lm_head)
