@@ -105,7 +105,7 @@ def check_trainer(cfg: DictConfig) -> None:
     finally:
         quiet.setLevel(level)
     asked = str(cfg.trainer.precision)
-    asked = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}.get(asked, asked)
+    asked = "32-true" if asked == "32" else asked  # the one legacy spelling the schema takes
     if trainer.precision != asked:  # Lightning's substitute (fp16 AMP on CPU: bf16-mixed), which the run's params would hide
         why = next((m.group(1) for w in said if (m := re.search(r" but (.+?)\. Using", str(w.message)))), "")
         raise ConfigError(f"trainer.precision={asked}: Lightning would run {trainer.precision} instead{f' ({why})' if why else ''}; "

@@ -394,25 +394,26 @@ class MlflowTracker:
         if not rows:
             return
         table = {key: [row[key] for row in rows] for key in rows[0]}
-
-        def write():
-            with self.artifact_store("generations.json", warn="; the table of sampled completions is not kept elsewhere"):
-                self.client.log_table(self.run_id, data=table, artifact_file="generations.json")
-
-        self._write("generations", write, lambda: log.warning("mlflow: generations.json not logged (the store stopped "
-                                                               "answering); the table of sampled completions is not kept elsewhere"))
+        lost = "; the table of sampled completions is not kept elsewhere"
+        self._write_artifact("generations.json", lambda: self.client.log_table(self.run_id, data=table, artifact_file="generations.json"),
+                             lost, lambda: log.warning("mlflow: generations.json not logged (the store stopped answering)%s", lost))
 
     def log_artifacts(self, path: Path, artifact_path: str) -> None:
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
         later = (f"; it is in {path}, and once there is room MLFLOW_TRACKING_URI={redact(absolute_uri(self.tracking_uri))} "
                  f"mlflow artifacts log-artifacts --local-dir {path} --run-id {self.run_id} --artifact-path {artifact_path} logs it")
+        self._write_artifact(f"{artifact_path}/", lambda: self.client.log_artifacts(self.run_id, str(path), artifact_path), later,
+                             lambda: log.warning("mlflow: %s/ not logged (the store stopped answering); it is in %s", artifact_path, path))
 
-        def write():
-            with self.artifact_store(f"{artifact_path}/", warn=later):
-                self.client.log_artifacts(self.run_id, str(path), artifact_path)
+    def _write_artifact(self, what: str, write, warn: str, skipped=lambda: None) -> None:
+        """An artifact written at the run's end: as `_write` says for the tracking store, and as `artifact_store`
+        says (with `warn`) for the artifact store's disk."""
+        def guarded():
+            with self.artifact_store(what, warn):
+                write()
 
-        self._write(f"artifacts {artifact_path}/ (they are in {path})", write)
+        self._write(f"artifact {what}", guarded, skipped)
 
     @contextmanager
     def artifact_store(self, what: str, warn: str | None = None):
