@@ -201,14 +201,16 @@ def listens(proc: subprocess.Popen, port: int) -> bool:
     return False
 
 
-def wait_healthy(url: str, port: int, proc: subprocess.Popen, log: Path, timeout: float = 40.0) -> bool:
+def wait_healthy(url: str, port: int, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> bool:
     """True once `proc` answers /health on its own socket; False when `port` was taken before it could bind it (by
-    another xdist worker's server, which may answer /health meanwhile); any other end fails the test."""
+    another xdist worker's server, which may answer /health meanwhile); any other end fails the test. A server that
+    could not bind says so at once but may take its time to exit (on a loaded machine it outlived the wait), so the
+    log is read first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if "already in use" in log.read_text():
+            return False
         if proc.poll() is not None:
-            if "already in use" in log.read_text():
-                return False
             pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
