@@ -253,21 +253,6 @@ def mlflow_server(tmp_path, monkeypatch):
         yield url
 
 
-def test_a_server_whose_port_was_taken_meanwhile_moves_to_another(tmp_path, monkeypatch):
-    """free_port() releases its port before the server binds it, so under xdist another worker's server could take it:
-    this server then failed to bind, and the other one answered /health in its place."""
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        busy = taken.getsockname()[1]
-        with running_mlflow_server(tmp_path, iter([busy, free_port()])) as url:
-            assert not url.endswith(f":{busy}")
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                assert response.status == 200
-    assert "already in use" in (tmp_path / "server-0.log").read_text()
-
-
 def stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM the server's process group (it forks workers and job consumers), then kill what is left."""
     try:
@@ -286,13 +271,24 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_sweep_against_a_tracking_server(mlflow_server, tmp_path, stage_cache):
-    """A good job and one that fails inside train() (its cache's models/ is a file): the tracker marks that run FAILED."""
+def test_sweep_against_a_tracking_server(tmp_path, stage_cache, monkeypatch):
+    """A good job and one that fails inside train() (its cache's models/ is a file): the tracker marks that run FAILED.
+
+    The server's first port is held by another process, as when free_port()'s port (released before the server
+    binds it) is taken by another xdist worker's server: running_mlflow_server moves to the next port. Before, this
+    server failed to bind and the other one answered /health in its place."""
     not_a_dir = tmp_path / "not_a_dir"
     (not_a_dir / "models").parent.mkdir()
     (not_a_dir / "models").write_text("")
-    sweep = run_sweep(tmp_path, mlflow_server, stage_cache, "algo=rloo", f"cache_dir={stage_cache},{not_a_dir}")
-    parent, children = sweep_runs(MlflowClient(mlflow_server))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with running_mlflow_server(tmp_path, iter([busy, free_port()])) as server:
+            assert not server.endswith(f":{busy}") and "already in use" in (tmp_path / "server-0.log").read_text()
+            sweep = run_sweep(tmp_path, server, stage_cache, "algo=rloo", f"cache_dir={stage_cache},{not_a_dir}")
+            parent, children = sweep_runs(MlflowClient(server))
     assert parent.info.status == "FINISHED" and len(children) == 2
     good, bad = children
     assert good.info.status == "FINISHED" and "eval/gold_reward" in good.data.metrics
