@@ -94,6 +94,8 @@ BAD_VALUES = [
     ("-m algo=rloo,grpo ...", "...: not an override Hydra can read"),
     ("-m algo=rloo,", "algo=rloo,: not an override Hydra can read"),
     ("rl.lr=[1,2", "rl.lr=[1,2: not an override Hydra can read"),
+    # the shell leaves '~' after 'key.name=' as it is, and Hydra's grammar cannot read it
+    ("output.dir=~/runs/a", "output.dir=~/runs/a: Hydra cannot read a value that starts with '~'"),
     # a comma list without -m: Hydra's ways out (list, quoted string, --multirun) were cut from its message
     ("algo=rloo,grpo", "algo=rloo,grpo: a comma list is a sweep, which needs -m"),
 ]

@@ -377,3 +377,26 @@ def test_run_names_give_a_long_decimal_three_significant_digits():
         == "rloo kl_coef=0.0803 lr=0.000638 sweep_optuna"
     assert run_name("rloo", ["rl.lr=3e-4", "algo.kl_coef=0.05", "seed=12345678901", "task.gold_fn=a.py:f"]) \
         == "rloo lr=3e-4 kl_coef=0.05 seed=12345678901 gold_fn=a.py:f"  # short values and non-decimals as given
+
+
+def test_a_path_given_with_a_tilde_is_under_the_home_directory(tmp_path, monkeypatch):
+    """Quoted past the shell and Hydra ('output.dir="~/runs/a"'), '~' was a directory named '~' in the working
+    directory for output.dir, and for a sqlite tracking URI the database went to ./~/m.db while its lock went to
+    $HOME/m.db.lock. Every path setting now expands it, as task.path, resume and the model checks did."""
+    from rlhflab.schema import check
+
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    (home / "data" / "train.jsonl").write_text('{"prompt": "1="}\n')
+    monkeypatch.setenv("HOME", str(home))
+    cfg = compose_cfg(['output.dir="~/runs/a"', 'cache_dir="~/cache"', 'logger.tracking_uri="sqlite:///~/m.db"',
+                       'resume="~/runs/a/checkpoints/step-4"', "task=prompts", 'task.path="~/data/train.jsonl"'],
+                      shrink=False)
+    check(cfg)
+    assert (cfg.output.dir, cfg.cache_dir, cfg.resume, cfg.task.path) == (
+        f"{home}/runs/a", f"{home}/cache", f"{home}/runs/a/checkpoints/step-4", f"{home}/data/train.jsonl")
+    assert cfg.logger.tracking_uri == f"sqlite:///{home}/m.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///~/env.db")  # quoted in the shell: 'sqlite:///~/env.db'
+    cfg = compose_cfg([], shrink=False)
+    check(cfg)
+    assert cfg.logger.tracking_uri == f"sqlite:///{home}/env.db"

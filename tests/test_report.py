@@ -216,3 +216,8 @@ def test_no_database_or_no_sweep_in_it_is_one_line_and_makes_no_database(tmp_pat
     with pytest.raises(SystemExit) as stop:
         main(["sweep=latest"])
     assert str(stop.value) == "error: sweep=latest: sqlite:///mlflow.db holds no sweep; python src/train.py -m ... makes one"
+    monkeypatch.setenv("HOME", str(tmp_path))  # tracking_uri=sqlite:///~/mlflow.db: the shell leaves it so
+    with pytest.raises(SystemExit) as stop:
+        main(["sweep=latest", "tracking_uri=sqlite:///~/mlflow.db"])
+    assert str(stop.value).startswith(f"error: sweep=latest: sqlite:///{tmp_path}/mlflow.db holds no sweep")
+    assert not (tmp_path / "~").exists()  # MLflow made ./~/mlflow.db and read that

@@ -46,9 +46,12 @@ class Sweep:
     output: str
 
 
-def run_sweep(cwd: Path, uri: str, cache: Path, *overrides: str) -> Sweep:
+def run_sweep(cwd: Path, uri: str, cache: Path, *overrides: str, home: Path | None = None) -> Sweep:
+    """`-m` with MLFLOW_TRACKING_URI=uri; `home` is its HOME, for a uri with `~` (Sweep.uri has it expanded)."""
     env = {k: v for k, v in os.environ.items() if k != "RLHFLAB_MLFLOW_PARENT_RUN_ID"}
     env |= {"MLFLOW_TRACKING_URI": uri, "RLHFLAB_CACHE": str(cache), "OMP_WAIT_POLICY": "PASSIVE"}
+    if home:
+        env["HOME"], uri = str(home), uri.replace("~", str(home))
     out = subprocess.run(
         [sys.executable, str(ROOT / "src" / "train.py"), "-m", *overrides, *TINY],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
@@ -299,8 +302,11 @@ def test_sweep_against_a_tracking_server(tmp_path, stage_cache, monkeypatch):
 
 @pytest.mark.slow
 def test_optuna_preset_runs_trials_as_children_and_optimises_the_kl_penalised_gold(tmp_path, stage_cache):
-    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", stage_cache,
-                      "experiment=sweep_optuna", "hydra.sweeper.n_trials=2", "kl_budget=0.0", "kl_penalty=0.01")
+    """Also a store given as sqlite:///~/...: the parent run was in ./~/mlflow.db and each trial's in
+    $HOME/mlflow.db, so no trial nested under it."""
+    sweep = run_sweep(tmp_path, "sqlite:///~/mlflow.db", stage_cache,
+                      "experiment=sweep_optuna", "hydra.sweeper.n_trials=2", "kl_budget=0.0", "kl_penalty=0.01",
+                      home=tmp_path)
     parent, children = sweep_runs(MlflowClient(sweep.uri))
     assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
     # The sweeper saw gold - 0.01 * KL (budget 0): its best value is the best trial's penalised gold.

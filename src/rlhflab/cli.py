@@ -204,6 +204,10 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
             try:
                 OverridesParser.create().parse_overrides([override])
             except OverrideParseException as bad:
+                key, _, value = override.partition("=")
+                if value.startswith("~"):  # the shell expands ~ only after a variable's name (a=~/x), not key.name=~/x
+                    home = f"write {key}=$HOME{value[1:]}, which the shell expands, or" if value[1:2] in ("", "/") else "write"
+                    return f"{override}: Hydra cannot read a value that starts with '~' (nor would it expand it); {home} the full path"
                 why = str(bad).strip().splitlines()[0].split(" expecting ")[0]
                 return (f"{override}: not an override Hydra can read ({why}); write group=option or key=value "
                         "(key=a,b sweeps with -m), quoting a value that holds spaces, commas or brackets")

@@ -84,11 +84,22 @@ def run_name(algo: str, overrides: list[str]) -> str:
     return " ".join(parts)[:MAX_RUN_NAME]
 
 
+def home_expanded(value: str) -> str:
+    """A path setting with its leading `~` (or a sqlite URI's `sqlite:///~`) made the home directory: Hydra and
+    the shell leave a quoted one as it is, and a directory named `~` would be made in the working directory."""
+    import os
+
+    if value.startswith("sqlite:///~"):
+        return "sqlite:///" + os.path.expanduser(value.removeprefix("sqlite:///"))
+    return os.path.expanduser(value) if value.startswith("~") else value
+
+
 def sqlite_path(tracking_uri: str):
     """The database file of a `sqlite:///` tracking URI (a Path), or None for any other store."""
     from pathlib import Path
 
-    return Path(tracking_uri.removeprefix("sqlite:///")).expanduser() if tracking_uri.startswith("sqlite:///") else None
+    uri = home_expanded(tracking_uri)
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
 
 
 def absolute_uri(tracking_uri: str) -> str:

@@ -26,6 +26,7 @@ from rlhflab.naming import (
     SWEEP_METRIC_TAG,
     SWEEP_OVERRIDES_TAG,
     SWEEP_TAG,
+    home_expanded,
     short_override,
     sqlite_path,
 )
@@ -406,7 +407,7 @@ def main(argv: list[str]) -> Report:
     from mlflow.tracking import MlflowClient
 
     args = parse_args(argv)
-    uri = args["tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    uri = home_expanded(args["tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
     db = sqlite_path(uri)
     if db is not None and not db.is_file():
         # MLflow would make an empty database there (in the wrong directory, most likely) and find no sweep in it.
@@ -415,7 +416,8 @@ def main(argv: list[str]) -> Report:
     client = MlflowClient(uri)
     parent = find_sweep(client, args["sweep"])
     # Sweep names say what was swept (`sweep algo=ppo,rloo 2025-01-31_12-00-00`): a folder name without spaces.
-    out_dir = Path(args["out_dir"] or Path("reports") / re.sub(r"[^\w.,=+-]+", "_", parent.info.run_name))
+    out_dir = Path(home_expanded(args["out_dir"])) if args["out_dir"] else \
+        Path("reports") / re.sub(r"[^\w.,=+-]+", "_", parent.info.run_name)
     baseline = find_sweep(client, args["baseline"]) if args["baseline"] else None
     report = write_report(client, parent, out_dir, baseline)
     if args["log_artifacts"].lower() in ("1", "true", "yes"):

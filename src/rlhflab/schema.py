@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from rlhflab.errors import ConfigError
 from rlhflab.models.checks import check_pretrained
+from rlhflab.naming import home_expanded
 
 KL_KINDS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -26,13 +28,15 @@ DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
 def setting(default: Any = MISSING, *, ge=None, gt=None, le=None, lt=None, choices=None, example=None, why=None,
-            file=None, model=False, data=False):
+            file=None, model=False, data=False, path=False):
     """A dataclass field whose value `check` keeps in range (ge/gt/le/lt) or in `choices`;
     `example` is the value the fix suggests, `why` a reason the error gives. `file`: the value
     is a path that must exist (the text is the fix); `model`: a local path must be a saved model;
-    `data`: a path with a data file's suffix must exist (anything else may be a hub dataset)."""
+    `data`: a path with a data file's suffix must exist (anything else may be a hub dataset);
+    `path`: a path or a URI (these four have a leading `~` expanded, see naming.home_expanded)."""
     meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, example=example, why=why, file=file,
-                                  model=model or None, data=data or None).items() if v is not None}
+                                  model=model or None, data=data or None,
+                                  path=(path or model or data or file is not None) or None).items() if v is not None}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: default, metadata=meta)
     return field(default=default, metadata=meta)
@@ -82,7 +86,7 @@ class RL:
 
 @dataclass
 class Output:
-    dir: Optional[str] = MISSING
+    dir: Optional[str] = setting(path=True)
     merge_lora: bool = MISSING
     log_policy: bool = MISSING
 
@@ -109,7 +113,7 @@ class Train:
     logger: Any = MISSING
     staleness: int = setting(ge=0)
     seed: int = setting(ge=0)
-    cache_dir: str = MISSING
+    cache_dir: str = setting(path=True)
     torch_threads: Optional[int] = setting(ge=1)
     optimized_metric: str = MISSING
     kl_budget: Optional[float] = setting(None, ge=0)  # sweep_optuna: nats of eval KL before the penalty
@@ -118,7 +122,7 @@ class Train:
     rl: RL = MISSING
     output: Output = MISSING
     checkpoint: Checkpointing = MISSING
-    resume: Optional[str] = MISSING
+    resume: Optional[str] = setting(path=True)
 
 
 # ---- tasks and models -------------------------------------------------------------------------
@@ -170,7 +174,7 @@ class HubPromptTask:
     num_train_prompts: int = setting(ge=1)
     num_eval_prompts: int = setting(ge=1)
     max_new_tokens: int = setting(ge=1)
-    gold_model_path: Optional[str] = MISSING
+    gold_model_path: Optional[str] = setting(path=True)
     seed: int = setting(ge=0)
 
 
@@ -340,7 +344,7 @@ class Trainer:
 @dataclass
 class MlflowLogger:
     _target_: str = "rlhflab.tracking.MlflowTracker"
-    tracking_uri: str = MISSING
+    tracking_uri: str = setting(path=True)
     experiment_name: str = MISSING
     run_name: Optional[str] = MISSING
     flush_every_s: float = setting(ge=0, example=1.0)
@@ -407,6 +411,17 @@ def _check_value(key: str, value: Any, meta: dict) -> None:
         raise SettingError(key, f"{value} must be {wanted}{why}; set e.g. {key}={example}")
 
 
+def _expand_home(node: DictConfig, key: str) -> None:
+    """A path setting's leading `~` made the home directory (naming.home_expanded), also where the value came from
+    ${oc.env:...}; one that resolves only inside a job (${hydra:job.num}) is left to resolve there."""
+    try:
+        value = node[key]
+    except InterpolationResolutionError:
+        return
+    if isinstance(value, str) and (expanded := home_expanded(value)) != value:
+        node[key] = expanded
+
+
 def _walk(node: DictConfig, prefix: str = "") -> None:
     schema = OmegaConf.get_type(node)
     declared = {f.name: f for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
@@ -417,6 +432,8 @@ def _walk(node: DictConfig, prefix: str = "") -> None:
             raise SettingError(name, f"not a setting of {prefix.rstrip('.') or 'the config'}; valid keys: {valid}")
         if OmegaConf.is_missing(node, key):
             raise SettingError(name, f"has no value; set it, e.g. {name}=...")
+        if declared is not None and "path" in declared[key].metadata:
+            _expand_home(node, key)
         if OmegaConf.is_interpolation(node, key):
             continue  # e.g. task.seed: ${seed}; the key it points to is checked where it lives
         value = node[key]

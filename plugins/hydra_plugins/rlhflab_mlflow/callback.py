@@ -35,12 +35,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
     PARENT_RUN_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OVERRIDES_TAG, SWEEP_TAG,
-    default_run_name, model_tag, short_override,
+    default_run_name, home_expanded, model_tag, short_override,
 )
 
 log = logging.getLogger("rlhflab.sweep")
 
 MAX_TAG = 5000  # MLflow caps tag values (8000 chars); keep error messages below it
+
+
+def tracking_uri(config: DictConfig) -> str | None:
+    """The config's logger.tracking_uri as the job's run sees it (a leading `~` expanded, as schema.check does)."""
+    uri = OmegaConf.select(config, "logger.tracking_uri")
+    return home_expanded(uri) if uri else uri
 
 
 class MlflowSweepCallback(Callback):
@@ -63,7 +69,7 @@ class MlflowSweepCallback(Callback):
     # ---- Hydra hooks --------------------------------------------------------------------
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._uri = OmegaConf.select(config, "logger.tracking_uri")
+        self._uri = tracking_uri(config)
         if not self._uri:
             log.warning("mlflow sweep: no logger.tracking_uri in the config; the sweep gets no parent run")
             return
@@ -94,7 +100,7 @@ class MlflowSweepCallback(Callback):
         os.environ[PARENT_RUN_ENV] = self.parent_run_id
         self._job_started_ms = int(time.time() * 1000)
         self._job = config
-        job_uri = OmegaConf.select(config, "logger.tracking_uri")
+        job_uri = tracking_uri(config)
         if job_uri != self._uri:
             log.warning("mlflow sweep: job logs to %s, the parent is at %s; it will not be nested", job_uri, self._uri)
 
