@@ -1,5 +1,5 @@
 """Distributed training from the command line, as a user runs it: `trainer=ddp` and `trainer=fsdp` on 2 CPU ranks
-over gloo, the whole pipeline (stage caches written by one rank, RL, evaluation, the saved policy), exactly one
+over gloo, the whole pipeline (stage caches written by one rank, RL in sync and async mode, evaluation, the saved policy), exactly one
 MLflow run logged from rank 0, and a Hydra multirun of 2-rank jobs nesting under one sweep parent."""
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ def runs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["ddp", "fsdp"])
-def test_two_ranks_run_the_whole_pipeline_into_one_mlflow_run(tmp_path, trainer):
-    out = run(tmp_path, f"trainer={trainer}", *SHORT)
+@pytest.mark.parametrize("trainer, mode", [("ddp", "async"), ("fsdp", "sync")])
+def test_two_ranks_run_the_whole_pipeline_into_one_mlflow_run(tmp_path, trainer, mode):
+    """trainer=ddp runs mode=async here (every rank its own generator process, docs/DISTRIBUTED.md), which no test
+    ran before; DDP in sync mode runs in test_distributed_stops.py and in the sweep below (fsdp refuses async)."""
+    out = run(tmp_path, f"trainer={trainer}", f"mode={mode}", *SHORT)
     client, found = runs(tmp_path)
     assert len(found) == 1, [r.info.run_name for r in found]  # rank 1 created no run of its own
     (result,) = found
@@ -55,6 +57,9 @@ def test_two_ranks_run_the_whole_pipeline_into_one_mlflow_run(tmp_path, trainer)
     assert gold[-1].value > gold[0].value, [m.value for m in gold]
     steps = [m.step for m in client.get_metric_history(result.info.run_id, "train/loss")]
     assert steps == sorted(set(steps)) and len(steps) == 20  # one value per step: reduced across ranks, logged once
+    if mode == "async":  # batch j from policy version j - 1 on every rank (logged: the ranks' mean)
+        staleness = [m.value for m in client.get_metric_history(result.info.run_id, "rollout/staleness")]
+        assert staleness == [0.0] + [1.0] * 19, staleness
     policy = tmp_path / "outputs"
     assert len(list(policy.glob("*/*/policy/model.safetensors"))) == 1  # gathered whole and written once
     assert "Traceback" not in out.stderr
