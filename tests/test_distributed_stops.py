@@ -37,6 +37,7 @@ def test_a_signal_stops_both_ranks_with_one_checkpoint_and_resumes(tmp_path, sta
     (checkpoint,) = (out / "checkpoints").glob("step-*")
     assert output.count("checkpoint: ") == 1, output[-4000:]
     assert output.count("stopped: ") == 1, output[-4000:]  # rank 0 speaks for both
+    assert output.count(" received: stopping after this step") == 1, output[-4000:]  # was once per rank
     run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     assert client.get_run(run_id).info.status == "KILLED"

@@ -35,8 +35,13 @@ class StopRequest:
             self.signum = signum
             raise RunInterrupted(signum)
         self.signum = signum
-        log.warning("%s received: stopping after this step with a checkpoint (send it again to stop at once)",
-                    signal.Signals(signum).name)
+        from rlhflab import distributed  # loaded with the RL loop this branch runs in
+
+        # Rank 0 speaks for every rank: Ctrl-C reaches them all, and the line was printed once per rank. A signal
+        # that reached another rank alone still stops every rank, and rank 0's checkpoint and stop lines say so.
+        log.log(logging.WARNING if distributed.is_main() else logging.INFO,
+                "%s received: stopping after this step with a checkpoint (send it again to stop at once)",
+                signal.Signals(signum).name)
 
     @property
     def requested(self) -> bool:
