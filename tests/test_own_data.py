@@ -247,6 +247,7 @@ def test_a_reward_model_with_its_own_tokenizer_reads_the_text(make_cfg, tmp_path
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
     backend.decoder = decoders.Fuse()
     rm_tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="</s>")
+    rm_tok.chat_template = "{% for m in messages %}{{ m['content'] }}={% endfor %}"  # its own markup: '=' after each turn
     torch.manual_seed(0)
     rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                     num_attention_heads=2, num_labels=1, pad_token_id=0))
@@ -263,6 +264,33 @@ def test_a_reward_model_with_its_own_tokenizer_reads_the_text(make_cfg, tmp_path
         expected = rm.eval()(**batch).logits.squeeze(-1)
     got = memory.scores(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long), prompts, completions)
     torch.testing.assert_close(got, expected)  # no reward-stage statistics: scores are raw
+
+    # Conversational prompts: the reward model reads the conversation in its own chat template, not the policy's
+    # rendering of it (here '<user> 125 <assistant>'), as TRL does. Before, ModelReward passed that rendering on.
+    from rlhflab.rewards.builtin import ModelReward
+
+    convo = [{"prompt": [{"role": "user", "content": f"{i}"}]} for i in (125, 275, 300, 401)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in convo))
+    task = PromptsTask(path=str(tmp_path / "chat.jsonl"), eval_fraction=0.25, tokenizer="word")
+    policy_tok = task.build_tokenizer()
+    policy_tok.chat_template = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}<assistant>"
+    task.setup(policy_tok)
+    rows = torch.tensor([0, 1])
+    raw, _, _ = task.reward_inputs("train", rows, [], [])
+    zeros = torch.zeros(2, 1, dtype=torch.long)
+    rollout = Rollout(query=zeros, response=zeros, response_mask=torch.ones(2, 1), logprobs=torch.zeros(2, 1), version=0,
+                      prompts=task.prompts("train")[:2], texts=["521", "9"], rows=rows, split="train")
+    assert rollout.prompts[0].startswith("<user> ")  # the policy's rendering
+    batch = rm_tok([f"{m[0]['content']}={c}=" for m, c in zip(raw, rollout.texts)], return_tensors="pt", padding=True,
+                   add_special_tokens=False)
+    with torch.no_grad():
+        expected = rm(**batch).logits.squeeze(-1)
+    torch.testing.assert_close(ModelReward().score(memory, task, rollout), expected)
+    from rlhflab.models.build import scored_texts
+
+    rm_tok.chat_template = None
+    with pytest.raises(ConfigError, match=r"^model.reward_model_path: the prompts are conversations, and the reward model's"):
+        scored_texts(rm_tok, raw, [[{"role": "assistant", "content": "9"}]] * 2)
 
 
 @pytest.mark.parametrize("memory", ["full", "hydra"])

@@ -172,14 +172,29 @@ def for_text_scores(tokenizer):
     return tokenizer
 
 
+def scored_texts(tokenizer, prompts: list, completions: list) -> tuple[list[str], bool]:
+    """What a sequence classifier of its own tokenizer reads, and whether its special tokens are to be added.
+
+    Text prompts: prompt + completion, with its special tokens (its BOS). Conversations (TRL's shapes: lists of
+    messages, the completion `[{"role": "assistant", ...}]`): the whole conversation rendered with its own chat
+    template, which writes its special tokens, as TRL does. Before, it read the policy's rendering (another
+    model's markup, e.g. Qwen's <|im_start|> for a Llama 3 reward model)."""
+    if not prompts or isinstance(prompts[0], str):
+        return [p + c for p, c in zip(prompts, completions)], True
+    if tokenizer.chat_template is None:
+        raise ConfigError("model.reward_model_path: the prompts are conversations, and the reward model's tokenizer has "
+                          "no chat template to render them; save one with its tokenizer, or use plain-text prompts")
+    return [tokenizer.apply_chat_template(list(p) + list(c), tokenize=False) for p, c in zip(prompts, completions)], False
+
+
 @torch.no_grad()
-def text_scores(model, tokenizer, prompts: list[str], completions: list[str], batch_size: int = 64) -> torch.Tensor:
-    """(n,) raw scores of a sequence classifier on prompt + completion texts, tokenised its own way."""
+def text_scores(model, tokenizer, prompts: list, completions: list, batch_size: int = 64) -> torch.Tensor:
+    """(n,) raw scores of a sequence classifier on prompts and completions, read its own way (scored_texts)."""
     out = []
     device = next(model.parameters()).device
-    for i in range(0, len(prompts), batch_size):
-        texts = [p + c for p, c in zip(prompts[i : i + batch_size], completions[i : i + batch_size])]
-        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=True).to(device)
+    texts, special = scored_texts(tokenizer, prompts, completions)
+    for i in range(0, len(texts), batch_size):
+        batch = tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=special).to(device)
         out.append(model(**batch).logits.squeeze(-1).float())
     return torch.cat(out)
 

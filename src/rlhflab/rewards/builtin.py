@@ -15,11 +15,23 @@ class ModelReward:
     needs_reward_model = True
 
     def score(self, memory: MemoryStrategy, task: Task, rollout: Rollout) -> torch.Tensor:
-        return memory.scores(rollout.query, rollout.response, rollout.prompts, rollout.texts)
+        return memory.scores(rollout.query, rollout.response,
+                             *self._texts(memory, task, rollout.split, rollout.rows, rollout.prompts, rollout.texts))
 
     def score_baseline(self, memory: MemoryStrategy, task: Task, rollout: Rollout) -> torch.Tensor:
         k = rollout.num_samples // rollout.baseline_response.shape[0]
-        return memory.scores(rollout.query[::k], rollout.baseline_response, rollout.prompts[::k], rollout.baseline_texts)
+        rows = rollout.rows[::k] if rollout.rows is not None else None
+        return memory.scores(rollout.query[::k], rollout.baseline_response,
+                             *self._texts(memory, task, rollout.split, rows, rollout.prompts[::k], rollout.baseline_texts))
+
+    @staticmethod
+    def _texts(memory: MemoryStrategy, task: Task, split: str, rows, prompts: list[str], texts: list[str]):
+        """A reward model of its own tokenizer reads the dataset's own prompts (text, or messages it renders with its
+        own chat template), as a reward function does, not the policy's rendering of them; the others read tokens."""
+        if getattr(memory, "reward_tokenizer", None) is None:
+            return prompts, texts
+        raw, completions, _ = task.reward_inputs(split, rows, prompts, texts)
+        return raw, completions
 
 
 class RuleReward:
