@@ -112,18 +112,19 @@ def test_a_stop_before_the_run_exists_says_so_in_one_line(tmp_path, answered):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code, group", [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, True)])
 def test_signal_under_load_stops_within_seconds_killed_with_checkpoint(tmp_path, stage_cache, sig, code, group):
-    """A second CPU-heavy process runs meanwhile. The async run stops in under 30 s, its MLflow run is
-    KILLED, a checkpoint is left, the exit code says which signal, and no process is left behind. SIGTERM
-    goes to the whole process group, as a scheduler's preemption may send it: the generator leaves it to the
-    learner, which finishes its step with a checkpoint."""
+    """A second CPU-heavy process runs meanwhile (from the RL stage on: the stop is the subject, not the start).
+    The async run stops in under 30 s, its MLflow run is KILLED, a checkpoint is left, the exit code says which
+    signal, and no process is left behind. SIGTERM goes to the whole process group, as a scheduler's preemption
+    may send it: the generator leaves it to the learner, which finishes its step with a checkpoint."""
     env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
     out = tmp_path / "run"
-    load = burner()
+    load = None
     try:
         with cli_run([*SHRINK, "mode=async", "trainer.max_steps=100000", f"output.dir={out}", f"hydra.run.dir={out}"],
                      tmp_path, env) as proc:
             wait_for(lambda: "eval after 0 RL steps" in (out / "train.log").read_text() if (out / "train.log").exists() else False,
                      300, "the RL stage", proc)
+            load = burner()
             children = psutil.Process(proc.pid).children(recursive=True)
             sent = time.monotonic()
             (os.killpg if group else os.kill)(proc.pid, sig)
@@ -131,8 +132,9 @@ def test_signal_under_load_stops_within_seconds_killed_with_checkpoint(tmp_path,
             took = time.monotonic() - sent
             output = proc.stdout.read()
     finally:
-        load.kill()
-        load.wait()
+        if load:
+            load.kill()
+            load.wait()
     assert rc == code, output[-3000:]
     assert took < 30, took
     assert list((out / "checkpoints").glob("step-*")), output[-3000:]
