@@ -291,6 +291,14 @@ def test_a_reward_model_with_its_own_tokenizer_reads_the_text(make_cfg, tmp_path
     rm_tok.chat_template = None
     with pytest.raises(ConfigError, match=r"^model.reward_model_path: the prompts are conversations, and the reward model's"):
         scored_texts(rm_tok, raw, [[{"role": "assistant", "content": "9"}]] * 2)
+    # and before anything trains, where both tokenizers are local (the config's validation calls this)
+    from rlhflab.models.build import check_reward_chat_template
+
+    policy_tok.save_pretrained(tmp_path / "policy")
+    rm_tok.save_pretrained(tmp_path / "rm_plain")
+    check_reward_chat_template({"name_or_path": str(tmp_path / "policy"), "reward_model_path": str(tmp_path / "rm")}, task)
+    with pytest.raises(ConfigError, match=r"^model.reward_model_path: the prompts are conversations"):
+        check_reward_chat_template({"name_or_path": str(tmp_path / "policy"), "reward_model_path": str(tmp_path / "rm_plain")}, task)
 
 
 @pytest.mark.parametrize("memory", ["full", "hydra"])

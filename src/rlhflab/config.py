@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from rlhflab.algos.registry import Algorithm
 from rlhflab.contracts import Generator, MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.errors import ConfigError
+from rlhflab.models.build import check_reward_chat_template
 from rlhflab.naming import model_tag
 from rlhflab.schema import check, cuda_index, ranks
 from rlhflab.tracking import MlflowTracker
@@ -195,6 +196,8 @@ def validate(cfg: DictConfig) -> Plan:
             "give a ready reward model or use reward=rule"
         )
     memory.check(cfg.model, task, reward.needs_reward_model)
+    if reward.needs_reward_model:
+        check_reward_chat_template(cfg.model, task)
     check_half_precision(cfg, memory.name, reward.needs_reward_model)
     resolve_reference(cfg, source, algo, memory, reward)
     generator.check_model(cfg.model)

@@ -172,6 +172,27 @@ def for_text_scores(tokenizer):
     return tokenizer
 
 
+NO_REWARD_TEMPLATE = ("model.reward_model_path: the prompts are conversations, and the reward model's tokenizer has no "
+                      "chat template to render them; save one with its tokenizer, or use plain-text prompts")
+
+
+def check_reward_chat_template(model_cfg, task) -> None:
+    """Before anything trains: conversations scored by a given reward model of a tokenizer of its own need that
+    tokenizer's chat template (scored_texts). Checked where both tokenizers are local (a hub one is checked at the
+    first scoring); loads the two tokenizers, no model."""
+    from transformers import AutoTokenizer
+
+    from rlhflab.models.checks import is_local_path
+
+    path = model_cfg.get("reward_model_path")
+    policy = model_cfg.get("tokenizer") or model_cfg.get("sft_path") or model_cfg.get("name_or_path")
+    if not (path and policy and getattr(task, "conversational", False) and is_local_path(path) and is_local_path(policy)):
+        return
+    own = foreign_tokenizer(path, AutoTokenizer.from_pretrained(policy))
+    if own is not None and own.chat_template is None:
+        raise ConfigError(NO_REWARD_TEMPLATE)
+
+
 def scored_texts(tokenizer, prompts: list, completions: list) -> tuple[list[str], bool]:
     """What a sequence classifier of its own tokenizer reads, and whether its special tokens are to be added.
 
@@ -182,8 +203,7 @@ def scored_texts(tokenizer, prompts: list, completions: list) -> tuple[list[str]
     if not prompts or isinstance(prompts[0], str):
         return [p + c for p, c in zip(prompts, completions)], True
     if tokenizer.chat_template is None:
-        raise ConfigError("model.reward_model_path: the prompts are conversations, and the reward model's tokenizer has "
-                          "no chat template to render them; save one with its tokenizer, or use plain-text prompts")
+        raise ConfigError(NO_REWARD_TEMPLATE)
     return [tokenizer.apply_chat_template(list(p) + list(c), tokenize=False) for p, c in zip(prompts, completions)], False
 
 
