@@ -96,6 +96,9 @@ BAD_VALUES = [
     ("rl.lr=[1,2", "rl.lr=[1,2: not an override Hydra can read"),
     # the shell leaves '~' after 'key.name=' as it is, and Hydra's grammar cannot read it
     ("output.dir=~/runs/a", "output.dir=~/runs/a: Hydra cannot read a value that starts with '~'"),
+    # quoted past both ('hydra.run.dir="~/runs/a"'): Hydra made a directory named '~' (rlhflab's own paths expand it)
+    ('hydra.run.dir="~/runs/a"', "hydra.run.dir: '~/runs/a' would be a directory named '~'"),
+    ('-m seed=1,2 hydra.sweep.dir="~/sweeps/a"', "hydra.sweep.dir: '~/sweeps/a' would be a directory named '~'"),
     # a comma list without -m: Hydra's ways out (list, quoted string, --multirun) were cut from its message
     ("algo=rloo,grpo", "algo=rloo,grpo: a comma list is a sweep, which needs -m"),
 ]

@@ -53,6 +53,7 @@ def preflight(argv: list[str]) -> None:
         which = f" (sweep job: {' '.join(job)})" if multirun else ""
         try:
             cfg = compose(job, hydra=True)
+            check_hydra_dirs(cfg.hydra)
             searched = sweep_searches(cfg)
             check_typed(cfg, searched["choices"])
             check_launcher(searched["choices"])
@@ -107,6 +108,20 @@ def sweep_searches(cfg) -> dict:
     with open_dict(cfg):
         del cfg["hydra"]
     return searched
+
+
+def check_hydra_dirs(hydra) -> None:
+    """Hydra makes its run (sweep) directory before rlhflab's code runs, and does not expand '~': quoted past the shell
+    and Hydra's grammar ('hydra.run.dir="~/runs/a"') it made a directory named '~' in the working directory, where
+    rlhflab's own path settings take '~' for the home directory (schema.check)."""
+    from omegaconf import OmegaConf
+
+    dirs = {kind: OmegaConf.to_container(hydra[kind], resolve=False)["dir"] for kind in ("run", "sweep")}
+    for kind, value in dirs.items():
+        if isinstance(value, str) and value.startswith("~"):
+            home = f"write hydra.{kind}.dir=$HOME{value[1:]}, which the shell expands, or" if value[1:2] in ("", "/") else "write"
+            raise ConfigError(f"hydra.{kind}.dir: '{value}' would be a directory named '~' in the working directory (Hydra "
+                              f"does not expand '~'); {home} the full path")
 
 
 def check_shell_completion(argv: list[str]) -> None:
