@@ -119,9 +119,13 @@ def check_hydra_dirs(hydra) -> None:
     dirs = {kind: OmegaConf.to_container(hydra[kind], resolve=False)["dir"] for kind in ("run", "sweep")}
     for kind, value in dirs.items():
         if isinstance(value, str) and value.startswith("~"):
-            home = f"write hydra.{kind}.dir=$HOME{value[1:]}, which the shell expands, or" if value[1:2] in ("", "/") else "write"
             raise ConfigError(f"hydra.{kind}.dir: '{value}' would be a directory named '~' in the working directory (Hydra "
-                              f"does not expand '~'); {home} the full path")
+                              f"does not expand '~'); {home_fix(f'hydra.{kind}.dir', value)}")
+
+
+def home_fix(key: str, value: str) -> str:
+    """The fix for `key=value` whose value starts with '~': $HOME, which the shell expands in any word."""
+    return f"write {key}=$HOME{value[1:]}, which the shell expands, or the full path" if value[1:2] in ("", "/") else "write the full path"
 
 
 def check_shell_completion(argv: list[str]) -> None:
@@ -221,8 +225,7 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
             except OverrideParseException as bad:
                 key, _, value = override.partition("=")
                 if value.startswith("~"):  # the shell expands ~ only after a variable's name (a=~/x), not key.name=~/x
-                    home = f"write {key}=$HOME{value[1:]}, which the shell expands, or" if value[1:2] in ("", "/") else "write"
-                    return f"{override}: Hydra cannot read a value that starts with '~' (nor would it expand it); {home} the full path"
+                    return f"{override}: Hydra cannot read a value that starts with '~' (nor would it expand it); {home_fix(key, value)}"
                 why = str(bad).strip().splitlines()[0].split(" expecting ")[0]
                 return (f"{override}: not an override Hydra can read ({why}); write group=option or key=value "
                         "(key=a,b sweeps with -m), quoting a value that holds spaces, commas or brackets")
