@@ -392,13 +392,14 @@ _BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
 
 
 def _check_value(key: str, value: Any, meta: dict) -> None:
+    """`value` with its `~` already expanded where it is a path (_walk's _expand_home runs first)."""
     if value is None or not meta:
         return
-    if "file" in meta and not Path(value).expanduser().is_file():
+    if "file" in meta and not Path(value).is_file():
         raise SettingError(key, f"no such file '{value}'; {meta['file']}")
     if "model" in meta:
         check_pretrained(key, value)
-    if "data" in meta and Path(value).suffix in DATA_SUFFIXES and not Path(value).expanduser().is_file():
+    if "data" in meta and Path(value).suffix in DATA_SUFFIXES and not Path(value).is_file():
         raise SettingError(key, f"no such file '{value}'; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
     why = f" ({meta['why']})" if "why" in meta else ""
     if "choices" in meta and value not in meta["choices"]:

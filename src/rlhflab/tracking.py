@@ -406,7 +406,7 @@ class MlflowTracker:
         self._write_artifact(f"{artifact_path}/", lambda: self.client.log_artifacts(self.run_id, str(path), artifact_path), later,
                              lambda: log.warning("mlflow: %s/ not logged (the store stopped answering); it is in %s", artifact_path, path))
 
-    def _write_artifact(self, what: str, write, warn: str, skipped=lambda: None) -> None:
+    def _write_artifact(self, what: str, write, warn: str, skipped) -> None:
         """An artifact written at the run's end: as `_write` says for the tracking store, and as `artifact_store`
         says (with `warn`) for the artifact store's disk."""
         def guarded():
