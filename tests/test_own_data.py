@@ -235,7 +235,7 @@ def test_own_data_and_reward_run_in_every_mode_and_memory(make_cfg, tmp_path, ex
     assert len(said) >= 2 and all("reward (the task has no gold_fn) " in line for line in said), said
 
 
-def test_a_reward_model_with_its_own_tokenizer_reads_the_text(make_cfg, tmp_path):
+def test_a_reward_model_with_its_own_tokenizer_reads_the_text(make_cfg, tmp_path, monkeypatch):
     """reward=model with a sequence classifier whose tokenizer is not the policy's: completions are
     decoded and re-tokenised its way, and the scores are its scores of that text."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -299,6 +299,31 @@ def test_a_reward_model_with_its_own_tokenizer_reads_the_text(make_cfg, tmp_path
     check_reward_chat_template({"name_or_path": str(tmp_path / "policy"), "reward_model_path": str(tmp_path / "rm")}, task)
     with pytest.raises(ConfigError, match=r"^model.reward_model_path: the prompts are conversations"):
         check_reward_chat_template({"name_or_path": str(tmp_path / "policy"), "reward_model_path": str(tmp_path / "rm_plain")}, task)
+    # and where they are hub names (here from a hub cache, offline): before, a hub reward model's missing template
+    # stopped the run at its first scoring, after stage sft
+    for name in ("policy", "rm", "rm_plain"):
+        to_hub_cache(tmp_path / "hub", f"org/{name}", tmp_path / name, config=tmp_path / "rm" / "config.json")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_reward_chat_template({"name_or_path": "org/policy", "reward_model_path": "org/rm"}, task)
+    with pytest.raises(ConfigError, match=r"^model.reward_model_path: the prompts are conversations"):
+        check_reward_chat_template({"name_or_path": "org/policy", "reward_model_path": "org/rm_plain"}, task)
+    # one not cached, with no hub: check_hub's line at once (without it, from_pretrained's retries took 46 s here)
+    with pytest.raises(ConfigError, match=r"^model.reward_model_path: 'org/not_cached' is not in the local Hugging Face cache"):
+        check_reward_chat_template({"name_or_path": "org/policy", "reward_model_path": "org/not_cached"}, task)
+
+
+def to_hub_cache(cache: Path, repo_id: str, files: Path, config: Path) -> None:
+    """A directory's files as the hub cache holds a download of repo_id (`from_pretrained(repo_id)` finds them
+    offline), with a model's config.json as every hub repo has (AutoTokenizer reads it first from the hub)."""
+    import shutil
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(files, repo / "snapshots" / ("0" * 40))
+    shutil.copy(config, repo / "snapshots" / ("0" * 40) / "config.json")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
 
 
 @pytest.mark.parametrize("memory", ["full", "hydra"])

@@ -178,17 +178,24 @@ NO_REWARD_TEMPLATE = ("model.reward_model_path: the prompts are conversations, a
 
 def check_reward_chat_template(model_cfg, task) -> None:
     """Before anything trains: conversations scored by a given reward model of a tokenizer of its own need that
-    tokenizer's chat template (scored_texts). Checked where both tokenizers are local (a hub one is checked at the
-    first scoring); loads the two tokenizers, no model."""
+    tokenizer's chat template (scored_texts). Loads the two tokenizers (from the hub where they are hub names: a
+    few files), no model; one that cannot be loaded is left to the model's load to report."""
     from transformers import AutoTokenizer
 
-    from rlhflab.models.checks import is_local_path
+    from rlhflab.models.checks import check_hub
 
     path = model_cfg.get("reward_model_path")
-    policy = model_cfg.get("tokenizer") or model_cfg.get("sft_path") or model_cfg.get("name_or_path")
-    if not (path and policy and getattr(task, "conversational", False) and is_local_path(path) and is_local_path(policy)):
+    policy_key = next((k for k in ("tokenizer", "sft_path", "name_or_path") if model_cfg.get(k)), None)
+    policy = model_cfg.get(policy_key) if policy_key else None
+    if not (path and policy and getattr(task, "conversational", False)):
         return
-    own = foreign_tokenizer(path, AutoTokenizer.from_pretrained(policy))
+    check_hub("model.reward_model_path", path)  # a hub id not cached and no hub: its one line, not retries
+    check_hub(f"model.{policy_key}", policy)
+    try:
+        policy_tokenizer = AutoTokenizer.from_pretrained(policy)
+    except (OSError, ValueError):
+        return
+    own = foreign_tokenizer(path, policy_tokenizer)
     if own is not None and own.chat_template is None:
         raise ConfigError(NO_REWARD_TEMPLATE)
 
