@@ -19,7 +19,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf, open_dict
 
-from conftest import SHRINK, cli_run, history, run_id_of, wait_for
+from conftest import ROOT, SHRINK, cli_run, history, run_id_of, wait_for
 from test_sweep import mlflow_server  # noqa: F401  (a fixture: `mlflow server` on a free local port)
 from rlhflab.algos.registry import RLOO
 from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, TrackingLost, WriteFailed
@@ -383,6 +383,30 @@ def test_an_unknown_hub_id_is_one_line_and_creates_no_run(make_cfg, tmp_path, mo
         train(cfg)
     assert time.monotonic() - started < 30  # not a minute of retries
     assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_an_unknown_hub_dataset_is_one_line_and_creates_no_run(make_cfg, tmp_path, monkeypatch, offline):
+    """A hub dataset name that is neither cached nor reachable: before, the MLflow run was made first, then
+    datasets' retries (30 s here) and a warning line led to the error."""
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path / "datasets")  # read at import: the attribute
+    example = ROOT / "examples" / "reverse"
+    cfg = make_cfg("task=prompts", f"task.path={example}/train.jsonl", "task.eval_path=nobody/no-such-data",
+                   f"task.demonstrations_path={example}/demos.jsonl", "task.tokenizer=char", "reward=function",
+                   f"reward.fn={example}/reward.py:exact", shrink=False)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"^task.eval_path: 'nobody/no-such-data' is not in the local Hugging Face "
+                                          r"datasets cache and (HF_HUB_OFFLINE is set|the hub cannot be reached)"):
+        train(cfg)
+    assert time.monotonic() - started < 30  # not datasets' retries
+    assert not (tmp_path / "mlflow.db").exists()
+    # one that a load cached where datasets reads it offline passes the check (the load reads it)
+    from rlhflab.models.checks import check_hub_dataset
+
+    (tmp_path / "datasets" / "nobody___my_data" / "default" / "0.0.0" / ("0" * 16)).mkdir(parents=True)
+    check_hub_dataset("task.eval_path", "nobody/MyData")
 
 
 @pytest.mark.slow

@@ -58,6 +58,20 @@ def saved(path: Path, data: list[dict], split: str | None = None) -> Path:
     return path
 
 
+@pytest.mark.parametrize("extra, error", [("task.split=nope", r"task.path: cannot read '.*' \(ValueError: Unknown split"),
+                                          ("task.prompt_field=question", r"task.prompt_field: no column 'question'")])
+def test_data_read_at_run_start_fails_before_the_mlflow_run(make_cfg, tmp_path, extra, error):
+    """What construction leaves unread (a hub dataset; here a directory of data files, read by load_dataset the
+    same way) is read by train() before the MLflow run: before, its bad split or column came after the run was
+    made, which then ended FAILED."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text((EXAMPLE / "train.jsonl").read_text())
+    cfg = make_cfg(*own_task(tmp_path), f"task.path={tmp_path}/data", "task.eval_path=null", extra, shrink=False)
+    with pytest.raises(ConfigError, match="^" + error):
+        train(cfg)
+    assert not (tmp_path / "mlflow.db").exists()
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet", "Dataset.save_to_disk", "DatasetDict.save_to_disk"])
 def test_prompt_files_of_each_format_give_the_same_task(tmp_path, suffix):
     """save_to_disk directories were refused in datasets' words ('Please use `load_from_disk` instead')."""

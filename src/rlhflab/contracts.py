@@ -19,7 +19,10 @@ if TYPE_CHECKING:  # typing only: a contract module must not pull in the layers 
 
 @runtime_checkable
 class Task(Protocol):
-    """`task=`: prompts, optional SFT/preference data, and the gold reward evaluation reports."""
+    """`task=`: prompts, optional SFT/preference data, and the gold reward evaluation reports.
+
+    Optional: `load()`, which train() calls before the MLflow run is made, to read data that construction
+    left unread (a hub dataset), so that its errors come before any run exists."""
 
     name: str
     num_train_prompts: int

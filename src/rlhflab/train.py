@@ -34,7 +34,7 @@ from rlhflab.lit import checkpoint as ckpt
 from rlhflab.lit.progress import StageProgressBar
 from rlhflab.lit.rl_module import RLHFModule
 from rlhflab.models.build import ensure_base_model, load_tokenizer
-from rlhflab.models.checks import check_hub
+from rlhflab.models.checks import check_hub, check_hub_dataset
 from rlhflab.naming import absolute_uri, redact
 from rlhflab.quiet import quiet_libraries
 from rlhflab.rng import fixed_seed
@@ -153,6 +153,11 @@ def train(cfg: DictConfig) -> Result:
     check_trainer(cfg)  # and Lightning takes the trainer's settings
     for key in ("name_or_path", "sft_path", "reward_model_path", "tokenizer"):
         check_hub(f"model.{key}", cfg.model.get(key))  # hub ids: cached, or the hub answers (before any run exists)
+    check_hub("task.gold_model_path", cfg.task.get("gold_model_path"))
+    for key in ("path", "eval_path", "demonstrations_path", "preferences_path", "dataset"):
+        check_hub_dataset(f"task.{key}", cfg.task.get(key))
+    if hasattr(plan.task, "load"):  # hub data read now: its missing split or column, too, is a line before any run
+        plan.task.load()
     quiet_libraries()
     if cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))

@@ -72,22 +72,51 @@ def check_hub(key: str, name: str | None) -> None:
     One line instead of a minute of retries and a traceback when neither holds."""
     if name is None or is_local_path(name):
         return
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = any(isinstance(try_to_load_from_cache(name, f), str) for f in ("config.json", "tokenizer_config.json"))
+    _cached_or_reachable(key, name, cached, "model", "local Hugging Face cache")
+
+
+def is_hub_dataset(name: str) -> bool:
+    """A `datasets.load_dataset` hub name ('org/name'), not a file, directory or path on this machine."""
+    return not (name.startswith(("/", ".", "~")) or Path(name).suffix in (".jsonl", ".json", ".csv", ".parquet")
+                or Path(name).expanduser().exists())
+
+
+def check_hub_dataset(key: str, name: str | None) -> None:
+    """check_hub for a hub dataset: in datasets' own cache (where `load_dataset` reads it offline), or the hub
+    answers. One line before any run exists, instead of datasets' retries after the MLflow run was made."""
+    if name is None or not is_hub_dataset(name):
+        return
+    import datasets.config
+    from datasets.naming import camelcase_to_snakecase
+
+    # where datasets' CachedDatasetModuleFactory looks: <cache>/<org>___<name in snake case>/<config>/<version>/<hash>
+    *org, last = name.split("/")
+    root = Path(datasets.config.HF_DATASETS_CACHE).expanduser() / "___".join([*org, camelcase_to_snakecase(last)])
+    cached = any(p.is_dir() for p in root.glob("*/*/*"))
+    _cached_or_reachable(key, name, cached, "dataset", "local Hugging Face datasets cache")
+
+
+def _cached_or_reachable(key: str, name: str, cached: bool, kind: str, cache: str) -> None:
+    if cached:
+        return
     import os
 
-    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    if isinstance(try_to_load_from_cache(name, "config.json"), str) or isinstance(
-        try_to_load_from_cache(name, "tokenizer_config.json"), str
-    ):
-        return
-    fix = f"download it where the hub is reachable (hf download {name}) or give a local directory"
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-        raise ConfigError(f"{key}: '{name}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {fix}")
+    fix = (f"download it where the hub is reachable (hf download {name}) or give a local directory" if kind == "model" else
+           f"load it once where the hub is reachable (datasets.load_dataset('{name}')) or give a local file")
+    offline = ("HF_HUB_OFFLINE",) + (("HF_DATASETS_OFFLINE",) if kind == "dataset" else ())
+    for var in offline:
+        if os.environ.get(var, "").lower() in ("1", "true", "yes"):
+            raise ConfigError(f"{key}: '{name}' is not in the {cache} and {var} is set; {fix}")
     try:
-        HfApi().model_info(name, timeout=10)
+        (HfApi().model_info if kind == "model" else HfApi().dataset_info)(name, timeout=10)
     except RepositoryNotFoundError:
-        raise ConfigError(f"{key}: no model '{name}' on the Hugging Face hub (or it is private); check the name, or {fix}") from None
+        raise ConfigError(f"{key}: no {kind} '{name}' on the Hugging Face hub (or it is private); check the name, or {fix}") from None
     except Exception as err:  # no network, DNS, proxy, timeout
         reason = str(err).splitlines()[0][:120]
-        raise ConfigError(f"{key}: '{name}' is not in the local Hugging Face cache and the hub cannot be reached ({reason}); {fix}") from None
+        raise ConfigError(f"{key}: '{name}' is not in the {cache} and the hub cannot be reached ({reason}); {fix}") from None

@@ -132,11 +132,13 @@ class PromptsTask:
         self.num_train_prompts = 0  # known once loaded
         self.rendered: dict[str, list[str]] = {}
         # Local files are read now (a missing field fails before anything loads); hub datasets when the run
-        # needs them (setup), so that a preset validates without downloading.
+        # starts (train() calls load() after check_hub_dataset, before the MLflow run), so that a preset
+        # validates without downloading.
         if all(is_local(p) for p in (path, eval_path, demonstrations_path, preferences_path) if p):
-            self._load()
+            self.load()
 
-    def _load(self) -> None:
+    def load(self) -> None:
+        """Read the tables (once): local files at construction, hub datasets when train() calls it."""
         if self.tables is not None:
             return
         src = self.source
@@ -174,7 +176,7 @@ class PromptsTask:
 
     def setup(self, tokenizer) -> dict[str, int]:
         """Render prompts (chat template), enforce max_prompt_tokens; returns the counts it logged."""
-        self._load()
+        self.load()
         counts, bos = {}, leading_bos(tokenizer)
         for split, table in self.tables.items():
             kept, texts, dropped, truncated = [], [], 0, 0
@@ -254,7 +256,7 @@ class PromptsTask:
 
     def build_tokenizer(self):
         """A tokenizer over the data's words (or characters), for a model built from config."""
-        self._load()
+        self.load()
         from tokenizers import Tokenizer, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
 
