@@ -313,6 +313,21 @@ def test_optuna_preset_runs_trials_as_children_and_optimises_the_kl_penalised_go
     best = max(r.data.metrics["eval/gold_reward"] - 0.01 * max(0.0, r.data.metrics["eval/kl"]) for r in children)
     reported = float(re.search(r"Best value: (\S+)", sweep.output).group(1))
     assert reported == pytest.approx(best, abs=1e-6)
+    # MLflow's parent names the same best trial, by the same objective, which each trial's run records; before,
+    # it named the best plain gold (over the KL budget, where the sweep meant to penalise it) and the report too
+    for r in children:
+        penalised = r.data.metrics["eval/gold_reward"] - 0.01 * max(0.0, r.data.metrics["eval/kl"])
+        assert r.data.metrics["sweep/objective"] == pytest.approx(penalised, abs=1e-6)
+    assert parent.data.tags["rlhflab.sweep.metric"] == "sweep/objective"
+    assert parent.data.metrics["best/sweep/objective"] == pytest.approx(best, abs=1e-6)
+    (winner,) = [r for r in children if r.data.metrics["sweep/objective"] == parent.data.metrics["best/sweep/objective"]]
+    assert parent.data.tags["rlhflab.sweep.best_run_id"] == winner.info.run_id
+    from rlhflab.report import main as report
+
+    summary = report([f"sweep={parent.info.run_id}", f"tracking_uri={sweep.uri}", f"out_dir={tmp_path / 'report'}",
+                      "log_artifacts=false"]).files[0].read_text()
+    assert f"- best sweep/objective (eval/gold_reward less 0.01 per nat of eval/kl above 0.0): {best:.4f}" in summary
+    assert "| objective |" in summary
 
 
 def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job(tmp_path, stage_cache):

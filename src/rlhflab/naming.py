@@ -37,6 +37,8 @@ SWEEP_JOB_TAG = f"{SWEEP_TAG}.job"  # on a child: its job number
 SWEEP_OVERRIDES_TAG = f"{SWEEP_TAG}.overrides"  # on a child: its overrides; on the parent: the sweep's
 SWEEP_METRIC_TAG = f"{SWEEP_TAG}.metric"  # on the parent: the metric that picks the best child
 SWEEP_BEST_RUN_NAME_TAG = f"{SWEEP_TAG}.best_run_name"
+SWEEP_OBJECTIVE_TAG = f"{SWEEP_TAG}.objective"  # on the parent: what OBJECTIVE is, in words
+OBJECTIVE = "sweep/objective"  # on each job's run, with a KL budget (kl_budget): the value its sweeper was told
 
 # Overrides that change where things are logged or shown, not what is trained: left out of run names.
 NOT_IN_NAMES = ("logger.", "hydra.", "trainer.enable_progress_bar", "cache_dir", "output.", "checkpoint.", "resume")

@@ -21,9 +21,11 @@ from pathlib import Path
 from rlhflab import report_plots as plots
 from rlhflab.naming import (
     NOT_IN_NAMES,
+    OBJECTIVE,
     SWEEP_BEST_RUN_NAME_TAG,
     SWEEP_JOB_TAG,
     SWEEP_METRIC_TAG,
+    SWEEP_OBJECTIVE_TAG,
     SWEEP_OVERRIDES_TAG,
     SWEEP_TAG,
     home_expanded,
@@ -127,6 +129,7 @@ def summary_rows(runs) -> list[dict]:
             **{k: tags.get(k, "") for k in ("algo", "memory", "mode", "staleness")},
             "gold": metrics.get(GOLD),
             "kl": metrics.get(EVAL_KL, metrics.get(TRAIN_KL)),
+            "objective": metrics.get(OBJECTIVE),
             "samples_per_s": metrics.get(THROUGHPUT, metrics.get("perf/samples_per_s")),
             "overlap": metrics.get(OVERLAP),
             "rl_s": metrics.get(RL_S),
@@ -143,7 +146,7 @@ def summary_rows(runs) -> list[dict]:
 COLUMNS = [  # (row key, header, number format)
     ("run", "run", None), ("status", "status", None), ("algo", "algo", None), ("memory", "memory", None),
     ("mode", "mode", None), ("staleness", "staleness", None), ("gold", "gold reward", ".3f"),
-    ("kl", "KL", ".3f"), ("samples_per_s", "samples/s", ".1f"), ("overlap", "overlap eff", ".2f"),
+    ("kl", "KL", ".3f"), ("objective", "objective", ".3f"), ("samples_per_s", "samples/s", ".1f"), ("overlap", "overlap eff", ".2f"),
     ("peak_mem_mb", "peak mem MB", ".1f"), ("rl_s", "RL s", ".1f"), ("total_s", "wall-clock s", ".1f"),
     ("speedup", "RL speedup vs baseline", ".2f"), ("t_target", "RL s to baseline's final gold", ".1f"),
     ("varied", "overrides", None), ("error", "error", None),
@@ -375,7 +378,8 @@ def _markdown(client, parent, runs, rows, report: Report) -> str:
     if tags.get(SWEEP_BEST_RUN_NAME_TAG):
         metric = tags.get(SWEEP_METRIC_TAG, GOLD)
         best = parent.data.metrics.get(f"best/{metric}")
-        lines.append(f"- best {metric}: {_cell(best, '.4f')} ({tags[SWEEP_BEST_RUN_NAME_TAG]})")
+        what = f" ({tags[SWEEP_OBJECTIVE_TAG]})" if tags.get(SWEEP_OBJECTIVE_TAG) else ""
+        lines.append(f"- best {metric}{what}: {_cell(best, '.4f')} ({tags[SWEEP_BEST_RUN_NAME_TAG]})")
     lines += ["", "KL is the final eval/kl (train/kl where a run has no eval/kl).", "", markdown_table(rows), ""]
     lines += ["## Plots", ""] + [f"- `{name}`: {caption}" for name, caption in report.captions.items()]
     lines += [f"- {s}" for s in report.skipped] + [""]

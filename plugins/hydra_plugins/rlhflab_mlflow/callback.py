@@ -34,8 +34,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
-    PARENT_RUN_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OVERRIDES_TAG, SWEEP_TAG,
-    default_run_name, home_expanded, model_tag, short_override,
+    OBJECTIVE, PARENT_RUN_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OBJECTIVE_TAG,
+    SWEEP_OVERRIDES_TAG, SWEEP_TAG, default_run_name, home_expanded, model_tag, short_override,
 )
 
 log = logging.getLogger("rlhflab.sweep")
@@ -52,7 +52,9 @@ def tracking_uri(config: DictConfig) -> str | None:
 class MlflowSweepCallback(Callback):
     """Groups a Hydra multirun under one MLflow parent run.
 
-    metric: child metric that picks the best job; null = the config's `optimized_metric`.
+    metric: child metric that picks the best job; null = the config's `optimized_metric`, or with a KL budget
+        (`kl_budget`, as experiment=sweep_optuna sets) the objective the sweeper was told (train.objective), which
+        each job's run then records as `sweep/objective`.
     direction: maximize or minimize `metric`; null = the sweeper's `direction` if it has one, else maximize.
     """
 
@@ -65,6 +67,7 @@ class MlflowSweepCallback(Callback):
         self._job_started_ms = 0
         self._job: DictConfig | None = None  # the running job's config (between on_job_start and on_job_end)
         self._claimed: set[str] = set()
+        self.objective: str | None = None  # OBJECTIVE in words, where jobs return a KL-penalised metric
 
     # ---- Hydra hooks --------------------------------------------------------------------
 
@@ -73,7 +76,12 @@ class MlflowSweepCallback(Callback):
         if not self._uri:
             log.warning("mlflow sweep: no logger.tracking_uri in the config; the sweep gets no parent run")
             return
-        self.metric = self.metric or OmegaConf.select(config, "optimized_metric") or "eval/gold_reward"
+        optimized = OmegaConf.select(config, "optimized_metric") or "eval/gold_reward"
+        budget = OmegaConf.select(config, "kl_budget")
+        if self.metric is None and budget is not None:  # what the jobs return to the sweeper (train.objective)
+            self.metric = OBJECTIVE
+            self.objective = f"{optimized} less {OmegaConf.select(config, 'kl_penalty')} per nat of eval/kl above {budget}"
+        self.metric = self.metric or optimized
         self.direction = self.direction or str(OmegaConf.select(config, "hydra.sweeper.direction") or "maximize")
         from mlflow.tracking.context.registry import resolve_tags
 
@@ -113,6 +121,8 @@ class MlflowSweepCallback(Callback):
         child, overrides = self._tag_child(client, config)
         if job_return.status == JobStatus.FAILED:
             self._record_failure(client, config, job_return, child, overrides)
+        elif self.objective and child is not None and isinstance(job_return.return_value, (int, float)):
+            client.log_metric(child.info.run_id, OBJECTIVE, float(job_return.return_value))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.parent_run_id is None:
@@ -210,12 +220,15 @@ class MlflowSweepCallback(Callback):
         now = int(time.time() * 1000)
         metrics = [Metric("sweep/jobs", len(children), now, 0), Metric("sweep/failed_jobs", len(self.failed), now, 0)]
         tags = {SWEEP_METRIC_TAG: self.metric, "rlhflab.sweep.direction": self.direction}
+        if self.objective:
+            tags[SWEEP_OBJECTIVE_TAG] = self.objective
         note = f"{len(children)} jobs, {len(self.failed)} failed."
         if best is not None:
             value = best.data.metrics[self.metric]
             metrics.append(Metric(f"best/{self.metric}", value, now, 0))
             tags |= {"rlhflab.sweep.best_run_id": best.info.run_id, SWEEP_BEST_RUN_NAME_TAG: best.info.run_name}
-            note = f"Best {self.metric}: {value:.4f} ({best.info.run_name}, {best.info.run_id}). " + note
+            what = f" ({self.objective})" if self.objective else ""
+            note = f"Best {self.metric}{what}: {value:.4f} ({best.info.run_name}, {best.info.run_id}). " + note
         tags["mlflow.note.content"] = note + f" Report: `python src/report.py sweep={self.parent_run_id}`"
         client.log_batch(self.parent_run_id, metrics=metrics)
         for key, value in tags.items():
