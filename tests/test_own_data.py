@@ -59,11 +59,13 @@ def saved(path: Path, data: list[dict], split: str | None = None) -> Path:
 
 
 @pytest.mark.parametrize("extra, error", [("task.split=nope", r"task.path: cannot read '.*' \(ValueError: Unknown split"),
-                                          ("task.prompt_field=question", r"task.prompt_field: no column 'question'")])
+                                          ("task.prompt_field=question", r"task.prompt_field: no column 'question'"),
+                                          ("rl.prompts_per_step=1024", r"rl.prompts_per_step=1024: larger than the task's 836 ")])
 def test_data_read_at_run_start_fails_before_the_mlflow_run(make_cfg, tmp_path, extra, error):
     """What construction leaves unread (a hub dataset; here a directory of data files, read by load_dataset the
     same way) is read by train() before the MLflow run: before, its bad split or column came after the run was
-    made, which then ended FAILED."""
+    made, which then ended FAILED. The checks validation makes of local rows run then too (prompts_per_step
+    against the rows; a reward model's chat template for conversations, check_task_data)."""
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text((EXAMPLE / "train.jsonl").read_text())
     cfg = make_cfg(*own_task(tmp_path), f"task.path={tmp_path}/data", "task.eval_path=null", extra, shrink=False)

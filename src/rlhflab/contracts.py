@@ -21,8 +21,9 @@ if TYPE_CHECKING:  # typing only: a contract module must not pull in the layers 
 class Task(Protocol):
     """`task=`: prompts, optional SFT/preference data, and the gold reward evaluation reports.
 
-    Optional: `load()`, which train() calls before the MLflow run is made, to read data that construction
-    left unread (a hub dataset), so that its errors come before any run exists."""
+    Optional: `load() -> bool`, which train() calls before the MLflow run is made, to read data that construction
+    left unread (a hub dataset), so that its errors come before any run exists; True when it read some (train()
+    then repeats validation's checks of the rows, config.check_task_data)."""
 
     name: str
     num_train_prompts: int

@@ -26,7 +26,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab import distributed
-from rlhflab.config import Plan, check_devices, check_trainer, validate
+from rlhflab.config import Plan, check_devices, check_task_data, check_trainer, validate
 from rlhflab.errors import (ConfigError, NonFiniteError, RankLost, RewardError, RunInterrupted, StageFailed, TrackingLost,
                             WriteFailed, writing)
 from rlhflab.interrupts import STOP, as_interrupt
@@ -156,8 +156,8 @@ def train(cfg: DictConfig) -> Result:
     check_hub("task.gold_model_path", cfg.task.get("gold_model_path"))
     for key in ("path", "eval_path", "demonstrations_path", "preferences_path", "dataset"):
         check_hub_dataset(f"task.{key}", cfg.task.get(key))
-    if hasattr(plan.task, "load"):  # hub data read now: its missing split or column, too, is a line before any run
-        plan.task.load()
+    if hasattr(plan.task, "load") and plan.task.load():  # hub data read now: its missing split or column, too,
+        check_task_data(cfg, plan.task, plan.reward.needs_reward_model)  # and what validate could not check yet
     quiet_libraries()
     if cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))

@@ -137,10 +137,11 @@ class PromptsTask:
         if all(is_local(p) for p in (path, eval_path, demonstrations_path, preferences_path) if p):
             self.load()
 
-    def load(self) -> None:
-        """Read the tables (once): local files at construction, hub datasets when train() calls it."""
+    def load(self) -> bool:
+        """Read the tables (once): local files at construction, hub datasets when train() calls it. True when
+        this call read them."""
         if self.tables is not None:
-            return
+            return False
         src = self.source
         path, prompt_field = src["path"], self.prompt_field
         train = load_table(path, src["split"], "task.path")
@@ -164,6 +165,7 @@ class PromptsTask:
                                      "task.preferences_path")
         self.demos, self.prefs = self.raw_demos, self.raw_prefs  # rendered by setup()
         self.conversational = is_conversation(train[0][prompt_field])
+        return True
 
     def _pairs(self, path: str | None, fields: list[str], key: str) -> list[tuple] | None:
         if not path:
