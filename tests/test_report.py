@@ -221,3 +221,41 @@ def test_no_database_or_no_sweep_in_it_is_one_line_and_makes_no_database(tmp_pat
         main(["sweep=latest", "tracking_uri=sqlite:///~/mlflow.db"])
     assert str(stop.value).startswith(f"error: sweep=latest: sqlite:///{tmp_path}/mlflow.db holds no sweep")
     assert not (tmp_path / "~").exists()  # MLflow made ./~/mlflow.db and read that
+
+
+class TwoSweepClient(FakeClient):
+    """A sweep and its baseline: search_runs answers each parent's query with its own children."""
+
+    def __init__(self, sweeps: dict[str, list]):
+        super().__init__([r for runs in sweeps.values() for r in runs])
+        self.sweeps = sweeps
+
+    def search_runs(self, experiment_ids, query, order_by=None, max_results=None):
+        return next(runs for parent, runs in self.sweeps.items() if parent in query)
+
+
+def test_a_baseline_run_is_the_one_of_the_same_algo_and_memory_and_an_ambiguous_one_is_said(tmp_path):
+    """`baseline=`: runs were matched by the algo tag alone, so async rloo (memory=full) was compared with the
+    sync sweep's last rloo, memory=hydra (1.44x, against 1.13x beside full); and the summary counted the
+    baseline's runs among the sweep's children."""
+    base = [fake_run(j, f"algo=rloo memory={m}", {"algo": "rloo", "memory": m}, gold=0.5, kl=1.0)
+            for j, m in enumerate(("full", "lora", "hydra"))]
+    base += [fake_run(3 + j, f"algo=grpo rl.lr={lr}", {"algo": "grpo"}, gold=0.5, kl=1.0) for j, lr in enumerate(("1e-3", "3e-3"))]
+    for run, rl_s in zip(base, (45.0, 63.0, 57.0, 40.0, 40.0)):
+        run.data.metrics["perf/rl_s"] = rl_s
+    ours = [fake_run(10 + j, f"algo={a} mode=async", {"algo": a, "mode": "async"}, gold=0.6, kl=1.0) for j, a in
+            enumerate(("rloo", "grpo"))]
+    for run in ours:
+        run.info.run_id = f"{int(run.info.run_id, 16) + 100:032x}"
+    client = TwoSweepClient({"f" * 32: ours, "e" * 32: base})
+    baseline = fake_parent("algo=rloo,grpo memory=full,lora,hydra")
+    baseline.info.run_id, baseline.info.run_name = "e" * 32, "sweep_sync"
+    report = write_report(client, fake_parent("algo=rloo,grpo mode=async"), tmp_path, baseline)
+    rows = [line for line in report.files[0].read_text().splitlines() if line.startswith("| ")]
+    speedup = {line.split(" | ")[0]: line.split(" | ")[-3] for line in rows[1:]}
+    assert speedup["| rloo-full-async #10"] == f"{45.0 / 30.0:.2f}"  # beside sync rloo, memory=full
+    assert speedup["| grpo-full-async #11"] == "–"  # two sync grpo runs (rl.lr) fit: neither is picked
+    summary = report.files[0].read_text()
+    assert "- children: 2 (0 failed)" in summary
+    assert "- baseline: sweep_sync, 5 runs (shown below the sweep's), matched on the algo, memory, model, reward and task tags" in summary
+    assert "grpo-full-async #11: 2 baseline runs match (algo=grpo, memory=full, reward=model), so none is compared" in summary

@@ -51,6 +51,8 @@ class Report:
     files: list[Path] = field(default_factory=list)
     captions: dict[str, str] = field(default_factory=dict)  # file name -> what the plot shows, for summary.md
     skipped: list[str] = field(default_factory=list)  # one line per plot left out, with the reason
+    children: int = 0  # the sweep's own runs (the table also lists the baseline's)
+    baseline: list[str] = field(default_factory=list)  # the baseline sweep, then each run it could not be matched for
 
 
 # ---- finding the runs ---------------------------------------------------------------------
@@ -181,16 +183,30 @@ def rl_seconds_to_gold(client, run, target: float) -> float | None:
     return None
 
 
-def compare_to_baseline(client, runs, rows, baseline_runs) -> None:
-    """Side by side with a baseline sweep (e.g. sync) of the same algorithms: RL speedup and
-    time to reach the baseline's final gold reward, matched by the `algo` tag."""
-    base = {r.data.tags.get("algo"): r for r in baseline_runs if r.info.status == "FINISHED"}
+# What a baseline run shares with the run it is compared to: all but mode and staleness, what a comparison is about.
+BASELINE_MATCH = ("algo", "memory", "model", "reward", "task")
+
+
+def compare_to_baseline(client, runs, rows, baseline_runs) -> list[str]:
+    """Side by side with a baseline sweep (e.g. sync) of the same algorithms: RL speedup and time to reach the
+    baseline's final gold reward, against the one finished baseline run of the same BASELINE_MATCH tags. Returns
+    a line per run that has several (the baseline also varied e.g. rl.lr): none of them is picked."""
+    finished = [r for r in baseline_runs if r.info.status == "FINISHED"]
+    unmatched = []
     for run, row in zip(runs, rows):
-        b = base.get(row["algo"])
-        if b is None or run.info.status != "FINISHED":
+        if run.info.status != "FINISHED":
             continue
+        key = {t: run.data.tags.get(t) for t in BASELINE_MATCH}
+        same = [b for b in finished if all(b.data.tags.get(t) == v for t, v in key.items())]
+        if len(same) > 1:
+            shared = ", ".join(f"{t}={v}" for t, v in key.items() if v is not None)
+            unmatched.append(f"{row['run']}: {len(same)} baseline runs match ({shared}), so none is compared")
+        if len(same) != 1:
+            continue
+        b = same[0]
         row["speedup"] = b.data.metrics.get(RL_S, math.nan) / run.data.metrics.get(RL_S, math.nan)
         row["t_target"] = rl_seconds_to_gold(client, run, b.data.metrics[GOLD])
+    return unmatched
 
 
 # ---- the plots: what each shows (report_plots draws) ---------------------------------------
@@ -321,14 +337,20 @@ def bar_chart(runs, rows, labels, key: str, ylabel: str, path: Path) -> str | No
 # ---- putting it together ------------------------------------------------------------------
 
 
-def gather(client, parent, baseline=None) -> tuple[list, list[dict], dict[str, str]]:
-    """The children (then the baseline's), their table rows, their legend names."""
+def gather(client, parent, baseline=None, report: Report | None = None) -> tuple[list, list[dict], dict[str, str]]:
+    """The children (then the baseline's), their table rows, their legend names; what the summary says of the
+    baseline goes to `report`."""
     runs = child_runs(client, parent)
     rows = summary_rows(runs)
     base_runs = []
+    if report is not None:
+        report.children = len(runs)
     if baseline is not None:
         base_runs = child_runs(client, baseline)
-        compare_to_baseline(client, runs, rows, base_runs)
+        unmatched = compare_to_baseline(client, runs, rows, base_runs)
+        if report is not None:
+            report.baseline = [f"{baseline.info.run_name}, {len(base_runs)} runs (shown below the sweep's), matched on the "
+                               f"{', '.join(BASELINE_MATCH[:-1])} and {BASELINE_MATCH[-1]} tags", *unmatched]
         base_rows = summary_rows(base_runs)
         for row in base_rows:
             row["run"] += " (baseline)"
@@ -340,7 +362,7 @@ def gather(client, parent, baseline=None) -> tuple[list, list[dict], dict[str, s
 def write_report(client, parent, out_dir: Path, baseline=None) -> Report:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = Report(out_dir)
-    runs, rows, labels = gather(client, parent, baseline)
+    runs, rows, labels = gather(client, parent, baseline, report)
     figures = [  # (file, what it needs, draw: returns its caption, or None where no run has what it needs)
         ("gold_vs_step.png", GOLD, lambda p: gold_vs_step(client, runs, labels, p)),
         ("gold_vs_time.png", GOLD, lambda p: gold_vs_time(client, runs, labels, p)),
@@ -364,7 +386,7 @@ def write_report(client, parent, out_dir: Path, baseline=None) -> Report:
 
 def _markdown(client, parent, runs, rows, report: Report) -> str:
     tags = parent.data.tags
-    failed = sum(r.info.status == "FAILED" for r in runs)
+    failed = sum(r.info.status == "FAILED" for r in runs[:report.children])
     stopped = {"KILLED": "; stopped by a signal: jobs after the last child never ran",
                "FAILED": "; the sweep died: jobs after the last child never ran",
                "RUNNING": "; still running"}.get(parent.info.status, "")
@@ -373,8 +395,11 @@ def _markdown(client, parent, runs, rows, report: Report) -> str:
         "",
         f"- parent run: `{parent.info.run_id}` at `{client.tracking_uri}`, {parent.info.status}{stopped}",
         f"- sweep overrides: `{tags.get(SWEEP_OVERRIDES_TAG, '')}`",
-        f"- children: {len(runs)} ({failed} failed)",
+        f"- children: {report.children} ({failed} failed)",
     ]
+    if report.baseline:
+        lines.append(f"- baseline: {report.baseline[0]}")
+        lines += [f"  - {line}" for line in report.baseline[1:]]
     if tags.get(SWEEP_BEST_RUN_NAME_TAG):
         metric = tags.get(SWEEP_METRIC_TAG, GOLD)
         best = parent.data.metrics.get(f"best/{metric}")
