@@ -70,6 +70,10 @@ class RLHFModule(L.LightningModule):
         self.eval_history: list[tuple[int, float, float]] = []  # (rl step, gold reward, KL)
         self.generation_rows: list[dict] = []
         self.step_times: list[tuple[int, float, float, float]] = []  # (samples, gen busy, train busy, step) seconds
+        # When the last step ended (after its evaluation), or None where the time since is not the loop's own (a
+        # checkpoint, a skipped batch, the first step): a step's time runs from there, so that it holds what the
+        # loop does between steps (logging and MLflow's writes, Lightning, the next batch), as the generator sees it.
+        self._step_end: float | None = None
         self.constants_logged = False
         self.resume = resume
         self.skipped_batches = 0  # rl.on_nonfinite=skip_batch
@@ -126,6 +130,7 @@ class RLHFModule(L.LightningModule):
 
     def checkpoint_state(self) -> tuple[dict, dict, dict]:
         """(trainable tensors, optimizer state, everything else) to continue exactly from here."""
+        self._step_end = None  # the next step's time does not hold the checkpoint's
         # What differs between ranks (RNG streams, each generator's pending rollouts), gathered in rank order.
         ranks = distributed.gather({"rng": rng_state(), "source": self.source.checkpoint_state(self.policy_version)})
         state = {
@@ -196,6 +201,7 @@ class RLHFModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         t0 = time.perf_counter()
+        since, self._step_end = self._step_end or t0, None
         # 1. generate (sync: now, with the current weights; async: a batch made earlier)
         query, index, batch_id = batch
         prompts = [self.train_prompts[i] for i in index.tolist()]
@@ -242,13 +248,15 @@ class RLHFModule(L.LightningModule):
         t_sync = time.perf_counter()
         self.source.after_update(self.memory.generation_model, self.policy_version)
         self.consistent = True
-        t_step = time.perf_counter() - t0
-        t_sync = time.perf_counter() - t_sync
+        self._step_end = time.perf_counter()  # this step's logging below is in the next step's time
+        t_step = self._step_end - since
+        t_sync = self._step_end - t_sync
         # 7. log
         metrics |= self._step_metrics(rollout, t_gen, t_sync, t_step)
         self._log_step(metrics)
         if self.cfg.eval_every and self.policy_version % self.cfg.eval_every == 0:
             self.evaluate()
+            self._step_end = time.perf_counter()  # but not an evaluation
 
     def _finite(self, value: torch.Tensor, what: str, of_weights: bool = False) -> bool:
         """True if every element is finite; otherwise stop the run (rl.on_nonfinite=stop) or say so and
