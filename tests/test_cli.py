@@ -345,3 +345,21 @@ def test_a_tracking_server_that_is_not_there_is_one_line(tmp_path):
         server.server_close()
         thread.join()
     check_server("sqlite:///mlflow.db")  # not a server
+
+
+@pytest.mark.parametrize("args, line", [
+    (["experiment=reverse"], "error: task.path: no such file 'examples/reverse/train.jsonl' (relative to {cwd}); give a"),
+    (["task=prompts", "task.path=data/x.jsonl"], "error: task.path: no such file 'data/x.jsonl' (relative to {cwd}); give a"),
+    (["task.words_file=w.json"], "error: task.words_file: no such file 'w.json' (relative to {cwd}); point it at"),
+    (["task=prompts", f"task.path={ROOT}/examples/reverse/train.jsonl", "reward=function", "reward.fn=r.py:score"],
+     "error: reward.fn: no such file 'r.py' (relative to {cwd}) (from 'r.py:score'); give an existing .py file"),
+])
+def test_a_relative_path_that_is_not_there_says_where_it_was_looked_for(tmp_path, args, line):
+    """`python src/train.py experiment=reverse` outside the repository root said only "no such file
+    'examples/reverse/train.jsonl'", which exists, in the repository: relative paths are read from the working
+    directory, which the line now names (the first three in the preflight, reward.fn in the run's validation)."""
+    out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), *args], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    said = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert len(said) == 1 and said[0].startswith(line.format(cwd=tmp_path)), said

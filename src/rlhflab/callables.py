@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rlhflab.errors import ConfigError, RewardError
+from rlhflab.errors import ConfigError, RewardError, no_such_file
 
 
 def load_callable(spec: str, key: str) -> Callable:
@@ -22,7 +22,7 @@ def load_callable(spec: str, key: str) -> Callable:
         if module_name.endswith(".py") or "/" in module_name:
             path = Path(module_name).expanduser()
             if not path.is_file():
-                raise ConfigError(f"{key}: no such file '{path}' (from {spec!r}); give an existing .py file or an importable module")
+                raise ConfigError(f"{key}: {no_such_file(path)} (from {spec!r}); give an existing .py file or an importable module")
             name = f"rlhflab_user_{path.stem}_{abs(hash(str(path.resolve())))}"
             module = sys.modules.get(name)
             if module is None:

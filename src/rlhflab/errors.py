@@ -17,6 +17,13 @@ class ConfigError(ValueError):
     """Bad input. The message is one line: the config key or file, what is wrong, and the fix."""
 
 
+def no_such_file(path) -> str:
+    """`no such file '<path>'`, saying where a relative path was looked for: the working directory, which is not
+    the repository root where the README's relative paths (examples/...) are."""
+    where = "" if Path(path).is_absolute() else f" (relative to {Path.cwd()})"
+    return f"no such file '{path}'{where}"
+
+
 class StageFailed(RuntimeError):
     """A training stage produced something unusable (not finite, or no better than chance); it was not cached."""
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from rlhflab.errors import ConfigError
+from rlhflab.errors import ConfigError, no_such_file
 from rlhflab.models.checks import check_pretrained
 from rlhflab.naming import home_expanded
 
@@ -396,11 +396,11 @@ def _check_value(key: str, value: Any, meta: dict) -> None:
     if value is None or not meta:
         return
     if "file" in meta and not Path(value).is_file():
-        raise SettingError(key, f"no such file '{value}'; {meta['file']}")
+        raise SettingError(key, f"{no_such_file(value)}; {meta['file']}")
     if "model" in meta:
         check_pretrained(key, value)
     if "data" in meta and Path(value).suffix in DATA_SUFFIXES and not Path(value).is_file():
-        raise SettingError(key, f"no such file '{value}'; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
+        raise SettingError(key, f"{no_such_file(value)}; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
     why = f" ({meta['why']})" if "why" in meta else ""
     if "choices" in meta and value not in meta["choices"]:
         options = ", ".join(map(str, meta["choices"]))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rlhflab.callables import call_reward, load_callable
-from rlhflab.errors import ConfigError
+from rlhflab.errors import ConfigError, no_such_file
 from rlhflab.models.build import leading_bos, prompt_ids
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def load_table(path: str, split: str, key: str):
     try:
         if local.suffix in BUILDERS:
             if not local.is_file():
-                raise ConfigError(f"{key}: no such file '{path}'; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
+                raise ConfigError(f"{key}: {no_such_file(path)}; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
             if local.stat().st_size == 0:
                 raise ConfigError(f"{key}: '{path}' has no rows")
             table = datasets.load_dataset(BUILDERS[local.suffix], data_files=str(local), split="train")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from rlhflab.errors import ConfigError
+from rlhflab.errors import ConfigError, no_such_file
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def load_words(words_file: str | None) -> WordLists:
     path = Path(words_file) if words_file else EMBEDDED_WORDS
     fix = "point it at a JSON file with 'positive', 'negative', 'neutral' word lists, or set task.words_file=null"
     if not path.is_file():
-        raise ConfigError(f"task.words_file: no such file '{path}'; {fix}")
+        raise ConfigError(f"task.words_file: {no_such_file(path)}; {fix}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
