@@ -74,6 +74,11 @@ def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_p
     table = json.loads(Path(client.download_artifacts(result.run_id, "generations.json", str(tmp_path))).read_text())
     assert {"prompt", "response", "reward", "gold_reward", "rl_step"} <= set(table["columns"])
     assert {row[table["columns"].index("rl_step")] for row in table["data"]} == {0, 80}
+    # and the same rows beside the policy, one object each, readable without MLflow (before: in MLflow only)
+    kept = [[row[c] for c in table["columns"]] for row in json.loads((result.output_dir / "generations.json").read_text())]
+    assert len(kept) == len(table["data"]) == 8
+    for ours, mlflows in zip(kept, table["data"]):  # MLflow's table keeps 10 significant digits
+        assert ours == [pytest.approx(v, rel=1e-8) if isinstance(v, float) else v for v in mlflows]
 
 
 def test_evaluations_are_labelled_with_the_rl_step_mlflow_plots_them_at(make_cfg, caplog):

@@ -394,7 +394,7 @@ class MlflowTracker:
         if not rows:
             return
         table = {key: [row[key] for row in rows] for key in rows[0]}
-        lost = "; the table of sampled completions is not kept elsewhere"
+        lost = "; the output directory's generations.json holds the same rows"
         self._write_artifact("generations.json", lambda: self.client.log_table(self.run_id, data=table, artifact_file="generations.json"),
                              lost, lambda: log.warning("mlflow: generations.json not logged (the store stopped answering)%s", lost))
 

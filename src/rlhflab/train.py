@@ -317,6 +317,9 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     }
     summaries = {k: v for k, v in metrics.items() if k not in (judged, "eval/kl")}  # those have curves
     tracker.log_metrics(summaries, step=0)  # single values: step 0, so no chart draws them as the end of a curve
+    if distributed.is_main() and module.generation_rows:  # beside the policy too: read without MLflow, kept if it is lost
+        with writing("generations.json", out / "generations.json"):
+            (out / "generations.json").write_text(json.dumps(module.generation_rows, indent=1))
     tracker.log_generations(module.generation_rows)
     tracker.set_tag("perf/mem_method", getattr(module, "mem_method", ""))
     judge = "gold reward" if task.has_gold else "reward (the task has no gold_fn)"  # as the eval lines say
