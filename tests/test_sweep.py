@@ -370,3 +370,21 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
     report([f"sweep={parent.info.run_id}", f"tracking_uri={uri}", f"out_dir={tmp_path}/report"])
     summary = (tmp_path / "report" / "summary.md").read_text()
     assert f"`{parent.info.run_id}` at `{uri}`, KILLED; stopped by a signal: jobs after the last child never ran" in summary
+
+
+@pytest.mark.parametrize("experiment, params, task, name", [
+    (None, None, ["algo=rloo,online_dpo", "mode=async", "staleness=1", "logger.tracking_uri=sqlite:///x.db"],
+     "sweep algo=rloo,online_dpo async staleness=1 2026-11-26_14-56-52-040795"),
+    ("sweep_optuna", {"algo.kl_coef": "tag(log, interval(0.005, 0.5))"}, ["experiment=sweep_optuna", "algo=remax", "kl_budget=1.5"],
+     "sweep_optuna kl_coef=tag(log, interval(0.005, 0.5)) remax kl_budget=1.5 2026-11-26_14-56-52-040795"),
+])
+def test_a_sweeps_name_says_what_its_jobs_share_from_the_command_line(experiment, params, task, name):
+    """`-m algo=rloo,online_dpo` and `-m algo=rloo,online_dpo mode=async staleness=1` were both named `sweep
+    algo=rloo,online_dpo <time>`: two sweeps told apart in MLflow's run list (and in reports/) by the time only.
+    The settings every job shares follow what is swept, named as a run names them."""
+    from hydra_plugins.rlhflab_mlflow.callback import sweep_name, swept_params
+
+    config = OmegaConf.create({"hydra": {"runtime": {"choices": {"experiment": experiment}},
+                                         "sweep": {"dir": "multirun/2026-11-26/14-56-52-040795"},
+                                         "overrides": {"task": task}, "sweeper": {"params": params}}})
+    assert sweep_name(config, swept_params(config)) == name

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
     OBJECTIVE, PARENT_RUN_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OBJECTIVE_TAG,
-    SWEEP_OVERRIDES_TAG, SWEEP_TAG, default_run_name, home_expanded, model_tag, short_override,
+    SWEEP_OVERRIDES_TAG, SWEEP_TAG, default_run_name, run_name, home_expanded, model_tag, short_override,
 )
 
 log = logging.getLogger("rlhflab.sweep")
@@ -261,12 +261,16 @@ def swept_params(config: DictConfig) -> dict[str, str]:
 
 
 def sweep_name(config: DictConfig, swept: dict[str, str]) -> str:
-    """`<experiment or 'sweep'> <what is swept> <date>_<time>` (the time from the sweep dir),
-    e.g. `sweep algo=ppo,rloo 2025-01-31_12-00-00`."""
+    """`<experiment or 'sweep'> <what is swept> <what every job shares> <date>_<time>` (the time from the sweep
+    dir), e.g. `sweep algo=ppo,rloo async staleness=1 2025-01-31_12-00-00`: the command line's other settings,
+    named as a run names them (run_name), so that two sweeps of the same grid are told apart by more than time."""
     prefix = Path(OmegaConf.select(config, "hydra.runtime.choices.experiment") or "sweep").name
     what = " ".join(short_override(f"{key}={value}") for key, value in swept.items())
+    shared = [o for o in OmegaConf.to_container(config.hydra.overrides.task)
+              if o.partition("=")[0].lstrip("+~") not in (*swept, "experiment")]
+    algo = next((o.partition("=")[2] for o in shared if o.lstrip("+~").startswith("algo=")), "")
     when = "_".join(Path(str(config.hydra.sweep.dir)).parts[-2:])
-    return " ".join(part for part in (prefix, what[:200], when) if part)
+    return " ".join(part for part in (prefix, what[:200], run_name(algo, shared).strip()[:100], when) if part)
 
 
 def _sweep_tags(config: DictConfig, swept: dict[str, str]) -> dict[str, str]:
