@@ -157,15 +157,20 @@ def check_half_precision(cfg: DictConfig, memory: str, needs_reward_model: bool)
                           "trainer.precision=16-mixed on a GPU")
 
 
-def check_task_data(cfg: DictConfig, task, needs_reward_model: bool) -> None:
-    """The checks that read the task's rows: in validate() for data read at construction (local files), and in
-    train() again once it has read the rest (a hub dataset), still before any model loads or MLflow run exists."""
+def check_prompt_count(cfg: DictConfig, task) -> None:
     if 0 < task.num_train_prompts < cfg.rl.prompts_per_step:  # 0: a hub dataset not read yet
         raise ConfigError(
             f"rl.prompts_per_step={cfg.rl.prompts_per_step}: larger than the task's {task.num_train_prompts} training prompts; "
             + ("lower it or raise task.num_train_prompts" if "num_train_prompts" in cfg.task
                else f"lower it or add prompts to {cfg.task.get('path')}")
         )
+
+
+def check_task_data(cfg: DictConfig, task, needs_reward_model: bool) -> None:
+    """The checks that read the task's rows, which validate() makes (in its order) of data read at construction
+    (local files), and train() again once it has read the rest (a hub dataset), still before any model loads or
+    MLflow run exists."""
+    check_prompt_count(cfg, task)
     if needs_reward_model:
         check_reward_chat_template(cfg.model, task)  # conversations: known once the rows are read
 
@@ -186,7 +191,7 @@ def validate(cfg: DictConfig) -> Plan:
     memory = _instantiate("memory", cfg.memory)
     tracker = _instantiate("logger", cfg.logger)
 
-    check_task_data(cfg, task, reward.needs_reward_model)
+    check_prompt_count(cfg, task)
     if getattr(reward, "needs_gold", False) and not task.has_gold:
         raise ConfigError(f"reward=rule: task {task.name} has no gold rule to score with (task.gold_fn: null); "
                           "set task.gold_fn=<file.py>:<function>, or use reward=function or reward=model")
@@ -203,6 +208,8 @@ def validate(cfg: DictConfig) -> Plan:
             "give a ready reward model or use reward=rule"
         )
     memory.check(cfg.model, task, reward.needs_reward_model)
+    if reward.needs_reward_model:  # after memory.check: memory=hydra refuses a reward model before its template counts
+        check_reward_chat_template(cfg.model, task)
     check_half_precision(cfg, memory.name, reward.needs_reward_model)
     resolve_reference(cfg, source, algo, memory, reward)
     generator.check_model(cfg.model)
