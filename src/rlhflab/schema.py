@@ -18,13 +18,12 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from rlhflab.errors import ConfigError, no_such_file
-from rlhflab.models.checks import check_pretrained
+from rlhflab.models.checks import DATA_SUFFIXES, check_pretrained
 from rlhflab.naming import home_expanded
 
 KL_KINDS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 DTYPES = ("float32", "bfloat16", "float16")
-DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
 def setting(default: Any = MISSING, *, ge=None, gt=None, le=None, lt=None, choices=None, example=None, why=None,

@@ -78,10 +78,12 @@ def check_hub(key: str, name: str | None) -> None:
     _cached_or_reachable(key, name, cached, "model", "local Hugging Face cache")
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")  # the data files task=prompts reads by their suffix
+
+
 def is_hub_dataset(name: str) -> bool:
-    """A `datasets.load_dataset` hub name ('org/name'), not a file, directory or path on this machine."""
-    return not (name.startswith(("/", ".", "~")) or Path(name).suffix in (".jsonl", ".json", ".csv", ".parquet")
-                or Path(name).expanduser().exists())
+    """A `datasets.load_dataset` hub name ('org/name'), not a data file, directory or path on this machine."""
+    return not (is_local_path(name) or Path(name).suffix in DATA_SUFFIXES)
 
 
 def check_hub_dataset(key: str, name: str | None) -> None:
