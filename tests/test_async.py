@@ -202,6 +202,58 @@ def test_the_reference_split_evens_out_the_busy_time():
     assert split.rows(64) == 64
 
 
+class SlowGenerator(HFGenerator):
+    """A real generator that takes 0.2 s longer per batch: the slower side of an async run."""
+
+    def generate(self, *args, **kwargs):
+        time.sleep(0.2)
+        return super().generate(*args, **kwargs)
+
+
+def test_the_overlap_efficiency_counts_the_generators_time_in_the_step(make_cfg, monkeypatch):
+    """perf/overlap_eff set a batch's own generation time against the step that trained on it. The batches the
+    generator made ahead (up to `staleness`) while the learner evaluated went into steps shorter than they had
+    taken, so a generator-bound run showed an overlap above 1 (here 6-10 in the steps after an evaluation, and 3.0 for the run; now 0.88-1.0 and 0.95). The
+    generator's busy time now counts in the step it fell in, which it cannot exceed; perf/gen_s stays the batch's."""
+    from rlhflab.lit.rl_module import RLHFModule
+
+    evaluate = RLHFModule.evaluate  # a slow evaluation: the generator fills its queue meanwhile
+    monkeypatch.setattr(RLHFModule, "evaluate", lambda self: (time.sleep(1.0), evaluate(self))[1])
+    cfg = make_cfg("mode=async", "staleness=2", "trainer.max_steps=8", "rl.eval_every=4",
+                   "generator._target_=test_async.SlowGenerator")
+    result = train(cfg)
+    overlap, gen = history(cfg, result.run_id, "perf/overlap_eff"), history(cfg, result.run_id, "perf/gen_s")
+    assert len(overlap) == 8 and max(overlap) <= 1 + 1e-3, overlap
+    assert 0 < result.metrics["perf/mean_overlap_eff"] <= 1 + 1e-3
+    assert min(gen) >= 0.2, gen
+
+
+def test_the_generators_busy_clock_counts_work_in_progress():
+    import multiprocessing as mp
+
+    from rlhflab.rollout.async_source import BusyClock
+
+    clock = BusyClock(mp.get_context("fork"))
+    assert clock.total(time.monotonic()) == 0.0
+    clock.start()
+    time.sleep(0.05)
+    now = time.monotonic()
+    during = clock.total(now)
+    assert during >= 0.05 and clock.total(now) == during  # a batch in progress counts up to the time asked
+    clock.stop()
+    done = clock.total(time.monotonic())
+    assert done >= during
+    time.sleep(0.05)
+    assert clock.total(time.monotonic()) == done  # idle: nothing more
+
+
+def test_checkpoints_from_before_the_busy_clock_resume():
+    from rlhflab.lit.rl_module import saved_step_times
+
+    # (samples, generation, train, step) then; the generation stands in for the generator's time in the step
+    assert saved_step_times([[32, 0.1, 0.2, 0.3], [32, 0.1, 0.05, 0.2, 0.3]]) == [(32, 0.1, 0.1, 0.2, 0.3), (32, 0.1, 0.05, 0.2, 0.3)]
+
+
 def test_spawned_generator_matches_the_forked_one(make_cfg):
     """spawn is what a CUDA generator needs; on CPU it must reproduce fork exactly."""
     forked = make_cfg("mode=async", "staleness=1", "trainer.max_steps=4")

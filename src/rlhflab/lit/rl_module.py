@@ -32,6 +32,12 @@ log = logging.getLogger(__name__)
 FLAT_STEPS_WARNING = 10
 
 
+def saved_step_times(rows: list) -> list[tuple]:
+    """A checkpoint's step_times. Those written before the generator's busy time in each step was kept (4 values)
+    count the batch's own generation there, as the overlap efficiency then did."""
+    return [tuple(t) if len(t) == 5 else (t[0], t[1], t[1], t[2], t[3]) for t in rows]
+
+
 def unordered(order: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     """Rows computed in `order` back in the batch's order, detached: out[order[i]] = logprobs[i]."""
     out = torch.empty_like(logprobs, requires_grad=False)
@@ -69,11 +75,13 @@ class RLHFModule(L.LightningModule):
         self.automatic_optimization = False
         self.eval_history: list[tuple[int, float, float]] = []  # (rl step, gold reward, KL)
         self.generation_rows: list[dict] = []
-        self.step_times: list[tuple[int, float, float, float]] = []  # (samples, gen busy, train busy, step) seconds
+        # (samples, the batch's generation, the generator's busy time in the step, train busy, step) seconds
+        self.step_times: list[tuple[int, float, float, float, float]] = []
         # When the last step ended (after its evaluation), or None where the time since is not the loop's own (a
         # checkpoint, a skipped batch, the first step): a step's time runs from there, so that it holds what the
         # loop does between steps (logging and MLflow's writes, Lightning, the next batch), as the generator sees it.
         self._step_end: float | None = None
+        self._gen_busy_mark: float | None = None  # the source's busy_s() at _step_end (async), else None
         self.constants_logged = False
         self.resume = resume
         self.skipped_batches = 0  # rl.on_nonfinite=skip_batch
@@ -167,7 +175,7 @@ class RLHFModule(L.LightningModule):
                     params[name].copy_(tensor)
             self.updates, self.policy_version = checkpoint.state["updates"], checkpoint.state["policy_version"]
             self.eval_history = [tuple(e) for e in checkpoint.state["eval_history"]]
-            self.step_times = [tuple(t) for t in checkpoint.state["step_times"]]
+            self.step_times = saved_step_times(checkpoint.state["step_times"])
             return
         optimizer = self.optimizers().optimizer
         if self.sharded:
@@ -185,7 +193,7 @@ class RLHFModule(L.LightningModule):
         self.updates, self.policy_version = state["updates"], state["policy_version"]
         self.eval_history = [tuple(e) for e in state["eval_history"]]
         self.generation_rows = state["generation_rows"]
-        self.step_times = [tuple(t) for t in state["step_times"]]
+        self.step_times = saved_step_times(state["step_times"])
         self.skipped_batches = state["skipped_batches"]
         mine = state["ranks"][distributed.rank()]
         self.source.restore(mine["source"])
@@ -200,8 +208,10 @@ class RLHFModule(L.LightningModule):
     # ---- the training step ---------------------------------------------------------------
 
     def training_step(self, batch, batch_idx):
-        t0 = time.perf_counter()
-        since, self._step_end = self._step_end or t0, None
+        t0 = time.monotonic()
+        if self._step_end is None:  # the first step, or the first after a checkpoint: its time starts here
+            self._mark_step_end()
+        since, gen_since, self._step_end = self._step_end, self._gen_busy_mark, None
         # 1. generate (sync: now, with the current weights; async: a batch made earlier)
         query, index, batch_id = batch
         prompts = [self.train_prompts[i] for i in index.tolist()]
@@ -209,7 +219,7 @@ class RLHFModule(L.LightningModule):
             rollout = self.source.get(self.memory.generation_model, query, prompts, self.policy_version, self.algo, int(batch_id))
         k = self.algo.samples_per_prompt
         rollout = replace(rollout, rows=index.repeat_interleave(k), split="train").to(self.device)
-        t_gen = time.perf_counter() - t0
+        t_gen = time.monotonic() - t0
         mask = rollout.response_mask
         with torch.no_grad():
             # 2. score (a completion that never ends gets the EOS penalty instead, greedy baselines too)
@@ -245,18 +255,26 @@ class RLHFModule(L.LightningModule):
         metrics = metrics | algo_metrics | updates | reward_parts
         self._watch_signal(scores, metrics)
         self.policy_version += 1
-        t_sync = time.perf_counter()
+        t_sync = time.monotonic()
         self.source.after_update(self.memory.generation_model, self.policy_version)
         self.consistent = True
-        self._step_end = time.perf_counter()  # this step's logging below is in the next step's time
+        self._mark_step_end()  # this step's logging below is in the next step's time
         t_step = self._step_end - since
         t_sync = self._step_end - t_sync
+        # async: what the generator worked in this step's time, wherever the batch itself was made
+        gen_window = self._gen_busy_mark - gen_since if gen_since is not None else t_gen
         # 7. log
-        metrics |= self._step_metrics(rollout, t_gen, t_sync, t_step)
+        metrics |= self._step_metrics(rollout, t_gen, t_sync, t_step, gen_window)
         self._log_step(metrics)
         if self.cfg.eval_every and self.policy_version % self.cfg.eval_every == 0:
             self.evaluate()
-            self._step_end = time.perf_counter()  # but not an evaluation
+            self._mark_step_end()  # but not an evaluation
+
+    def _mark_step_end(self) -> None:
+        """Where a step's time ends and the next one's starts: the time, and the generator's busy seconds up to it
+        (time.monotonic, the clock the generator's busy time is on)."""
+        self._step_end = time.monotonic()
+        self._gen_busy_mark = self.source.busy_s(self._step_end)
 
     def _finite(self, value: torch.Tensor, what: str, of_weights: bool = False) -> bool:
         """True if every element is finite; otherwise stop the run (rl.on_nonfinite=stop) or say so and
@@ -423,11 +441,11 @@ class RLHFModule(L.LightningModule):
                 count += 1
         return {key: v / count for key, v in sums.items()}
 
-    def _step_metrics(self, rollout: Rollout, t_gen: float, t_sync: float, t_step: float) -> dict[str, float]:
+    def _step_metrics(self, rollout: Rollout, t_gen: float, t_sync: float, t_step: float, gen_window: float) -> dict[str, float]:
         gen_busy = rollout.extras.get("gen_busy_s", t_gen)  # async: the generator's own busy time
         train_busy = t_step - t_gen
         samples = rollout.num_samples * distributed.world_size()  # the global batch (the ranks run side by side)
-        self.step_times.append((samples, gen_busy, train_busy, t_step))
+        self.step_times.append((samples, gen_busy, gen_window, train_busy, t_step))
         eos = self.tokenizer.eos_token_id
         metrics = {
             "train/response_len": float(rollout.response_mask.sum(1).mean()),
@@ -441,8 +459,9 @@ class RLHFModule(L.LightningModule):
             "perf/samples_per_s": samples / t_step,
         }
         if self.source.name != "sync":
-            # 1.0 = the step took only as long as the slower side (perfect overlap)
-            metrics["perf/overlap_eff"] = max(gen_busy, train_busy) / t_step
+            # 1.0 = the slower side was busy all through the step (perfect overlap). The generator's time in this
+            # step, not the batch's own: a batch made ahead (during an evaluation, or the first step) is not this step's.
+            metrics["perf/overlap_eff"] = max(gen_window, train_busy) / t_step
         if "ref_rows_generator" in rollout.extras:  # mode.reference=balance: the generator's share of the reference rows
             metrics["perf/ref_rows_generator"] = rollout.extras["ref_rows_generator"]
         if "engine_sync_s" in rollout.extras:  # generator=vllm: loading new weights into the engine
@@ -452,17 +471,18 @@ class RLHFModule(L.LightningModule):
     def timing_summary(self) -> dict[str, float]:
         """Run-level throughput over RL steps after the first (warm-up), evaluation excluded.
 
-        overlap_eff: achieved samples/s over the perfect-overlap bound 1 / max(t_gen, t_train).
+        mean_gen_s: a batch's generation. overlap_eff: the share of the steps' time the slower side was busy, the
+        generator's time counted where it worked (so at most 1; a batch made during an evaluation is in no step).
         """
         steps = self.step_times[1:] or self.step_times
-        n, gen, train, step = (sum(col) for col in zip(*steps))
+        n, gen, gen_window, train, step = (sum(col) for col in zip(*steps))
         k = len(steps)
         return {
             "perf/mean_samples_per_s": n / step,
             "perf/mean_gen_s": gen / k,
             "perf/mean_train_s": train / k,
             "perf/mean_step_s": step / k,
-            "perf/mean_overlap_eff": max(gen, train) / step,
+            "perf/mean_overlap_eff": max(gen_window, train) / step,
         }
 
     def memory_metrics(self) -> dict[str, float]:

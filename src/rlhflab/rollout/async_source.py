@@ -203,8 +203,37 @@ def die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
+class BusyClock:
+    """The generator's busy seconds so far, which the learner reads at any moment, work in progress included: a
+    total and the start of the current batch (0: idle) in shared memory, on time.monotonic (system-wide, so the
+    same clock in both processes). A step's share is the difference of two readings at its ends."""
+
+    def __init__(self, ctx) -> None:
+        self._shared = ctx.Array("d", 2)  # [total seconds, start of the batch in progress or 0]
+
+    def start(self) -> None:
+        with self._shared.get_lock():
+            self._shared[1] = time.monotonic()
+
+    def stop(self) -> None:
+        with self._shared.get_lock():
+            self._shared[0] += time.monotonic() - self._shared[1]
+            self._shared[1] = 0.0
+
+    def total(self, now: float) -> float:
+        """Busy seconds up to `now` (time.monotonic), a batch in progress up to then."""
+        # A timeout, not a deadlock, if the generator died holding the lock (the read is then only possibly torn).
+        locked = self._shared.get_lock().acquire(timeout=1.0)
+        try:
+            total, since = self._shared[0], self._shared[1]
+            return total + (max(0.0, now - since) if since else 0.0)
+        finally:
+            if locked:
+                self._shared.get_lock().release()
+
+
 def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, staleness, sync_every, threads, device,
-                    weights, weights_rx, out_q, parent, start_version, rank, reference, split, autocast=None):
+                    weights, weights_rx, out_q, parent, start_version, rank, reference, split, autocast, busy):
     # A forked child would otherwise inherit the learner's handler and announce a checkpoint it does not write.
     ignore_stop_signals()
     die_with_parent(parent)
@@ -239,6 +268,7 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
             if slot is not None:
                 weights.read(slot, params)
             prompts = [train_prompts[i] for i in index.tolist()]
+            busy.start()
             t0 = time.perf_counter()
             # Under the learner's autocast (trainer.precision=*-mixed), in which sync mode generates and the learner
             # computes the reference: the same samples and log-probs as there.
@@ -256,6 +286,7 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
                     split.generated(t1 - t0, time.perf_counter() - t1, m)
                     rollout.extras["ref_rows_generator"] = m / n
             rollout.extras["gen_busy_s"] = time.perf_counter() - t0
+            busy.stop()
             rollout.extras["batch"] = j
             # Plain pickle copies the tensors: a shared-memory handle would die with this process
             # and the learner could not open rollouts still queued after a crash.
@@ -336,6 +367,7 @@ class AsyncSource(SyncSource):
         # feeder thread to wait for).
         self.weights_rx, self.weights_tx = ctx.Pipe(duplex=False)
         self.weights = SharedWeights(model, self.staleness, self.sync_every)
+        self.busy = BusyClock(ctx)
         torch.set_num_threads(self.learner_threads)
         # fork: the child's copy is the parent's memory at fork time (copy on write). spawn pickles
         # the arguments, so hand it a host copy rather than shared handles to the learner's weights.
@@ -346,7 +378,7 @@ class AsyncSource(SyncSource):
         args = (self.generator, gen_model, batches, train_prompts, (algo.samples_per_prompt, algo.needs_greedy_baseline),
                 seed, self.staleness, self.sync_every, self.generator_threads, device, self.weights, self.weights_rx, self.out_q,
                 os.getpid(), version, distributed.rank(), reference if self.reference in ("generator", "balance") else None,
-                ReferenceSplit() if self.reference == "balance" else None, autocast)
+                ReferenceSplit() if self.reference == "balance" else None, autocast, self.busy)
         self._got = None  # when the learner got its last rollout: its busy time goes to the generator (balance)
         self.proc = ctx.Process(target=_generator_main, args=args, daemon=True, name="rlhflab-generator")
         with stop_signals_held():
@@ -410,6 +442,9 @@ class AsyncSource(SyncSource):
             self.pending.pop(0)  # batch version-1 is trained on
         if version % self.sync_every == 0:
             self.weights_tx.send((version, self.weights.write(model, version), self._learner_costs()))
+
+    def busy_s(self, now: float) -> float | None:
+        return self.busy.total(now) if self.proc is not None else None
 
     def finish_reference(self, rollout: Rollout, reference) -> torch.Tensor:
         """The rows the generator left (balance), timed for ReferenceSplit."""
