@@ -454,6 +454,19 @@ def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(mak
     assert all(torch.equal(saved[k], now[k]) for k in saved)
 
 
+def test_a_budget_below_the_checkpoint_is_refused_and_keeps_the_policy_trained_further(make_cfg, tmp_path):
+    """A checkpoint at step 2, the run then trained on to 4 (no checkpoint there), then resume=auto with
+    trainer.max_steps=1: 'nothing left to train' replaced the step-4 policy with step 2's, in the output directory
+    and in the MLflow run whose curves end at step 4. Now one line, before any run or model."""
+    out = tmp_path / "run"
+    train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={out}"))
+    train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={out}"))
+    policy = (out / "policy" / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match=r"^trainer.max_steps=1: .*step-00000002 is at RL step 2, past it.*max_steps=2 or more"):
+        train(make_cfg("trainer.max_steps=1", "resume=auto", f"output.dir={out}"))
+    assert (out / "policy" / "model.safetensors").read_bytes() == policy
+
+
 # ---- the stage cache --------------------------------------------------------------------------
 
 def test_damaged_cached_weights_are_reported_and_rebuilt(make_cfg, tmp_path, caplog):

@@ -176,6 +176,7 @@ def train(cfg: DictConfig) -> Result:
 def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     """train(cfg) from the checkpoint it resumes on: the MLflow run, the stages and RL, its end."""
     resume = ckpt.find(cfg.resume, out, cfg, key)
+    check_budget_reaches(cfg, plan, resume, out)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
     with distributed.one_job(on_lost=lambda: tracker.finish("FAILED")), STOP.installed():
@@ -223,6 +224,22 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     return result
 
 
+def step_budget(cfg: DictConfig, plan: Plan) -> int:
+    """trainer.max_steps in whole rollout batches of algo.epochs x algo.num_minibatches updates (Lightning stops
+    only between them)."""
+    per_batch = plan.algo.updates_per_batch
+    return -(-cfg.trainer.max_steps // per_batch) * per_batch
+
+
+def check_budget_reaches(cfg: DictConfig, plan: Plan, resume: ckpt.Checkpoint | None, out: Path) -> None:
+    """A checkpoint past the step budget cannot go back to it. Its policy (of its step) replaced the one in the
+    output directory, which a finished run had trained further, and the run's curves went on past it."""
+    if resume is not None and resume.updates > step_budget(cfg, plan):
+        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps}: {resume.path} is at RL step {resume.updates}, "
+                          f"past it, and training cannot go back; its policy would replace {out / 'policy'}. Set "
+                          f"trainer.max_steps={resume.updates} or more, or resume=<an older checkpoint>")
+
+
 def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume: ckpt.Checkpoint | None) -> Result:
     started = time.perf_counter()
     cache_dir = Path(cfg.cache_dir)
@@ -256,8 +273,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     done = resume.updates if resume else 0
     # A rollout batch makes algo.epochs x algo.num_minibatches updates and is not cut short: the budget is whole
     # batches (Lightning stops only between them), said here rather than found as '12/10' on the bar.
-    per_batch = plan.algo.updates_per_batch
-    budget = -(-cfg.trainer.max_steps // per_batch) * per_batch
+    per_batch, budget = plan.algo.updates_per_batch, step_budget(cfg, plan)
     rounded = (f"; trainer.max_steps={cfg.trainer.max_steps} rounded up to whole rollout batches of {per_batch} updates"
                if budget != cfg.trainer.max_steps else "")
     log.info("stage rl: %s, %s memory, %s mode, %d steps%s%s", plan.algo.name, plan.memory.name, plan.source.name,
@@ -297,7 +313,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
                     saver.save(module)
                 raise
     else:
-        log.info("resume: the checkpoint is at step %d, the budget %d: nothing left to train", done, budget)
+        log.info("resume: the checkpoint is at step %d, the budget: nothing left to train", done)
         module.restore(resume, training=False)
         if module.eval_history[-1][0] != module.policy_version:  # killed after its last checkpoint, before the final eval
             logger.log_metrics(module.evaluate(), step=module.updates)
