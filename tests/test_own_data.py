@@ -130,6 +130,8 @@ def test_conversational_prompts_use_the_chat_template(tmp_path):
     ("task.prompt_field", [{"question": "1=", "answer": "1"}], r"^task.prompt_field: no column 'prompt' in .*its columns are question, answer"),
     ("task.path", [], r"^task.path: '.*' has no rows"),
     ("task.prompt_field", [{"prompt": "1="}, {"prompt": ""}], r"^task.prompt_field: row 1 of .* has no 'prompt'"),
+    # a JSON number: the tokenizer's traceback ('int' object is not iterable) once the MLflow run was made
+    ("task.prompt_field", [{"prompt": "1="}, {"prompt": 7}], r"^task.prompt_field: row 1 of .* has prompt 7 \(int\), not text"),
 ])
 def test_bad_data_is_one_line_naming_the_key(tmp_path, setting, data, message):
     path = tmp_path / "train.jsonl"
@@ -138,6 +140,26 @@ def test_bad_data_is_one_line_naming_the_key(tmp_path, setting, data, message):
     with pytest.raises(ConfigError, match=message) as err:
         PromptsTask(path=str(path))
     assert "\n" not in str(err.value)
+
+
+def test_a_csvs_prompts_and_completions_are_text_as_written(tmp_path):
+    """The example's files as CSV: datasets read the completion '384' as the number 384, and the prompts of
+    digits.csv as numbers too (007 as 7); the run failed in the tokenizer with a traceback."""
+    prompts = write(tmp_path / "train.csv", [{"prompt": f"{i:03d}", "answer": f"{i:03d}"[::-1]} for i in range(20)])
+    demos = write(tmp_path / "demos.csv", [{"prompt": f"{i:03d}", "completion": f"{i:03d}"[::-1]} for i in range(20)])
+    task = PromptsTask(path=str(prompts), demonstrations_path=str(demos), eval_fraction=0.25, tokenizer="char")
+    task.setup(task.build_tokenizer())
+    assert set(task.prompts("train")) | set(task.prompts("eval")) == {f"{i:03d}" for i in range(20)}
+    assert ("007", "700") in task.raw_demos
+
+
+@pytest.mark.parametrize("name", ["train.txt", "train.JSONL", "train.jsonl.gz", "train"])
+def test_a_file_of_another_suffix_is_one_line_not_a_hub_name(tmp_path, name):
+    """It went to datasets as a hub name: ~25 s of 'Retrying in 8s' warnings, then 'Couldn't reach ... on the Hub'."""
+    path = tmp_path / name
+    path.write_text((EXAMPLE / "train.jsonl").read_text())
+    with pytest.raises(ConfigError, match=rf"^task.path: '{path}' is not a file rlhflab reads .*give a .jsonl, .json, .csv or .parquet file$"):
+        PromptsTask(path=str(path))
 
 
 # ---- reward functions --------------------------------------------------------------------------

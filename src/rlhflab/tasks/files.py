@@ -33,14 +33,16 @@ def saved_to_disk(path: Path) -> bool:
 
 
 def is_local(path: str) -> bool:
-    """A table read from this machine (a file by its suffix, a save_to_disk directory), not the hub."""
+    """A table read from this machine (a file by its suffix, a save_to_disk directory), not the hub; also a file of
+    another suffix, which load_table refuses (as a hub name, it cost datasets' retries)."""
     local = Path(path).expanduser()
-    return local.suffix in BUILDERS or saved_to_disk(local)
+    return local.suffix in BUILDERS or saved_to_disk(local) or local.is_file()
 
 
-def load_table(path: str, split: str, key: str):
+def load_table(path: str, split: str, key: str, text: tuple[str, ...] = ()):
     """A `datasets.Dataset` from a local file (by its suffix), a directory written by `save_to_disk` (a Dataset, or
-    a DatasetDict's `split`), or a hub dataset name; one-line errors naming `key`."""
+    a DatasetDict's `split`), or a hub dataset name; one-line errors naming `key`. `text`: columns a CSV keeps as
+    written (its prompts and completions: '384' is not the number 384, '007' not 7)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -52,7 +54,8 @@ def load_table(path: str, split: str, key: str):
                 raise ConfigError(f"{key}: {no_such_file(path)}; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
             if local.stat().st_size == 0:
                 raise ConfigError(f"{key}: '{path}' has no rows")
-            table = datasets.load_dataset(BUILDERS[local.suffix], data_files=str(local), split="train")
+            csv = {"converters": {c: str for c in text}} if local.suffix == ".csv" and text else {}
+            table = datasets.load_dataset(BUILDERS[local.suffix], data_files=str(local), split="train", **csv)
         elif saved_to_disk(local):
             # Dataset.save_to_disk / DatasetDict.save_to_disk: load_dataset refuses it ('Please use load_from_disk')
             table = datasets.load_from_disk(str(local))
@@ -63,6 +66,9 @@ def load_table(path: str, split: str, key: str):
                                       f"{', '.join(table)}: " + (f"choose one with {how}" if how else
                                                                  f"give {key} the directory of the split to use"))
                 table = table[split]
+        elif local.is_file():
+            raise ConfigError(f"{key}: '{path}' is not a file rlhflab reads (by its suffix{', ' + repr(local.suffix) if local.suffix else ''}); "
+                              "give a .jsonl, .json, .csv or .parquet file")
         else:
             table = datasets.load_dataset(path, split=split)
     except ConfigError:
@@ -83,6 +89,9 @@ def _column(table, field: str, key: str, path: str) -> list:
     for i, v in enumerate(values):
         if v is None or (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
             raise ConfigError(f"{key}: row {i} of '{path}' has no '{field}'; fill it or remove the row")
+        if not (isinstance(v, str) or is_conversation(v)):  # a JSON number: the tokenizer's traceback, after the run began
+            raise ConfigError(f"{key}: row {i} of '{path}' has {field} {v!r} ({type(v).__name__}), not text or a list of "
+                              "{role, content} messages; write it as a string")
     return values
 
 
@@ -144,10 +153,10 @@ class PromptsTask:
             return False
         src = self.source
         path, prompt_field = src["path"], self.prompt_field
-        train = load_table(path, src["split"], "task.path")
+        train = load_table(path, src["split"], "task.path", (prompt_field,))
         _column(train, prompt_field, "task.prompt_field", path)
         if src["eval_path"]:
-            held = load_table(src["eval_path"], src["eval_split"] or src["split"], "task.eval_path")
+            held = load_table(src["eval_path"], src["eval_split"] or src["split"], "task.eval_path", (prompt_field,))
             _column(held, prompt_field, "task.prompt_field", src["eval_path"])
         else:
             order = list(range(len(train)))
@@ -170,7 +179,7 @@ class PromptsTask:
     def _pairs(self, path: str | None, fields: list[str], key: str) -> list[tuple] | None:
         if not path:
             return None
-        table = load_table(path, "train", key)
+        table = load_table(path, "train", key, tuple(fields))
         columns = [_column(table, f, key, path) for f in fields]
         return list(zip(*columns))
 
