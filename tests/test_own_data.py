@@ -507,3 +507,20 @@ def test_a_pad_token_that_is_eos_is_replaced_where_another_fits(tmp_path, caplog
     assert tokenizer.pad_token == pad
     said = " ".join(r.getMessage() for r in caplog.records)
     assert ("padding with <unk>" in said) if unk else ("the reward model cannot tell a completion that ended" in said)
+
+
+def test_a_language_model_given_as_the_reward_model_is_one_line(make_cfg, tmp_path):
+    """A policy saved by a run, given as model.reward_model_path, loaded with a fresh random score head (the
+    transformers warning that says so is quieted) and the run trained against it without a word."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from rlhflab.config import validate
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_labels=1, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "lm")
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    with pytest.raises(ConfigError, match=r"^model.reward_model_path: '.*lm' is a language model \(LlamaForCausalLM\) with no "
+                                          r"reward head.*; give a reward model"):
+        validate(make_cfg(f"model.reward_model_path={tmp_path}/lm"))
+    assert validate(make_cfg(f"model.reward_model_path={tmp_path}/rm")).reward.needs_reward_model  # a reward model passes

@@ -71,9 +71,10 @@ def test_the_slurm_launcher_preset_composes():
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """A tiny causal LM of each architecture, with a character tokenizer for the example's text that has no pad
-    token the way the hub model's has none (TOKENIZERS), saved like a hub model. Keyed by architecture, and by
-    preset where that preset's tokenizer differs."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    token the way the hub model's has none (TOKENIZERS), saved like a hub model, and beside it (`<dir>-rm`) a reward
+    model of that architecture (a language model is refused as one). Keyed by architecture, and by preset where
+    that preset's tokenizer differs."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from conftest import tokenizer_without_pad
 
@@ -89,6 +90,9 @@ def tiny_models(tmp_path_factory):
         path = tmp_path_factory.mktemp(key)
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
         tokenizer.save_pretrained(path)
+        config.num_labels = 1
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(f"{path}-rm")
+        tokenizer.save_pretrained(f"{path}-rm")
         out[key] = path
     return out
 
@@ -97,7 +101,8 @@ def on_this_machine(preset: str, model_dir) -> list[str]:
     """The preset, with the hub's models and data replaced by local ones and its size cut to CPU scale."""
     cfg = compose_cfg([f"experiment={preset}"], shrink=False)
     local_model = [f"model.name_or_path={model_dir}", "model.dtype=float32", "model.tokenizer=null"]
-    local_model += [f"model.{k}={model_dir}" for k in ("sft_path", "reward_model_path") if cfg.model.get(k)]
+    local_model += [f"model.sft_path={model_dir}"] if cfg.model.get("sft_path") else []
+    local_model += [f"model.reward_model_path={model_dir}-rm"] if cfg.model.get("reward_model_path") else []
     local_task = ["task=prompts", f"task.path={EXAMPLE}/train.jsonl", f"task.eval_path={EXAMPLE}/eval.jsonl",
                   f"task.demonstrations_path={EXAMPLE}/demos.jsonl", f"task.preferences_path={EXAMPLE}/prefs.jsonl",
                   "task.split=train", "task.eval_split=null", "task.completion_field=completion", "task.chat_template=false",

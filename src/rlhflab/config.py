@@ -21,6 +21,7 @@ from rlhflab.algos.registry import Algorithm
 from rlhflab.contracts import Generator, MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.errors import ConfigError
 from rlhflab.models.build import check_reward_chat_template
+from rlhflab.models.checks import check_reward_head
 from rlhflab.naming import model_tag
 from rlhflab.schema import check, cuda_index, ranks
 from rlhflab.tracking import MlflowTracker
@@ -201,7 +202,8 @@ def validate(cfg: DictConfig) -> Plan:
             "use off_policy=behaviour or off_policy=recompute"
         )
     if task.demonstrations() is None and not cfg.model.get("sft_path"):
-        raise ConfigError(f"model.sft_path: null, but task {task.name} has no demonstrations to train SFT on; give a ready SFT policy")
+        raise ConfigError(f"model.sft_path: null, but task {task.name} has no demonstrations to train SFT on; give a ready SFT "
+                          "policy" + (" or task.demonstrations_path=<file>" if "demonstrations_path" in cfg.task else ""))
     if reward.needs_reward_model and task.preference_pairs() is None and not cfg.model.get("reward_model_path"):
         raise ConfigError(
             f"model.reward_model_path: null, but task {task.name} has no preference pairs to train one; "
@@ -209,7 +211,9 @@ def validate(cfg: DictConfig) -> Plan:
         )
     memory.check(cfg.model, task, reward.needs_reward_model)
     if reward.needs_reward_model:  # after memory.check: memory=hydra refuses a reward model before its template counts
+        check_reward_head("model.reward_model_path", cfg.model.get("reward_model_path"))
         check_reward_chat_template(cfg.model, task)
+    check_reward_head("task.gold_model_path", cfg.task.get("gold_model_path"))
     check_half_precision(cfg, memory.name, reward.needs_reward_model)
     resolve_reference(cfg, source, algo, memory, reward)
     generator.check_model(cfg.model)

@@ -67,6 +67,29 @@ def check_pretrained(key: str, name_or_path: str | None) -> None:
                           "give a directory written by save_pretrained, a hub id, or null to build/train it")
 
 
+def check_reward_head(key: str, name_or_path: str | None) -> None:
+    """A reward model given ready-made must have its score head: a causal LM's checkpoint (GPT2LMHeadModel,
+    LlamaForCausalLM) loads as a sequence classifier with a fresh, random one, and transformers' warning about it
+    is quieted, so the run trained against noise. Read from its config.json (a local directory, or a hub id in the
+    local cache), before anything loads."""
+    if name_or_path is None:
+        return
+    if is_local_path(name_or_path):
+        config = Path(name_or_path).expanduser() / "config.json"
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name_or_path, "config.json")
+        config = Path(cached) if isinstance(cached, str) else None
+    if config is None or not config.is_file():
+        return
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    if architectures and all(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        raise ConfigError(f"{key}: '{name_or_path}' is a language model ({', '.join(architectures)}) with no reward head, "
+                          "which would be a random one; give a reward model (AutoModelForSequenceClassification, e.g. "
+                          "what stage rm saved), or null to train one on task.preferences_path")
+
+
 def check_hub(key: str, name: str | None) -> None:
     """Before loading a hub id: it must be in the local Hugging Face cache, or the hub must answer.
     One line instead of a minute of retries and a traceback when neither holds."""
