@@ -60,6 +60,9 @@ BAD_VALUES = [
     ("algo=online_dpo algo.beta=0", "algo.beta"),
     ("algo=online_dpo algo.ties=drop", "algo.ties"),
     ("algo.kl_estimator=k9", "algo.kl_estimator"),
+    # a setting of another option of the group: under reward=model (no settings) it said 'valid keys: ' and nothing
+    ("reward.fn=my_pkg.rewards:score", "reward.fn: reward has no settings; reward.fn is a setting of reward=function: add reward=function"),
+    ("algo.beta=0.1", "algo.beta: not a setting of algo; valid keys: samples_per_prompt"),
     ("algo.loss_agg=token-sum", "algo.loss_agg"),
     ("mode=async staleness=-1", "staleness"),
     ("staleness=2", "staleness"),

@@ -259,7 +259,7 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
         clash = _preset_clash(key, overrides)
         if clash:
             return clash
-        return f"{key}: not a setting of {parent or 'the config'}; valid keys: {', '.join(_keys(parent, others))}"
+        return not_a_setting(key, others)
     if key:
         return f"{key}: {message}; see python src/train.py --help"
     bad = next((o for o in overrides if o.split("=")[0].lstrip("+~") in str(err)), " ".join(overrides) or "the config")
@@ -301,6 +301,35 @@ def _default(key: str, overrides: list[str]) -> str:
         return str(OmegaConf.select(compose(overrides), key, throw_on_missing=False))
     except Exception:
         return "<value>"
+
+
+def not_a_setting(key: str, others: list[str]) -> str:
+    """`key` is not among the settings of the option chosen for its group: the ones it has, and the group's other
+    options that have `key` (reward.fn under the default reward=model, which has no settings: 'valid keys: ' and
+    nothing after it)."""
+    from omegaconf import OmegaConf
+
+    parent = key.rpartition(".")[0]
+    keys = _keys(parent, others)
+    where = parent or "the config"
+    said = f"{key}: not a setting of {where}; valid keys: {', '.join(keys)}" if keys else f"{key}: {where} has no settings"
+    group = parent.partition(".")[0]
+    if group not in SCHEMAS or not (CONFIG_DIR / group).is_dir():
+        return said
+    rest = [o for o in others if o.partition("=")[0].lstrip("+~") != group]
+    having = []
+    for option in sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")):
+        try:
+            if OmegaConf.select(compose([*rest, f"{group}={option}"]), key, default=_ABSENT) is not _ABSENT:
+                having.append(option)
+        except Exception:  # an option this command line cannot compose with
+            continue
+    if not having:
+        return said if keys else f"{said}; remove {key}"
+    return f"{said}; {key} is a setting of {' and '.join(f'{group}={o}' for o in having)}: add {group}={having[0]}"
+
+
+_ABSENT = object()
 
 
 def _keys(parent: str, overrides: list[str]) -> list[str]:
