@@ -149,6 +149,28 @@ def test_bad_settings_are_one_line_naming_the_key(override, key):
     assert message.startswith(key) and "\n" not in message, message
 
 
+def test_every_range_errors_fix_is_a_value_in_the_range():
+    """task.eval_fraction=0 said '0.0 must be > 0 and < 1; set e.g. task.eval_fraction=0' (the bound itself, from
+    a field with no example), as did memory.lora_alpha and generator.gpu_memory_utilization."""
+    import dataclasses
+
+    from rlhflab.schema import SCHEMAS, SettingError, _check_value
+
+    seen = 0
+    for schema in {cls for options in SCHEMAS.values() for cls in options.values()}:
+        for field in dataclasses.fields(schema):
+            meta = dict(field.metadata)
+            if not {"ge", "gt", "le", "lt"} & set(meta):
+                continue
+            outside = meta["gt"] if "gt" in meta else meta["ge"] - 1 if "ge" in meta else meta.get("lt", meta.get("le", 0) + 1)
+            with pytest.raises(SettingError) as err:
+                _check_value(field.name, outside, meta)
+            example = str(err.value).rpartition(f"set e.g. {field.name}=")[2]
+            _check_value(field.name, float(example) if "." in example else int(example), meta)  # in range
+            seen += 1
+    assert seen >= 20
+
+
 def test_float16_is_left_to_lora_when_no_stage_trains_whole_weights():
     cfg = compose_cfg(["model.dtype=float16", "memory=lora", "reward=rule", "model.sft_path=EleutherAI/pythia-14m"], shrink=False)
     assert validate(cfg).memory.name == "lora"

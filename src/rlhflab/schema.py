@@ -147,7 +147,7 @@ class PromptsTask:
     prompt_field: str = MISSING
     eval_path: Optional[str] = setting(data=True)
     eval_split: Optional[str] = MISSING
-    eval_fraction: float = setting(gt=0, lt=1)
+    eval_fraction: float = setting(gt=0, lt=1, example=0.1)
     num_eval_prompts: int = setting(ge=1)
     chat_template: bool = MISSING
     max_prompt_tokens: int = setting(ge=1)
@@ -269,7 +269,7 @@ class FullMemory:
 @dataclass
 class LoraMemory(FullMemory):  # lora, hydra
     r: int = setting(ge=1)
-    lora_alpha: float = setting(gt=0)
+    lora_alpha: float = setting(gt=0, example=16)
     lora_dropout: float = setting(ge=0, lt=1)
     target_modules: Any = MISSING  # a list of module names, or "all-linear"
 
@@ -317,7 +317,7 @@ class HFGenerator:
 
 @dataclass
 class VLLMGenerator(HFGenerator):
-    gpu_memory_utilization: float = setting(gt=0, le=1)
+    gpu_memory_utilization: float = setting(gt=0, le=1, example=0.3)
     kv_cache_memory_bytes: Optional[int] = setting(ge=1)
     dtype: str = setting(choices=("auto", *DTYPES))
     enforce_eager: bool = MISSING
