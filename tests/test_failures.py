@@ -206,6 +206,15 @@ def test_diverged_weights_stop_in_one_line_not_naming_their_checkpoint_as_good(m
     assert MlflowClient(cfg.logger.tracking_uri).get_run(run_id_of(tmp_path)).info.status == "FAILED"
 
 
+def test_diverged_weights_before_the_first_checkpoint_do_not_ask_for_checkpoints_already_asked_for(make_cfg, tmp_path):
+    """With checkpoint.every_n_steps=20 and the weights diverged at step 1, the line said '(set
+    checkpoint.every_n_steps)'."""
+    cfg = make_cfg("rl.lr=1e30", "trainer.max_steps=6", "checkpoint.every_n_steps=20", f"output.dir={tmp_path}")
+    with pytest.raises(NonFiniteError) as err:
+        train(cfg)
+    assert str(err.value).endswith("no checkpoint before them (checkpoint.every_n_steps=20: the first was due at step 20)"), err
+
+
 def test_nan_loss_stops_before_the_update(make_cfg):
     NaNLossRLOO.updates, NaNLossRLOO.bad = 0, None
     with pytest.raises(NonFiniteError, match=r"^train/loss not finite at RL step 3"):

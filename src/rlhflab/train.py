@@ -297,13 +297,16 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
             except NonFiniteError as err:
                 bad = err.weights_step  # the weights of this step gave the value: not a good checkpoint
                 last = saver.last if bad is None and saver.last else ckpt.newest(ckpt.directory(out), before=bad)
+                every = cfg.checkpoint.every_n_steps
+                why_none = (f" (checkpoint.every_n_steps={every}: the first was due at step {every})" if every
+                            else " (set checkpoint.every_n_steps)")
                 if bad is None:
-                    kept = f"the last good checkpoint is {last}" if last else "no checkpoint exists (set checkpoint.every_n_steps)"
+                    kept = f"the last good checkpoint is {last}" if last else "no checkpoint exists" + why_none
                 elif last:
                     kept = f"step {bad}'s weights may be the cause; the newest checkpoint before them is {last}"
                 else:
                     kept = (f"step {bad}'s weights may be the cause; no checkpoint before them"
-                            + ("" if ckpt.newest(ckpt.directory(out)) else " (set checkpoint.every_n_steps)"))
+                            + ("" if ckpt.newest(ckpt.directory(out)) else why_none))
                 raise NonFiniteError(f"{err}; {kept}", bad, err.shared) from None
             except BaseException as err:
                 # A stop that arrived between steps (Lightning's own SIGTERM check, or while waiting for the
