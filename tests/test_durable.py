@@ -145,6 +145,11 @@ def test_resume_refuses_a_different_config_naming_the_keys(make_cfg, tmp_path):
         train(make_cfg("trainer.max_steps=4", "rl.lr=3e-4", "resume=auto", f"output.dir={tmp_path}/run"))
     more = train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={tmp_path}/run"))  # max_steps may change
     assert more.module.updates == 4
+    # the output directory given as the checkpoint: it said "not a whole checkpoint (no manifest: a partial or foreign entry)"
+    with pytest.raises(ConfigError, match=rf"^resume: '{tmp_path}/run' is a run's output directory, not a checkpoint; continue "
+                                          rf"that run with resume=auto output.dir={tmp_path}/run, or start from its newest "
+                                          rf"checkpoint with resume={tmp_path}/run/checkpoints/step-00000002 output.dir=<new dir>$"):
+        train(make_cfg("trainer.max_steps=4", f"resume={tmp_path}/run", f"output.dir={tmp_path}/other"))
 
 
 def test_resume_refusal_says_which_settings_one_side_lacks():

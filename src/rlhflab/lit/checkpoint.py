@@ -138,6 +138,11 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "outp
         path = Path(resume).expanduser()
         if not path.is_dir():
             raise ConfigError(f"resume: no checkpoint directory '{resume}'; give a checkpoints/step-* directory, or resume=auto")
+        if directory(path).is_dir():  # a run's output directory: 'not a whole checkpoint (no manifest ...)' said nothing of it
+            inside = newest(directory(path))
+            raise ConfigError(f"resume: '{resume}' is a run's output directory, not a checkpoint; continue that run with "
+                              f"resume=auto output.dir={resume}" + (f", or start from its newest checkpoint with resume={inside}"
+                                                                     " output.dir=<new dir>" if inside else ""))
         latest = newest(path.parent) or path
         if path.resolve().parent == directory(output_dir).resolve() and latest.resolve() != path.resolve():
             # its checkpoints would fall among the newer ones of the line it leaves
