@@ -224,13 +224,25 @@ def test_a_misbehaving_reward_function_is_one_line_naming_it_and_the_row(returne
 
 @pytest.mark.parametrize("spec, message", [
     ("no_such_module_xyz:score", r"^reward.fn: cannot import 'no_such_module_xyz'"),
-    (f"{EXAMPLE}/reward.py:nope", r"^reward.fn: .* has no function 'nope'"),
+    (f"{EXAMPLE}/reward.py:nope", r"^reward.fn: .* has no function 'nope'; its functions are correct_digits, exact$"),
     ("examples/nowhere.py:score", r"^reward.fn: no such file"),
     ("just_a_name", r"^reward.fn: 'just_a_name' is not 'module:function'"),
 ])
 def test_a_reward_function_that_cannot_be_had_is_one_line(spec, message):
     with pytest.raises(ConfigError, match=message):
         FunctionReward(fn=spec)
+
+
+@pytest.mark.parametrize("source, message", [
+    ("import no_such_package_xyz\n", r"importing it failed at .*deps.py:1 \(ModuleNotFoundError: No module named "
+                                      r"'no_such_package_xyz'\); install that package$"),
+    ("def score(:\n", r"importing it failed at .*deps.py:1 \(SyntaxError: .*\); fix that code$"),
+])
+def test_a_reward_file_whose_own_import_fails_says_so_not_check_the_name(tmp_path, source, message):
+    """It said '...; check the name, or give path/to/file.py:function' of a name that was right."""
+    (tmp_path / "deps.py").write_text(source)
+    with pytest.raises(ConfigError, match=rf"^reward.fn: '{tmp_path}/deps.py' was found, but " + message):
+        FunctionReward(fn=f"{tmp_path}/deps.py:score")
 
 
 def test_a_reward_package_in_the_working_directory_imports_as_with_python_m(tmp_path, monkeypatch):

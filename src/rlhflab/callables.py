@@ -38,12 +38,32 @@ def load_callable(spec: str, key: str) -> Callable:
     except ConfigError:
         raise
     except Exception as err:
-        raise ConfigError(f"{key}: cannot import {module_name!r} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
-                          "check the name, or give path/to/file.py:function") from None
+        said = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        missing = getattr(err, "name", None) if isinstance(err, ModuleNotFoundError) else None
+        if missing is not None and (module_name == missing or module_name.startswith(missing + ".")):  # the name itself
+            raise ConfigError(f"{key}: cannot import {module_name!r} ({said}); check the name, or give "
+                              "path/to/file.py:function") from None
+        # It was found, and its own code failed (an import of a package not installed, a syntax error): the name is fine.
+        raise ConfigError(f"{key}: {module_name!r} was found, but importing it failed{_where(err)} ({said}); "
+                          + ("install that package" if missing else "fix that code")) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError(f"{key}: {module_name!r} has no function {attr!r}")
+        functions = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                           and getattr(v, "__module__", None) == module.__name__)
+        raise ConfigError(f"{key}: {module_name!r} has no function {attr!r}; "
+                          + (f"its functions are {', '.join(functions)}" if functions else "it defines no functions"))
     return fn
+
+
+def _where(err: BaseException) -> str:
+    """' at <file>:<line>', the user's code where an import failed (the innermost frame outside importlib)."""
+    import traceback
+
+    if isinstance(err, SyntaxError) and err.filename:
+        return f" at {err.filename}:{err.lineno}"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if "importlib" not in f.filename
+              and not f.filename.startswith("<frozen") and Path(f.filename).resolve() != Path(__file__).resolve()]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwargs: dict, rows: list[int] | None) -> "torch.Tensor":
