@@ -153,6 +153,19 @@ def test_a_csvs_prompts_and_completions_are_text_as_written(tmp_path):
     assert ("007", "700") in task.raw_demos
 
 
+@pytest.mark.parametrize("name, text, reason", [
+    ("bad.jsonl", '{"prompt": "a"}\n{"prompt": "b"\n', r"ArrowInvalid: JSON parse error: .* in row 1"),
+    ("bad.csv", 'prompt,answer\n"a,1\nb,2\n', r"ParserError: Error tokenizing data. C error: EOF inside string starting at row 1"),
+])
+def test_a_malformed_file_says_what_its_parser_found_in_one_line(tmp_path, capfd, name, text, reason):
+    """It said '(DatasetGenerationError: An error occurred while generating the dataset)', and for JSON Lines
+    datasets' logger printed the parser's words first, as another line."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=rf"^task.path: cannot read '.*{name}' \({reason}\); check the file"):
+        PromptsTask(path=str(tmp_path / name))
+    assert capfd.readouterr().err == ""
+
+
 @pytest.mark.parametrize("name", ["train.txt", "train.JSONL", "train.jsonl.gz", "train"])
 def test_a_file_of_another_suffix_is_one_line_not_a_hub_name(tmp_path, name):
     """It went to datasets as a hub name: ~25 s of 'Retrying in 8s' warnings, then 'Couldn't reach ... on the Hub'."""

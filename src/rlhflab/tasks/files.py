@@ -46,7 +46,8 @@ def load_table(path: str, split: str, key: str, text: tuple[str, ...] = ()):
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # Not even its errors: the one line below says what failed (its JSON reader logged it first, as a second line).
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     local = Path(path).expanduser()
     try:
         if local.suffix in BUILDERS:
@@ -74,6 +75,8 @@ def load_table(path: str, split: str, key: str, text: tuple[str, ...] = ()):
     except ConfigError:
         raise
     except Exception as err:
+        if type(err).__name__ == "DatasetGenerationError" and err.__cause__ is not None:
+            err = err.__cause__  # the parser's own words (JSON parse error ... in row 1), not 'An error occurred'
         reason = (str(err).splitlines() or [""])[0][:160]
         raise ConfigError(f"{key}: cannot read '{path}' ({type(err).__name__}{': ' + reason if reason else ''}); "
                           "check the file (or the hub name and split)") from None
