@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -223,9 +224,9 @@ def test_a_function_returns_none_where_it_does_not_apply_as_in_trl(tmp_path, cap
 
 @pytest.mark.parametrize("returned, message", [
     (lambda prompts, completions, **kw: [1.0], r"^reward function bad returned 1 values for 2 completions"),
-    (lambda prompts, completions, **kw: [1.0, float("nan")], r"^reward function bad returned nan for dataset row 8 \(prompt '8=', completion 'y'\)"),
+    (lambda prompts, completions, **kw: [1.0, float("nan")], r"^reward function bad returned nan for row 8 \(prompt '8=', completion 'y'\)"),
     (lambda prompts, completions, **kw: 1 / 0, r"^reward function bad raised ZeroDivisionError: division by zero"),
-    (lambda prompts, completions, **kw: [1.0, "high"], r"^reward function bad returned str 'high' for dataset row 8 "
+    (lambda prompts, completions, **kw: [1.0, "high"], r"^reward function bad returned str 'high' for row 8 "
                                                        r"\(prompt '8=', completion 'y'\); return a finite number, or None"),
     (lambda prompts, completions, **kw: 2.0, r"^reward function bad returned float, not a list of numbers"),
 ])
@@ -233,6 +234,31 @@ def test_a_misbehaving_reward_function_is_one_line_naming_it_and_the_row(returne
     with pytest.raises(RewardError, match=message) as err:
         call_reward(returned, "bad", ["7=", "8="], ["x", "y"], {}, [7, 8])
     assert "\n" not in str(err.value)
+
+
+def test_a_reward_functions_error_names_the_file_and_its_row_there(tmp_path, caplog):
+    """An eval_path without the train file's `answer` column failed at the first evaluation in a line that named
+    neither the held-out prompts nor their file, and 'dataset row N' was an index into the split after the hold-out,
+    not a row of the file."""
+    from rlhflab.rewards.functions import FunctionReward
+
+    train, held = write(tmp_path / "train.jsonl", rows(20)), write(tmp_path / "eval.jsonl", [{"prompt": "1="}, {"prompt": "2="}])
+    task = PromptsTask(path=str(train), eval_path=str(held), tokenizer="char")
+    assert f"task.eval_path: '{held}' lacks the columns answer, level that task.path has" in caplog.text
+    task.setup(task.build_tokenizer())
+    with pytest.raises(RewardError, match=rf"^reward function exact raised TypeError: .*'answer' \(on 2 completions of the "
+                                          rf"held-out prompts of '{held}' \(task.eval_path\); first prompt '1='\)$"):
+        FunctionReward(fn=f"{REWARD}:exact")._score(task, "eval", task.prompts("eval"), ["x", "y"], torch.tensor([0, 1]))
+    # held out of the same file: the row is the file's (the prompt of row i is f"{i:03d}=")
+    task = PromptsTask(path=str(train), eval_fraction=0.25, tokenizer="char")
+    task.setup(task.build_tokenizer())
+    nan_second = f"{tmp_path}/nan.py"
+    Path(nan_second).write_text("def score(prompts, completions, **kw):\n    return [1.0, float('nan')]\n")
+    with pytest.raises(RewardError) as err:
+        FunctionReward(fn=f"{nan_second}:score")._score(task, "train", task.prompts("train")[4:6], ["x", "y"], torch.tensor([4, 5]))
+    row, prompt = re.search(r"returned nan for row (\d+) of the training prompts of '.*train.jsonl' \(task.path\) \(prompt "
+                            r"'(\d+)=", str(err.value)).groups()
+    assert int(row) == int(prompt) and int(row) != 5, str(err.value)
 
 
 @pytest.mark.parametrize("spec, message", [

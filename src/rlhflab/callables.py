@@ -66,15 +66,18 @@ def _where(err: BaseException) -> str:
     return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
-def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwargs: dict, rows: list[int] | None) -> "torch.Tensor":
+def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwargs: dict, rows: list[int] | None,
+                source: str | None = None) -> "torch.Tensor":
     """fn's values as an (n,) float tensor (NaN where it returned None: it does not apply there, as in TRL), or a
-    one-line RewardError naming `name` and the row."""
+    one-line RewardError naming `name` and the row. `rows`: each prompt's row in `source` (e.g. "the held-out
+    prompts of 'eval.jsonl' (task.eval_path)"), the file whose columns reached `fn`."""
     n = len(completions)
+    of = f" of {source}" if source else ""
     try:
         values = fn(prompts=prompts, completions=completions, **kwargs)
     except Exception as err:
         raise RewardError(f"reward function {name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
-                          f"(on {n} completions; first prompt {str(prompts[0])[:60]!r})") from None
+                          f"(on {n} completions{of}; first prompt {str(prompts[0])[:60]!r})") from None
     try:
         values = list(values)
     except TypeError:
@@ -91,7 +94,7 @@ def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwarg
         except (TypeError, ValueError):
             v = f"{type(v).__name__} {str(v)[:40]!r}"
         if isinstance(v, str) or not math.isfinite(v):
-            row = f"dataset row {rows[i]}" if rows is not None else f"completion {i}"
+            row = (f"row {rows[i]}" if rows is not None else f"completion {i}") + of
             raise RewardError(f"reward function {name} returned {v} for {row} (prompt {str(prompts[i])[:60]!r}, "
                               f"completion {str(completions[i])[:60]!r}); return a finite number, or None where it does not apply")
         out.append(v)

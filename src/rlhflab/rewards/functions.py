@@ -59,9 +59,11 @@ class FunctionReward:
         total = torch.zeros(len(texts))
         scored = torch.zeros(len(texts), dtype=torch.bool)
         self.components = {}
-        row_ids = rows.tolist() if rows is not None else None
+        row_ids, source = rows.tolist() if rows is not None else None, None
+        if rows is not None and hasattr(task, "row_source"):  # task=prompts: the file's rows, and which file
+            row_ids, source = task.row_source(split, rows)
         for (name, fn), weight in zip(self.functions, self.weights):
-            values = call_reward(fn, name, prompts, completions, kwargs, row_ids)
+            values = call_reward(fn, name, prompts, completions, kwargs, row_ids, source)
             applies = ~values.isnan()  # None: it does not apply there
             if applies.any():
                 self.components[f"train/reward/{name}"] = float(values[applies].mean())

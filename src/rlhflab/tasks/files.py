@@ -158,9 +158,17 @@ class PromptsTask:
         path, prompt_field = src["path"], self.prompt_field
         train = load_table(path, src["split"], "task.path", (prompt_field,))
         _column(train, prompt_field, "task.prompt_field", path)
+        self.sources = {"train": f"the training prompts of '{path}' (task.path)"}
         if src["eval_path"]:
             held = load_table(src["eval_path"], src["eval_split"] or src["split"], "task.eval_path", (prompt_field,))
             _column(held, prompt_field, "task.prompt_field", src["eval_path"])
+            self.sources["eval"] = f"the held-out prompts of '{src['eval_path']}' (task.eval_path)"
+            lacking = [c for c in train.column_names if c not in held.column_names]
+            if lacking:  # the reward functions take each split's own columns: they would fail at the first evaluation
+                log.warning("task.eval_path: '%s' lacks the column%s %s that task.path has; reward functions get the "
+                            "columns of the held-out prompts from it", src["eval_path"], "s" * (len(lacking) > 1),
+                            ", ".join(lacking))
+            self.file_rows = {"train": list(range(len(train))), "eval": list(range(len(held)))}
         else:
             order = list(range(len(train)))
             random.Random(src["seed"]).shuffle(order)
@@ -168,7 +176,9 @@ class PromptsTask:
             if len(train) - n < 1:
                 raise ConfigError(f"task.eval_fraction: holding out {n} of {len(train)} prompts leaves none to train on; "
                                   "give task.eval_path or more prompts")
-            held, train = train.select(sorted(order[:n])), train.select(sorted(order[n:]))
+            self.file_rows = {"train": sorted(order[n:]), "eval": sorted(order[:n])}  # rows of the file, from 0
+            self.sources["eval"] = f"the held-out prompts of '{path}' (task.path, task.eval_fraction)"
+            held, train = train.select(self.file_rows["eval"]), train.select(self.file_rows["train"])
         self.tables = {"train": train, "eval": held.select(range(min(len(held), src["num_eval_prompts"])))}
         self.num_train_prompts = len(train)
         self.rows = {s: list(range(len(t))) for s, t in self.tables.items()}  # kept rows (setup may drop some)
@@ -262,11 +272,17 @@ class PromptsTask:
         extra = {c: list(picked[c]) for c in table.column_names if c != self.prompt_field}
         return raw, completions, extra
 
+    def row_source(self, split: str, rows) -> tuple[list[int], str]:
+        """For messages: each of `rows` (indices of the split's kept prompts) as its row in the file it came from
+        (from 0, as the other messages' rows), and which file and split that is."""
+        return [self.file_rows[split][self.rows[split][r]] for r in rows.tolist()], self.sources[split]
+
     def gold_reward(self, prompts: list[str], responses: list[str], split: str = "eval", rows=None) -> torch.Tensor:
         if self.gold_fn is None:
             raise RuntimeError("task.gold_fn is null: this task has no gold reward")
         raw, completions, kwargs = self.reward_inputs(split, rows, prompts, responses)
-        return call_reward(self.gold_fn, "task.gold_fn", raw, completions, kwargs, rows.tolist() if rows is not None else None)
+        ids, source = self.row_source(split, rows) if rows is not None else (None, None)
+        return call_reward(self.gold_fn, "task.gold_fn", raw, completions, kwargs, ids, source)
 
     def build_tokenizer(self):
         """A tokenizer over the data's words (or characters), for a model built from config."""
