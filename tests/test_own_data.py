@@ -431,6 +431,9 @@ def test_stages_train_on_your_demonstrations_and_preferences(make_cfg, tmp_path,
     # Hydra's joint LM + reward training learns them slowest: after 6 epochs it gave 0.73 on one CPU, 0.567 on another.
     assert accuracy > 0.6, accuracy
     assert result.module.updates == 2
+    # no gold function here: no correlation with it, said so, and no NaN metric (before: 'correlation with gold nan')
+    assert f"held-out pair accuracy {caplog.text.split('held-out pair accuracy ')[1][:5]}, no correlation with gold" in caplog.text
+    assert "rm/gold_correlation" not in MlflowClient(cfg.logger.tracking_uri).get_run(result.run_id).data.metrics
 
 
 # ---- a from_pretrained model whose tokenizer has no pad token -----------------------------------------------

@@ -83,16 +83,19 @@ def reward_report(module, held_out, demo_ids, task, prompts, responses) -> dict:
             gold = task.gold_reward(prompts, responses, "train", None)
             corr = float(torch.corrcoef(torch.stack([demo_scores, gold]))[0, 1])
         except (RewardError, TypeError) as err:
-            log.info("reward model report: no correlation with gold (%s)", str(err).splitlines()[0][:120])
+            log.info("reward model report: no correlation with gold (%s)", str(err).splitlines()[0])
     return {"mean": float(demo_scores.mean()), "std": float(demo_scores.std()), "held_out_accuracy": accuracy,
             "gold_correlation": corr, "held_out_pairs": len(held_out[0])}
 
 
 def accept_reward_report(stage: str, norm: dict, trainer, lr_key: str) -> None:
     """Log the report, and refuse (StageFailed, nothing cached) a reward model that is unusable."""
-    log.info("stage %s: held-out pair accuracy %.3f, correlation with gold %.3f", stage, norm["held_out_accuracy"], norm["gold_correlation"])
+    corr = norm["gold_correlation"]
+    measured = math.isfinite(corr)  # not: no gold judgement of plain text (said above); no NaN in the logs for it
+    log.info("stage %s: held-out pair accuracy %.3f, %s", stage, norm["held_out_accuracy"],
+             f"correlation with gold {corr:.3f}" if measured else "no correlation with gold")
     if trainer.logger is not None:
-        trainer.logger.log_metrics({"rm/held_out_accuracy": norm["held_out_accuracy"], "rm/gold_correlation": norm["gold_correlation"]})
+        trainer.logger.log_metrics({"rm/held_out_accuracy": norm["held_out_accuracy"], **({"rm/gold_correlation": corr} if measured else {})})
     if not all(math.isfinite(norm[k]) for k in ("mean", "std")) or norm["std"] == 0:
         raise StageFailed(f"stage {stage}: its reward model's scores are {'constant' if norm['std'] == 0 else 'not finite'} "
                           f"(mean {norm['mean']}, std {norm['std']}); not cached. Lower {lr_key} and run again")
