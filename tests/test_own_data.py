@@ -28,7 +28,7 @@ SMALL = ["stages.sft.epochs=1", "stages.rm.epochs=2", "rl.prompts_per_step=16", 
 
 
 def rows(n: int = 40) -> list[dict]:
-    # Answers are not all digits: CSV type inference would read "021" as the number 21.
+    # `level` is a number in JSON Lines and Parquet, and text in a CSV (its columns are text as written).
     return [{"prompt": f"{i:03d}=", "answer": "r" + f"{i:03d}"[::-1], "level": i % 3} for i in range(n)]
 
 
@@ -143,15 +143,18 @@ def test_bad_data_is_one_line_naming_the_key(tmp_path, setting, data, message):
     assert "\n" not in str(err.value)
 
 
-def test_a_csvs_prompts_and_completions_are_text_as_written(tmp_path):
+def test_a_csvs_columns_are_text_as_written(tmp_path):
     """The example's files as CSV: datasets read the completion '384' as the number 384, and the prompts of
-    digits.csv as numbers too (007 as 7); the run failed in the tokenizer with a traceback."""
+    digits.csv as numbers too (007 as 7); the run failed in the tokenizer with a traceback. Its `answer` column
+    reached the reward functions as numbers: `exact` compared text with 384, 0 every time, without a word."""
     prompts = write(tmp_path / "train.csv", [{"prompt": f"{i:03d}", "answer": f"{i:03d}"[::-1]} for i in range(20)])
     demos = write(tmp_path / "demos.csv", [{"prompt": f"{i:03d}", "completion": f"{i:03d}"[::-1]} for i in range(20)])
     task = PromptsTask(path=str(prompts), demonstrations_path=str(demos), eval_fraction=0.25, tokenizer="char")
     task.setup(task.build_tokenizer())
     assert set(task.prompts("train")) | set(task.prompts("eval")) == {f"{i:03d}" for i in range(20)}
     assert ("007", "700") in task.raw_demos
+    prompts, completions, kwargs = task.reward_inputs("train", torch.tensor([0, 1]), task.prompts("train")[:2], ["x", "y"])
+    assert kwargs["answer"] == [p[::-1] for p in prompts]  # '070' for '070', not 70
 
 
 @pytest.mark.parametrize("name, text, reason", [

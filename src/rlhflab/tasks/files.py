@@ -39,10 +39,11 @@ def is_local(path: str) -> bool:
     return local.suffix in BUILDERS or saved_to_disk(local) or local.is_file()
 
 
-def load_table(path: str, split: str, key: str, text: tuple[str, ...] = ()):
+def load_table(path: str, split: str, key: str):
     """A `datasets.Dataset` from a local file (by its suffix), a directory written by `save_to_disk` (a Dataset, or
-    a DatasetDict's `split`), or a hub dataset name; one-line errors naming `key`. `text`: columns a CSV keeps as
-    written (its prompts and completions: '384' is not the number 384, '007' not 7)."""
+    a DatasetDict's `split`), or a hub dataset name; one-line errors naming `key`. A CSV's columns are text as
+    written: a CSV holds no types, and datasets' guesses made the completion '384' a number (the tokenizer's
+    traceback) and an `answer` of '007' the number 7, which a reward function compared with text silently."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -55,7 +56,7 @@ def load_table(path: str, split: str, key: str, text: tuple[str, ...] = ()):
                 raise ConfigError(f"{key}: {no_such_file(path)}; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
             if local.stat().st_size == 0:
                 raise ConfigError(f"{key}: '{path}' has no rows")
-            csv = {"converters": {c: str for c in text}} if local.suffix == ".csv" and text else {}
+            csv = {"converters": {c: str for c in csv_header(local)}} if local.suffix == ".csv" else {}
             table = datasets.load_dataset(BUILDERS[local.suffix], data_files=str(local), split="train", **csv)
         elif saved_to_disk(local):
             # Dataset.save_to_disk / DatasetDict.save_to_disk: load_dataset refuses it ('Please use load_from_disk')
@@ -83,6 +84,13 @@ def load_table(path: str, split: str, key: str, text: tuple[str, ...] = ()):
     if len(table) == 0:
         raise ConfigError(f"{key}: '{path}' has no rows")
     return table
+
+
+def csv_header(path: Path) -> list[str]:
+    import csv
+
+    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        return next(csv.reader(f), [])
 
 
 def _column(table, field: str, key: str, path: str) -> list:
@@ -156,11 +164,11 @@ class PromptsTask:
             return False
         src = self.source
         path, prompt_field = src["path"], self.prompt_field
-        train = load_table(path, src["split"], "task.path", (prompt_field,))
+        train = load_table(path, src["split"], "task.path")
         _column(train, prompt_field, "task.prompt_field", path)
         self.sources = {"train": f"the training prompts of '{path}' (task.path)"}
         if src["eval_path"]:
-            held = load_table(src["eval_path"], src["eval_split"] or src["split"], "task.eval_path", (prompt_field,))
+            held = load_table(src["eval_path"], src["eval_split"] or src["split"], "task.eval_path")
             _column(held, prompt_field, "task.prompt_field", src["eval_path"])
             self.sources["eval"] = f"the held-out prompts of '{src['eval_path']}' (task.eval_path)"
             lacking = [c for c in train.column_names if c not in held.column_names]
@@ -192,7 +200,7 @@ class PromptsTask:
     def _pairs(self, path: str | None, fields: list[str], key: str) -> list[tuple] | None:
         if not path:
             return None
-        table = load_table(path, "train", key, tuple(fields))
+        table = load_table(path, "train", key)
         columns = [_column(table, f, key, path) for f in fields]
         return list(zip(*columns))
 
