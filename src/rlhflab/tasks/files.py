@@ -89,7 +89,7 @@ def load_table(path: str, split: str, key: str):
 def csv_header(path: Path) -> list[str]:
     import csv
 
-    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:  # a BOM is not in the name
         return next(csv.reader(f), [])
 
 
