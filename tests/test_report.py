@@ -259,3 +259,37 @@ def test_a_baseline_run_is_the_one_of_the_same_algo_and_memory_and_an_ambiguous_
     assert "- children: 2 (0 failed)" in summary
     assert "- baseline: sweep_sync, 5 runs (shown below the sweep's), matched on the algo, memory, model, reward and task tags" in summary
     assert "grpo-full-async #11: 2 baseline runs match (algo=grpo, memory=full, reward=model), so none is compared" in summary
+
+
+def test_the_reports_own_settings_fail_in_one_line_naming_their_key(tmp_path, monkeypatch):
+    """baseline= that matches nothing said 'sweep=...'; log_artifacts=ture turned the upload off without a word; a
+    plain path as the tracking URI, and out_dir= an existing file, were tracebacks; a sweep given as its own
+    baseline showed a speedup of 1.00 everywhere; a key given twice kept the last without a word."""
+    from mlflow.tracking import MlflowClient
+
+    from rlhflab.naming import SWEEP_TAG
+    from rlhflab.report import main
+
+    monkeypatch.chdir(tmp_path)
+    # absolute: MLflow keeps one store per URI in a process, and sqlite:///mlflow.db may be another test's
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    parent = client.create_run(client.create_experiment("rlhflab"), run_name="sweep a", tags={SWEEP_TAG: "1"})
+    (tmp_path / "notes.md").write_text("")
+
+    def error(*args: str) -> str:
+        with pytest.raises(SystemExit) as stop:
+            main(["sweep=latest", *args])
+        return str(stop.value)
+
+    assert error("baseline=nosuch").startswith("error: baseline=nosuch: no sweep parent run of that id or name")
+    assert error(f"baseline={parent.info.run_id}").startswith(f"error: baseline={parent.info.run_id}: is the sweep itself")
+    assert error("tracking_uri=mlflow.db") == ("error: tracking_uri: 'mlflow.db' is a path, not an MLflow store URI; for a "
+                                                "SQLite database give tracking_uri=sqlite:///mlflow.db")
+    assert error("out_dir=notes.md").startswith("error: out_dir: notes.md is a file; give a directory")
+    with pytest.raises(SystemExit) as stop:  # argparse's usage line, then the error (exit 2)
+        main(["sweep=latest", "log_artifacts=ture"])
+    assert stop.value.code == 2
+    with pytest.raises(SystemExit) as stop:
+        main(["sweep=latest", "sweep=other"])
+    assert stop.value.code == 2

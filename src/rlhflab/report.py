@@ -58,21 +58,22 @@ class Report:
 # ---- finding the runs ---------------------------------------------------------------------
 
 
-def find_sweep(client, sweep: str):
+def find_sweep(client, sweep: str, key: str = "sweep"):
     """The parent run: by id, by a prefix of its id (4+ characters, as MLflow's UI shows them), by run name
-    (the newest of that name), or `latest`. Anything that is not a sweep's parent is one line saying what it is."""
+    (the newest of that name), or `latest`. Anything that is not a sweep's parent is one line saying what it is,
+    named by `key` (sweep, or baseline)."""
     from mlflow.exceptions import MlflowException
 
     if re.fullmatch(r"[0-9a-f]{32}", sweep):
         try:
             run = client.get_run(sweep)
         except MlflowException:
-            raise SystemExit(f"error: sweep={sweep}: no run of that id at {client.tracking_uri}; "
+            raise SystemExit(f"error: {key}={sweep}: no run of that id at {client.tracking_uri}; "
                              "give tracking_uri= if the sweep logged elsewhere") from None
         if run.data.tags.get(SWEEP_TAG) != "1":
             parent = run.data.tags.get("mlflow.parentRunId")
-            raise SystemExit(f"error: sweep={sweep}: run {run.info.run_name!r} is "
-                             + (f"one job of a sweep; give its parent, sweep={parent}" if parent else
+            raise SystemExit(f"error: {key}={sweep}: run {run.info.run_name!r} is "
+                             + (f"one job of a sweep; give its parent, {key}={parent}" if parent else
                                 "a single run, not a sweep; python src/train.py -m ... makes a sweep"))
         return run
     experiment_ids = [e.experiment_id for e in client.search_experiments()]
@@ -86,12 +87,12 @@ def find_sweep(client, sweep: str):
             found = [r for r in parents if r.info.run_id.startswith(sweep)]
             if len(found) > 1:
                 ids = ", ".join(r.info.run_id for r in found[:3]) + (", ..." if len(found) > 3 else "")
-                raise SystemExit(f"error: sweep={sweep}: {len(found)} sweep parent runs start so ({ids}); "
+                raise SystemExit(f"error: {key}={sweep}: {len(found)} sweep parent runs start so ({ids}); "
                                  "give more of the id")
     if not found and not parents:
-        raise SystemExit(f"error: sweep={sweep}: {client.tracking_uri} holds no sweep; python src/train.py -m ... makes one")
+        raise SystemExit(f"error: {key}={sweep}: {client.tracking_uri} holds no sweep; python src/train.py -m ... makes one")
     if not found:
-        raise SystemExit(f"error: sweep={sweep}: no sweep parent run of that id or name at {client.tracking_uri}")
+        raise SystemExit(f"error: {key}={sweep}: no sweep parent run of that id or name at {client.tracking_uri}")
     return found[0]
 
 
@@ -421,15 +422,23 @@ def parse_args(argv: list[str]) -> dict[str, str | None]:
                "log_artifacts (true/false), baseline (a sweep of the same algos to compare with, e.g. the sync runs)",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = dict(DEFAULTS)
+    args, given = dict(DEFAULTS), set()
     for item in parser.parse_args(argv).overrides:
         key, sep, value = item.partition("=")
         if not sep or key not in DEFAULTS:
             parser.error(f"{item!r}: expected key=value with key one of {', '.join(DEFAULTS)}")
+        if key in given:  # the last one won, without a word
+            parser.error(f"{key}= is given twice ({args[key]!r} and {value!r}); give it once")
         args[key] = value
+        given.add(key)
     if not args["sweep"]:
         parser.error("sweep=<parent run id | run name | latest> is required")
+    if args["log_artifacts"].lower() not in BOOLEANS:  # a typo ('ture') turned the upload off without a word
+        parser.error(f"log_artifacts={args['log_artifacts']}: give true or false")
     return args
+
+
+BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 def main(argv: list[str]) -> Report:
@@ -442,14 +451,23 @@ def main(argv: list[str]) -> Report:
         # MLflow would make an empty database there (in the wrong directory, most likely) and find no sweep in it.
         raise SystemExit(f"error: tracking_uri: no MLflow database at {uri}; run the report where the sweep ran, "
                          "or give tracking_uri=sqlite:////path/to/mlflow.db (or set MLFLOW_TRACKING_URI)")
+    if "://" not in uri and not uri.startswith("databricks"):  # a plain path: MLflow's file store, which it refuses
+        raise SystemExit(f"error: tracking_uri: '{uri}' is a path, not an MLflow store URI; for a SQLite database give "
+                         f"tracking_uri=sqlite:///{uri}")
     client = MlflowClient(uri)
     parent = find_sweep(client, args["sweep"])
     # Sweep names say what was swept (`sweep algo=ppo,rloo 2025-01-31_12-00-00`): a folder name without spaces.
     out_dir = Path(home_expanded(args["out_dir"])) if args["out_dir"] else \
         Path("reports") / re.sub(r"[^\w.,=+-]+", "_", parent.info.run_name)
-    baseline = find_sweep(client, args["baseline"]) if args["baseline"] else None
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"error: out_dir: {out_dir} is a file; give a directory (made if missing), or leave out_dir "
+                         "out for reports/<sweep name>")
+    baseline = find_sweep(client, args["baseline"], "baseline") if args["baseline"] else None
+    if baseline is not None and baseline.info.run_id == parent.info.run_id:  # every speedup 1.00
+        raise SystemExit(f"error: baseline={args['baseline']}: is the sweep itself; give another sweep to compare with "
+                         "(e.g. the sync runs of the same algos)")
     report = write_report(client, parent, out_dir, baseline)
-    if args["log_artifacts"].lower() in ("1", "true", "yes"):
+    if BOOLEANS[args["log_artifacts"].lower()]:
         client.log_artifacts(parent.info.run_id, str(out_dir), "report")
     for path in report.files:
         print(f"wrote {path}")
