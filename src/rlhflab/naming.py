@@ -51,11 +51,17 @@ def short_override(override: str, keys: int = 1) -> str:
     `algo.kl_coef=0.1` -> `kl_coef=0.1`, `model.sft_path=/runs/a/policy` -> `sft_path=policy`, a long decimal to 3
     significant digits, `rl.lr=0.0006380556092044456` -> `lr=0.000638` (run names, sweep names, plot labels)."""
     key, _, value = override.partition("=")
+    # a sweep's list, each value on its own (a,b: the path shortened across the comma lost one value and the list)
+    values = value.split(",") if "(" not in value else [value]  # not range(1,3) / interval(0,1)
+    return f"{'.'.join(key.split('.')[-keys:])}={','.join(_short_value(v) for v in values)}"
+
+
+def _short_value(value: str) -> str:
     if value.startswith(("/", "./", "../", "~")):
-        value = value.rstrip("/").rpartition("/")[2] or value
-    elif len(value) > 8 and re.fullmatch(r"-?\d*\.\d+(e-?\d+)?", value):  # an Optuna trial's 0.08025955666793813
-        value = f"{float(value):.3g}"
-    return f"{'.'.join(key.split('.')[-keys:])}={value}"
+        return value.rstrip("/").rpartition("/")[2] or value
+    if len(value) > 8 and re.fullmatch(r"-?\d*\.\d+(e-?\d+)?", value):  # an Optuna trial's 0.08025955666793813
+        return f"{float(value):.3g}"
+    return value
 
 
 def run_name(algo: str, overrides: list[str]) -> str:
