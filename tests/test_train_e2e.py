@@ -45,6 +45,8 @@ def test_a_steps_time_holds_what_the_loop_does_between_steps(make_cfg, monkeypat
     steps = [m.value for m in MlflowClient(cfg.logger.tracking_uri).get_metric_history(result.run_id, "perf/step_s")]
     # steps 2 and 4 hold the logging of steps 1 and 3; step 3 starts after step 2's evaluation, which is in no step
     assert len(steps) == 4 and steps[1] >= 0.3 and steps[3] >= 0.3 and steps[0] < 0.3 and steps[2] < 0.3, steps
+    # sync mode overlaps nothing: no overlap efficiency, as per step (its run-level one was train / step, 0.5-1)
+    assert "perf/mean_samples_per_s" in result.metrics and "perf/mean_overlap_eff" not in result.metrics
 
 
 def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_path):

@@ -477,13 +477,15 @@ class RLHFModule(L.LightningModule):
         steps = self.step_times[1:] or self.step_times
         n, gen, gen_window, train, step = (sum(col) for col in zip(*steps))
         k = len(steps)
-        return {
+        summary = {
             "perf/mean_samples_per_s": n / step,
             "perf/mean_gen_s": gen / k,
             "perf/mean_train_s": train / k,
             "perf/mean_step_s": step / k,
-            "perf/mean_overlap_eff": max(gen_window, train) / step,
         }
+        if self.source.name != "sync":  # as perf/overlap_eff: sync mode overlaps nothing (it was train / step there)
+            summary["perf/mean_overlap_eff"] = max(gen_window, train) / step
+        return summary
 
     def memory_metrics(self) -> dict[str, float]:
         """The peak memory every step; model-state bytes (constant after the first update) once, as params."""
