@@ -60,6 +60,8 @@ BAD_VALUES = [
     ("algo=online_dpo algo.beta=0", "algo.beta"),
     ("algo=online_dpo algo.ties=drop", "algo.ties"),
     ("algo.kl_estimator=k9", "algo.kl_estimator"),
+    # a preset's grid, changed on the command line: a typo failed in Hydra's ~15 lines after the sweep's parent run was made
+    ('experiment=sweep_algos hydra.sweeper.params.algo="rloo,grop"', "algo=grop: no such option; choose one of"),
     # a setting of another option of the group: under reward=model (no settings) it said 'valid keys: ' and nothing
     ("reward.fn=my_pkg.rewards:score", "reward.fn: reward has no settings; reward.fn is a setting of reward=function: add reward=function"),
     ("algo.beta=0.1", "algo.beta: not a setting of algo; valid keys: samples_per_prompt"),

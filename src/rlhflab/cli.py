@@ -49,10 +49,15 @@ def preflight(argv: list[str]) -> None:
         fail(composition_error(err, overrides))
     servers: set[str] = set()
     outputs: set[str] = set()  # the fixed output.dir values of the jobs so far
+    gridded: set[tuple[str, ...]] = set()  # jobs of a preset's grid, whose own grid is this one
     for job in jobs:
-        which = f" (sweep job: {' '.join(job)})" if multirun else ""
+        which = f" (sweep job: {' '.join(job)})" if multirun or tuple(job) in gridded else ""
         try:
             cfg = compose(job, hydra=True)
+            if tuple(job) not in gridded:
+                more = grid_jobs(cfg.hydra, job)
+                gridded.update(map(tuple, more))
+                jobs.extend(more)
             check_hydra_dirs(cfg.hydra)
             searched = sweep_searches(cfg)
             check_typed(cfg, searched["choices"])
@@ -94,6 +99,20 @@ def check_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
         raise ConfigError(f"logger.tracking_uri: no MLflow server answers at {redact(tracking_uri)} ({why}); start it "
                           "(mlflow server --backend-store-uri sqlite:///mlflow.db --host HOST --port PORT), or log to "
                           "a file: logger.tracking_uri=sqlite:///mlflow.db") from None
+
+
+def grid_jobs(hydra, job: list[str]) -> list[list[str]]:
+    """The jobs of a grid a preset (or hydra.sweeper.params.X=...) gives Hydra's basic sweeper, e.g.
+    experiment=sweep_algos, each to be checked as the command line's own are: a typo in one of its values
+    ('hydra.sweeper.params.algo="rloo,grop"') failed in Hydra's many lines after the sweep's MLflow parent was made."""
+    from omegaconf import OmegaConf
+
+    if str(hydra.mode) != "RunMode.MULTIRUN" or not str(OmegaConf.select(hydra, "sweeper._target_") or "").endswith("BasicSweeper"):
+        return []
+    params = OmegaConf.to_container(OmegaConf.select(hydra, "sweeper.params") or {})
+    given = {o.partition("=")[0].lstrip("+~") for o in job}  # the command line's own values win, as in Hydra
+    extra = [f"{key}={value}" for key, value in params.items() if key not in given]
+    return [j for j in sweep_jobs([*job, *extra], True) if j != job] if extra else []
 
 
 def sweep_searches(cfg) -> dict:
