@@ -101,7 +101,9 @@ def check_hub(key: str, name: str | None) -> None:
     _cached_or_reachable(key, name, cached, "model", "local Hugging Face cache")
 
 
-DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")  # the data files task=prompts reads by their suffix
+# The data files task=prompts reads, by their suffix, and the `datasets` builder that reads each.
+DATA_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+DATA_SUFFIXES = tuple(DATA_BUILDERS)
 
 
 def is_hub_dataset(name: str) -> bool:

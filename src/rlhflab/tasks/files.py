@@ -20,10 +20,10 @@ import torch
 from rlhflab.callables import call_reward, load_callable
 from rlhflab.errors import ConfigError, no_such_file
 from rlhflab.models.build import leading_bos, prompt_ids
+from rlhflab.models.checks import DATA_BUILDERS
 
 log = logging.getLogger(__name__)
 
-BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 SPECIALS = {"pad": "[PAD]", "eos": "[EOS]", "bos": "[BOS]", "unk": "[UNK]"}
 
 
@@ -36,7 +36,7 @@ def is_local(path: str) -> bool:
     """A table read from this machine (a file by its suffix, a save_to_disk directory), not the hub; also a file of
     another suffix, which load_table refuses (as a hub name, it cost datasets' retries)."""
     local = Path(path).expanduser()
-    return local.suffix in BUILDERS or saved_to_disk(local) or local.is_file()
+    return local.suffix in DATA_BUILDERS or saved_to_disk(local) or local.is_file()
 
 
 def load_table(path: str, split: str, key: str):
@@ -51,13 +51,13 @@ def load_table(path: str, split: str, key: str):
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     local = Path(path).expanduser()
     try:
-        if local.suffix in BUILDERS:
+        if local.suffix in DATA_BUILDERS:
             if not local.is_file():
                 raise ConfigError(f"{key}: {no_such_file(path)}; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
             if local.stat().st_size == 0:
                 raise ConfigError(f"{key}: '{path}' has no rows")
             csv = {"converters": {c: str for c in csv_header(local)}} if local.suffix == ".csv" else {}
-            table = datasets.load_dataset(BUILDERS[local.suffix], data_files=str(local), split="train", **csv)
+            table = datasets.load_dataset(DATA_BUILDERS[local.suffix], data_files=str(local), split="train", **csv)
         elif saved_to_disk(local):
             # Dataset.save_to_disk / DatasetDict.save_to_disk: load_dataset refuses it ('Please use load_from_disk')
             table = datasets.load_from_disk(str(local))
