@@ -195,7 +195,13 @@ def test_a_sweep_is_found_by_id_prefix_name_or_latest_and_anything_else_is_one_l
     assert error(single.info.run_id).endswith("run 'grpo' is a single run, not a sweep; python src/train.py -m ... makes a sweep")
     assert "no run of that id" in error("0" * 32)
     assert error("abcd").startswith("error: sweep=abcd: 2 sweep parent runs start so (")  # the job's abcd2222... is no parent
-    assert "no sweep parent run of that id or name" in error("efef")  # a single run's prefix
+    # A job's or a single run's first characters or name are told as their full id is (they got the generic line).
+    assert error("efef").endswith(f"run 'grpo' ({single.info.run_id}) is a single run, not a sweep; python src/train.py "
+                                  "-m ... makes a sweep")
+    assert error("grpo") == error("efef").replace("sweep=efef", "sweep=grpo")
+    assert error("rloo").endswith(f"is one job of a sweep; give its parent, sweep={new.info.run_id}")
+    assert error("0000") == f"error: sweep=0000: no sweep parent run of that id or name at {client.tracking_uri}"
+    assert error("nosuch") == f"error: sweep=nosuch: no sweep parent run of that id or name at {client.tracking_uri}"
 
 
 def test_no_database_or_no_sweep_in_it_is_one_line_and_makes_no_database(tmp_path, monkeypatch):
@@ -259,6 +265,13 @@ def test_a_baseline_run_is_the_one_of_the_same_algo_and_memory_and_an_ambiguous_
     assert "- children: 2 (0 failed)" in summary
     assert "- baseline: sweep_sync, 5 runs (shown below the sweep's), matched on the algo, memory, model, reward and task tags" in summary
     assert "grpo-full-async #11: 2 baseline runs match (algo=grpo, memory=full, reward=model), so none is compared" in summary
+    # An algo the baseline has no finished run of was left out of the comparison without a word.
+    ours.append(fake_run(12, "algo=ppo mode=async", {"algo": "ppo", "mode": "async"}, gold=0.6, kl=1.0))
+    ours[-1].info.run_id = f"{212:032x}"
+    client = TwoSweepClient({"f" * 32: ours, "e" * 32: base})
+    summary = write_report(client, fake_parent("algo=rloo,grpo,ppo mode=async"), tmp_path, baseline).files[0].read_text()
+    assert "  - ppo-full-async #12: no finished baseline run has algo=ppo, memory=full, reward=model, so it is not compared" in summary
+    assert "rloo-full-async #10: no" not in summary
 
 
 def test_the_reports_own_settings_fail_in_one_line_naming_their_key(tmp_path, monkeypatch):
@@ -287,6 +300,10 @@ def test_the_reports_own_settings_fail_in_one_line_naming_their_key(tmp_path, mo
     assert error("tracking_uri=mlflow.db") == ("error: tracking_uri: 'mlflow.db' is a path, not an MLflow store URI; for a "
                                                 "SQLite database give tracking_uri=sqlite:///mlflow.db")
     assert error("out_dir=notes.md").startswith("error: out_dir: notes.md is a file; give a directory")
+    # A sweep stopped before its first job wrote an empty report and exited 0.
+    assert error() == (f"error: sweep: sweep 'sweep a' ({parent.info.run_id}, RUNNING) has no child runs: no job of it "
+                       "began, so there is nothing to report")
+    assert not (tmp_path / "reports").exists()
     with pytest.raises(SystemExit) as stop:  # argparse's usage line, then the error (exit 2)
         main(["sweep=latest", "log_artifacts=ture"])
     assert stop.value.code == 2

@@ -71,10 +71,7 @@ def find_sweep(client, sweep: str, key: str = "sweep"):
             raise SystemExit(f"error: {key}={sweep}: no run of that id at {client.tracking_uri}; "
                              "give tracking_uri= if the sweep logged elsewhere") from None
         if run.data.tags.get(SWEEP_TAG) != "1":
-            parent = run.data.tags.get("mlflow.parentRunId")
-            raise SystemExit(f"error: {key}={sweep}: run {run.info.run_name!r} is "
-                             + (f"one job of a sweep; give its parent, {key}={parent}" if parent else
-                                "a single run, not a sweep; python src/train.py -m ... makes a sweep"))
+            raise SystemExit(_not_a_sweep(run, key, sweep))
         return run
     experiment_ids = [e.experiment_id for e in client.search_experiments()]
     parents = client.search_runs(experiment_ids, f"tags.`{SWEEP_TAG}` = '1'",
@@ -89,11 +86,28 @@ def find_sweep(client, sweep: str, key: str = "sweep"):
                 ids = ", ".join(r.info.run_id for r in found[:3]) + (", ..." if len(found) > 3 else "")
                 raise SystemExit(f"error: {key}={sweep}: {len(found)} sweep parent runs start so ({ids}); "
                                  "give more of the id")
-    if not found and not parents:
+    if found:
+        return found[0]
+    # Not a parent: a job's or a single run's name (the newest of it) or id prefix is told as its full id is.
+    others = [] if "'" in sweep else client.search_runs(
+        experiment_ids, f"attributes.run_name = '{sweep}'", order_by=["attributes.start_time DESC"], max_results=1)
+    if not others and re.fullmatch(r"[0-9a-f]{4,31}", sweep):
+        others = client.search_runs(experiment_ids, f"attributes.run_id LIKE '{sweep}%'", max_results=2)
+        others = others[:len(others) == 1]  # several runs start so: none is meant more than another
+    if others:
+        raise SystemExit(_not_a_sweep(others[0], key, sweep))
+    if not parents:
         raise SystemExit(f"error: {key}={sweep}: {client.tracking_uri} holds no sweep; python src/train.py -m ... makes one")
-    if not found:
-        raise SystemExit(f"error: {key}={sweep}: no sweep parent run of that id or name at {client.tracking_uri}")
-    return found[0]
+    raise SystemExit(f"error: {key}={sweep}: no sweep parent run of that id or name at {client.tracking_uri}")
+
+
+def _not_a_sweep(run, key: str, ref: str) -> str:
+    """One line for a run that is not a sweep's parent: a job (name its parent) or a single run."""
+    parent = run.data.tags.get("mlflow.parentRunId")
+    named = f"run {run.info.run_name!r}" + (f" ({run.info.run_id})" if ref != run.info.run_id else "")
+    return (f"error: {key}={ref}: {named} is "
+            + (f"one job of a sweep; give its parent, {key}={parent}" if parent else
+               "a single run, not a sweep; python src/train.py -m ... makes a sweep"))
 
 
 def child_runs(client, parent) -> list:
@@ -191,7 +205,7 @@ BASELINE_MATCH = ("algo", "memory", "model", "reward", "task")
 def compare_to_baseline(client, runs, rows, baseline_runs) -> list[str]:
     """Side by side with a baseline sweep (e.g. sync) of the same algorithms: RL speedup and time to reach the
     baseline's final gold reward, against the one finished baseline run of the same BASELINE_MATCH tags. Returns
-    a line per run that has several (the baseline also varied e.g. rl.lr): none of them is picked."""
+    a line per finished run that has several (the baseline also varied e.g. rl.lr: none of them is picked) or none."""
     finished = [r for r in baseline_runs if r.info.status == "FINISHED"]
     unmatched = []
     for run, row in zip(runs, rows):
@@ -199,9 +213,11 @@ def compare_to_baseline(client, runs, rows, baseline_runs) -> list[str]:
             continue
         key = {t: run.data.tags.get(t) for t in BASELINE_MATCH}
         same = [b for b in finished if all(b.data.tags.get(t) == v for t, v in key.items())]
+        shared = ", ".join(f"{t}={v}" for t, v in key.items() if v is not None)
         if len(same) > 1:
-            shared = ", ".join(f"{t}={v}" for t, v in key.items() if v is not None)
             unmatched.append(f"{row['run']}: {len(same)} baseline runs match ({shared}), so none is compared")
+        elif not same:  # e.g. the baseline swept other algos, or its run of this one failed
+            unmatched.append(f"{row['run']}: no finished baseline run has {shared}, so it is not compared")
         if len(same) != 1:
             continue
         b = same[0]
@@ -341,13 +357,13 @@ def bar_chart(runs, rows, labels, key: str, ylabel: str, path: Path) -> str | No
 def gather(client, parent, baseline=None, report: Report | None = None) -> tuple[list, list[dict], dict[str, str]]:
     """The children (then the baseline's), their table rows, their legend names; what the summary says of the
     baseline goes to `report`."""
-    runs = child_runs(client, parent)
+    runs = _children(client, parent, "sweep")
     rows = summary_rows(runs)
     base_runs = []
     if report is not None:
         report.children = len(runs)
     if baseline is not None:
-        base_runs = child_runs(client, baseline)
+        base_runs = _children(client, baseline, "baseline")
         unmatched = compare_to_baseline(client, runs, rows, base_runs)
         if report is not None:
             report.baseline = [f"{baseline.info.run_name}, {len(base_runs)} runs (shown below the sweep's), matched on the "
@@ -360,10 +376,19 @@ def gather(client, parent, baseline=None, report: Report | None = None) -> tuple
     return runs, rows, run_labels(runs, {r.info.run_id for r in base_runs})
 
 
+def _children(client, parent, key: str) -> list:
+    """A sweep's child runs; none (it was stopped or died before its first job began) is one line, not an empty report."""
+    runs = child_runs(client, parent)
+    if not runs:
+        raise SystemExit(f"error: {key}: sweep {parent.info.run_name!r} ({parent.info.run_id}, {parent.info.status}) "
+                         "has no child runs: no job of it began, so there is nothing to report")
+    return runs
+
+
 def write_report(client, parent, out_dir: Path, baseline=None) -> Report:
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = Report(out_dir)
     runs, rows, labels = gather(client, parent, baseline, report)
+    out_dir.mkdir(parents=True, exist_ok=True)
     figures = [  # (file, what it needs, draw: returns its caption, or None where no run has what it needs)
         ("gold_vs_step.png", GOLD, lambda p: gold_vs_step(client, runs, labels, p)),
         ("gold_vs_time.png", GOLD, lambda p: gold_vs_time(client, runs, labels, p)),
