@@ -59,17 +59,34 @@ def saved(path: Path, data: list[dict], split: str | None = None) -> Path:
     return path
 
 
-@pytest.mark.parametrize("extra, error", [("task.split=nope", r"task.path: cannot read '.*' \(ValueError: Unknown split"),
+def cached_hub_dataset(monkeypatch, cache: Path, name: str, source: Path) -> None:
+    """`name` ('org/Name') in datasets' cache at `cache`, as a load where the hub was reachable leaves it (one
+    `default` config, split `train` from the JSON Lines `source`), and this process offline: load_dataset(name)
+    reads it from there, as on a machine without the hub."""
+    from datasets.naming import camelcase_to_snakecase
+    from datasets.packaged_modules.json.json import Json
+
+    org, last = name.split("/")
+    snake = camelcase_to_snakecase(last)
+    Json(data_files={"train": str(source)}, cache_dir=str(cache / "build"), dataset_name=snake).download_and_prepare()
+    home = cache / f"{org}___{snake}" / "default" / "0.0.0"  # where load_dataset(name) looks offline
+    home.mkdir(parents=True)
+    next((cache / "build").glob("*/*/0.0.0")).rename(home / ("0" * 16))  # built in <snake>/default-<config hash>/0.0.0
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", cache)  # read at import: the attributes
+    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("extra, error", [("task.split=nope", r"task.path: cannot read 'nobody/MyPrompts' \(ValueError: Unknown split"),
                                           ("task.prompt_field=question", r"task.prompt_field: no column 'question'"),
                                           ("rl.prompts_per_step=1024", r"rl.prompts_per_step=1024: larger than the task's 836 ")])
-def test_data_read_at_run_start_fails_before_the_mlflow_run(make_cfg, tmp_path, extra, error):
-    """What construction leaves unread (a hub dataset; here a directory of data files, read by load_dataset the
-    same way) is read by train() before the MLflow run: before, its bad split or column came after the run was
-    made, which then ended FAILED. The checks validation makes of local rows run then too (prompts_per_step
-    against the rows; a reward model's chat template for conversations, check_task_data)."""
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.jsonl").write_text((EXAMPLE / "train.jsonl").read_text())
-    cfg = make_cfg(*own_task(tmp_path), f"task.path={tmp_path}/data", "task.eval_path=null", extra, shrink=False)
+def test_data_read_at_run_start_fails_before_the_mlflow_run(make_cfg, tmp_path, monkeypatch, extra, error):
+    """What construction leaves unread (a hub dataset, here one in datasets' cache, offline) is read by train()
+    before the MLflow run: before, its bad split or column came after the run was made, which then ended FAILED.
+    The checks validation makes of local rows run then too (prompts_per_step against the rows; a reward model's
+    chat template for conversations, check_task_data)."""
+    cached_hub_dataset(monkeypatch, tmp_path / "datasets", "nobody/MyPrompts", EXAMPLE / "train.jsonl")
+    cfg = make_cfg(*own_task(tmp_path), "task.path=nobody/MyPrompts", "task.eval_path=null", extra, shrink=False)
     with pytest.raises(ConfigError, match="^" + error):
         train(cfg)
     assert not (tmp_path / "mlflow.db").exists()
@@ -97,6 +114,45 @@ def test_a_saved_datasetdict_without_the_split_is_one_line_naming_its_splits(tmp
         PromptsTask(path=str(path))
     task = PromptsTask(path=str(path), split="validation", eval_fraction=0.25, tokenizer="char")
     assert task.setup(task.build_tokenizer())["task/train_prompts"] == 30
+
+
+def test_a_folder_is_read_by_its_files_names_and_says_which_it_read(tmp_path, caplog):
+    """A plain folder went to load_dataset: it read the folder as the kind most of its files were, left the others
+    out without a word, and tried a save_to_disk subfolder's state.json as prompts; nothing said which files it read.
+    Now its split's files (by datasets' naming) must be of one kind, are read as that kind's file is (CSV columns as
+    text), and the log names them."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i in range(3):
+        write(folder / f"train-{i}.csv", rows(40)[i * 10:(i + 1) * 10])
+    write(folder / "test.csv", rows(40)[30:])
+    with caplog.at_level(logging.INFO, logger="rlhflab.tasks.files"):
+        task = PromptsTask(path=str(folder), eval_path=str(folder), eval_split="test", tokenizer="char")
+    counts = task.setup(task.build_tokenizer())
+    assert (counts["task/train_prompts"], counts["task/eval_prompts"]) == (30, 10)
+    assert f"task.path: read 30 rows of split 'train' from 3 files in '{folder}': train-0.csv, train-1.csv, train-2.csv" \
+        in caplog.messages
+    assert f"task.eval_path: read 10 rows of split 'test' from 1 file in '{folder}': test.csv" in caplog.messages
+    prompts, _, kwargs = task.reward_inputs("train", torch.tensor([0]), task.prompts("train")[:1], ["x"])
+    assert kwargs["level"] == ["0"]  # as in a CSV file: text as written
+    with pytest.raises(ConfigError, match=rf"^task.path: the folder '{folder}' has no split 'validation' \(datasets names a "
+                                          r"split by its files' names, e.g. validation.jsonl\); its splits are train, test: "
+                                          r"choose one with task.split=$"):
+        PromptsTask(path=str(folder), split="validation")
+
+    write(folder / "train-3.jsonl", rows(2))  # of another kind: datasets read the three CSVs and dropped it
+    with pytest.raises(ConfigError, match=rf"^task.path: the folder '{folder}' \(split 'train'\) holds files of 2 kinds "
+                                          r"\(.csv, .jsonl: train-0.csv, train-1.csv, train-2.csv, train-3.jsonl\); give one "
+                                          r"file, or a folder of .jsonl, .json, .csv or .parquet files of one kind$"):
+        PromptsTask(path=str(folder))
+    (folder / "train-3.jsonl").unlink()
+    saved(folder / "train-saved", rows(4))  # a save_to_disk folder inside, whose name says train: datasets took it
+    with pytest.raises(ConfigError, match=r"holds files of 2 kinds \(.arrow, .json: train-saved/data-00000-of-00001.arrow, "
+                                          r"train-saved/state.json\)"):  # for the train split, and its state.json as prompts
+        PromptsTask(path=str(folder))
+    with pytest.raises(ConfigError, match=rf"^task.path: the folder '{tmp_path / 'empty'}' holds no data files; "):
+        (tmp_path / "empty").mkdir()
+        PromptsTask(path=str(tmp_path / "empty"))
 
 
 def test_overlong_prompts_are_dropped_or_truncated_and_counted(tmp_path):

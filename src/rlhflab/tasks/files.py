@@ -33,10 +33,10 @@ def saved_to_disk(path: Path) -> bool:
 
 
 def is_local(path: str) -> bool:
-    """A table read from this machine (a file by its suffix, a save_to_disk directory), not the hub; also a file of
-    another suffix, which load_table refuses (as a hub name, it cost datasets' retries)."""
+    """A table read from this machine (a file by its suffix, a folder), not the hub; also a file of another suffix,
+    which load_table refuses (as a hub name, it cost datasets' retries)."""
     local = Path(path).expanduser()
-    return local.suffix in DATA_BUILDERS or saved_to_disk(local) or local.is_file()
+    return local.suffix in DATA_BUILDERS or local.exists()
 
 
 def load_table(path: str, split: str, key: str):
@@ -51,13 +51,10 @@ def load_table(path: str, split: str, key: str):
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     local = Path(path).expanduser()
     try:
-        if local.suffix in DATA_BUILDERS:
+        if local.suffix in DATA_BUILDERS and not local.is_dir():
             if not local.is_file():
                 raise ConfigError(f"{key}: {no_such_file(path)}; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
-            if local.stat().st_size == 0:
-                raise ConfigError(f"{key}: '{path}' has no rows")
-            csv = {"converters": {c: str for c in csv_header(local)}} if local.suffix == ".csv" else {}
-            table = datasets.load_dataset(DATA_BUILDERS[local.suffix], data_files=str(local), split="train", **csv)
+            table = read_files([local], key)
         elif saved_to_disk(local):
             # Dataset.save_to_disk / DatasetDict.save_to_disk: load_dataset refuses it ('Please use load_from_disk')
             table = datasets.load_from_disk(str(local))
@@ -71,6 +68,12 @@ def load_table(path: str, split: str, key: str):
         elif local.is_file():
             raise ConfigError(f"{key}: '{path}' is not a file rlhflab reads (by its suffix{', ' + repr(local.suffix) if local.suffix else ''}); "
                               "give a .jsonl, .json, .csv or .parquet file")
+        elif local.is_dir():
+            files = folder_files(local, path, split, key)
+            table = read_files(files, key)
+            names = [str(f.relative_to(local.resolve())) for f in files]
+            log.info("%s: read %d rows of split '%s' from %d file%s in '%s': %s", key, len(table), split, len(files),
+                     "s" * (len(files) > 1), path, ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
         else:
             table = datasets.load_dataset(path, split=split)
     except ConfigError:
@@ -84,6 +87,48 @@ def load_table(path: str, split: str, key: str):
     if len(table) == 0:
         raise ConfigError(f"{key}: '{path}' has no rows")
     return table
+
+
+def read_files(files: list[Path], key: str):
+    """One table from data files of one suffix, as datasets' builder for it reads them (CSV columns as text)."""
+    import datasets
+
+    for f in files:
+        if f.stat().st_size == 0:  # datasets' StopIteration
+            raise ConfigError(f"{key}: '{f}' has no rows")
+    suffix = files[0].suffix
+    csv = {"converters": {c: str for f in files for c in csv_header(f)}} if suffix == ".csv" else {}
+    return datasets.load_dataset(DATA_BUILDERS[suffix], data_files=[str(f) for f in files], split="train", **csv)
+
+
+def folder_files(local: Path, path: str, split: str, key: str) -> list[Path]:
+    """The files of `split` in a plain folder, found by datasets' own file naming (train.jsonl, data/test-0.csv, ...;
+    every file is `train` where no name says a split). They must all be of one suffix rlhflab reads: datasets reads a
+    folder as the kind most of its files are and leaves the others out without a word (a save_to_disk subfolder's
+    state.json it read as prompts)."""
+    from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+
+    empty = ConfigError(f"{key}: the folder '{path}' holds no data files; give a .jsonl, .json, .csv or .parquet file, "
+                        "or a folder of them")
+    try:
+        found = DataFilesDict.from_patterns(get_data_patterns(str(local)), base_path=str(local))
+    except (EmptyDatasetError, FileNotFoundError):
+        raise empty from None
+    splits = {str(name): files for name, files in found.items()}
+    if split not in splits:
+        how = {"task.path": "task.split=", "task.eval_path": "task.eval_split="}.get(key, f"{key}=<a file>")
+        raise ConfigError(f"{key}: the folder '{path}' has no split '{split}' (datasets names a split by its files' names, "
+                          f"e.g. {split}.jsonl); its splits are {', '.join(splits)}: choose one with {how}")
+    files = sorted(Path(f).resolve() for f in splits[split])
+    if not files:
+        raise empty
+    kinds = sorted({f.suffix or f.name for f in files})
+    if len(kinds) > 1 or files[0].suffix not in DATA_BUILDERS:
+        shown = ", ".join(str(f.relative_to(local.resolve())) for f in files[:6]) + (", ..." if len(files) > 6 else "")
+        raise ConfigError(f"{key}: the folder '{path}' (split '{split}') holds files of {len(kinds)} kind{'s' * (len(kinds) > 1)} "
+                          f"({', '.join(kinds)}: {shown}); give one file, or a folder of .jsonl, .json, .csv or .parquet "
+                          "files of one kind")
+    return files
 
 
 def csv_header(path: Path) -> list[str]:
