@@ -265,9 +265,16 @@ def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_
     failed = run_id_of(out)
     client = MlflowClient(make_cfg().logger.tracking_uri)
     assert client.get_run(failed).info.status == "FAILED"
+    from rlhflab.lit import checkpoint as ckpt
+
+    before = ckpt.read(newest).state["elapsed"]  # seconds of RL and in all, up to the checkpoint
+    assert 0 < before["rl_s"] < before["total_s"]
     done = train(make_cfg(*args, "resume=auto"))  # the function no longer fails: as the line says
     assert done.run_id == failed and client.get_run(failed).info.status == "FINISHED"
     assert [step for step, _ in history(make_cfg().logger.tracking_uri, failed, "train/reward")] == list(range(1, 9))
+    # perf/rl_s and perf/total_s were the time since the resume; now the whole run's: the checkpoint's count, then more
+    assert done.module.elapsed_before == before and done.metrics["perf/rl_s"] > before["rl_s"]
+    assert done.metrics["perf/total_s"] > before["total_s"] + done.metrics["perf/stages_s"]
 
 
 def store_goes_away(monkeypatch, when) -> dict:

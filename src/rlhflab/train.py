@@ -286,6 +286,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     module = RLHFModule(memory, plan.algo, plan.reward, plan.source, task, tokenizer, train_prompts, eval_prompts, cfg.rl,
                         cfg.seed, resume)
     module.run_id = tracker.run_id
+    module.clock = (started, started + t_stages)
     saver = ckpt.Checkpointer(ckpt.directory(out), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep,
                               OmegaConf.to_yaml(cfg, resolve=True))
     remaining = budget - done
@@ -320,19 +321,20 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
         module.restore(resume, training=False)
         if module.eval_history[-1][0] != module.policy_version:  # killed after its last checkpoint, before the final eval
             logger.log_metrics(module.evaluate(), step=module.updates)
-    t_rl = time.perf_counter() - started - t_stages
+    elapsed = module.elapsed()  # a resumed run's: its processes' up to the checkpoint, and this one's
+    t_rl, before = elapsed["rl_s"], module.elapsed_before["rl_s"]
 
     policy_dir = save_policy(module, tokenizer, out / "policy", cfg, tracker)
-    before, (_, after, final_kl) = module.eval_history[0][1], module.eval_history[-1]
+    first, (_, after, final_kl) = module.eval_history[0][1], module.eval_history[-1]
     judged = "eval/gold_reward" if task.has_gold else "eval/reward"
     metrics = {
-        f"{judged}_before": before,
+        f"{judged}_before": first,
         judged: after,
         "eval/kl": final_kl,
         **(module.timing_summary() if module.step_times else {}),
         "perf/stages_s": t_stages,
         "perf/rl_s": t_rl,
-        "perf/total_s": time.perf_counter() - started,
+        "perf/total_s": module.elapsed()["total_s"],
     }
     summaries = {k: v for k, v in metrics.items() if k not in (judged, "eval/kl")}  # those have curves
     tracker.log_metrics(summaries, step=0)  # single values: step 0, so no chart draws them as the end of a curve
@@ -342,7 +344,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     tracker.log_generations(module.generation_rows)
     tracker.set_tag("perf/mem_method", getattr(module, "mem_method", ""))
     judge = "gold reward" if task.has_gold else "reward (the task has no gold_fn)"  # as the eval lines say
-    log.info("done: %s %.3f -> %.3f after %d RL steps (stages %.0f s, RL %.0f s)", judge, before, after, module.updates, t_stages, t_rl)
+    log.info("done: %s %.3f -> %.3f after %d RL steps (stages %.0f s, RL %.0f s%s)", judge, first, after, module.updates,
+             t_stages, t_rl, f", {before:.0f} s of it before the resume" if resume else "")
     log.info("policy: %s (AutoModelForCausalLM.from_pretrained loads it)", policy_dir)
     log.info("mlflow: %s", browse_hint(tracker))
     return Result(metrics, module, tracker.run_id, out)

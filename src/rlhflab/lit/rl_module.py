@@ -90,6 +90,11 @@ class RLHFModule(L.LightningModule):
         self.consistent = True  # False while a batch's updates are under way (no checkpoint can be taken then)
         self.sharded = False  # trainer=fsdp
         self.run_id: str | None = None  # the MLflow run, kept by checkpoints so that a resume continues it
+        # perf_counter() at this process's start and at its RL's start (train() sets them), and the seconds of RL and
+        # in all the processes before it counted up to the checkpoint it resumed from: a resumed run's perf/rl_s and
+        # perf/total_s are the whole run's, not the time since the resume.
+        self.clock: tuple[float, float] | None = None
+        self.elapsed_before = {"rl_s": 0.0, "total_s": 0.0}
         self._reference_worker = None  # mode.reference=thread/process (sync): lit/reference.py
 
     def prompt_batches(self, start: int | None = None) -> PromptBatches:
@@ -150,9 +155,16 @@ class RLHFModule(L.LightningModule):
             "step_times": [list(t) for t in self.step_times],
             "skipped_batches": self.skipped_batches,
             "run_id": self.run_id,
+            "elapsed": self.elapsed(),
         }
         tensors = {name: full(p) for name, p in self._trainable_tensors().items()}  # collective when sharded
         return tensors, self._optimizer_state(), state
+
+    def elapsed(self) -> dict[str, float]:
+        """Seconds of RL and in all of the run so far, across resumes (as of now)."""
+        now, (started, rl_started) = time.perf_counter(), self.clock or (time.perf_counter(),) * 2
+        return {"rl_s": self.elapsed_before["rl_s"] + now - rl_started,
+                "total_s": self.elapsed_before["total_s"] + now - started}
 
     def _optimizer_state(self) -> dict:
         optimizer = self.optimizers().optimizer
@@ -176,6 +188,7 @@ class RLHFModule(L.LightningModule):
             self.updates, self.policy_version = checkpoint.state["updates"], checkpoint.state["policy_version"]
             self.eval_history = [tuple(e) for e in checkpoint.state["eval_history"]]
             self.step_times = saved_step_times(checkpoint.state["step_times"])
+            self.elapsed_before = checkpoint.state.get("elapsed", self.elapsed_before)  # none before 2026-11-26
             return
         optimizer = self.optimizers().optimizer
         if self.sharded:
@@ -194,6 +207,7 @@ class RLHFModule(L.LightningModule):
         self.eval_history = [tuple(e) for e in state["eval_history"]]
         self.generation_rows = state["generation_rows"]
         self.step_times = saved_step_times(state["step_times"])
+        self.elapsed_before = state.get("elapsed", self.elapsed_before)
         self.skipped_batches = state["skipped_batches"]
         mine = state["ranks"][distributed.rank()]
         self.source.restore(mine["source"])
