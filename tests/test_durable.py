@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf, open_dict
 
 from conftest import SHRINK, TRAIN, cli_run, history, run_id_of, tensors, wait_for
+from rlhflab.config import validate
 from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, StageFailed, TrackingLost
 from rlhflab.models.build import ensure_base_model
 from rlhflab.train import train
@@ -47,6 +48,11 @@ def test_saved_policy_loads_with_from_pretrained_and_generates(make_cfg, memory)
         merged = AutoModelForCausalLM.from_pretrained(path / "merged").eval()
         with torch.no_grad():
             torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
+        # given as model.sft_path it said "not an intact saved model (no config.json there)"; the merged one works
+        with pytest.raises(ConfigError, match=rf"^model.sft_path: '{path}' is a LoRA adapter \(adapter_config.json\), not a "
+                                              rf"whole model; give {path / 'merged'}, the merged model beside it$"):
+            validate(make_cfg(f"model.sft_path={path}"))
+        validate(make_cfg(f"model.sft_path={path / 'merged'}"))
     client = MlflowClient(cfg.logger.tracking_uri)
     logged = {a.path for a in client.list_artifacts(result.run_id, "policy")}
     assert "policy/tokenizer.json" in logged and any(p.endswith(".safetensors") for p in logged)

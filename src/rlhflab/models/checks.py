@@ -61,7 +61,14 @@ def check_pretrained(key: str, name_or_path: str | None) -> None:
     """Fail before loading anything when a local model path is not an intact saved model."""
     if name_or_path is None or not is_local_path(name_or_path):
         return
-    problem = model_dir_damage(Path(name_or_path).expanduser())
+    path = Path(name_or_path).expanduser()
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():  # memory=lora/hydra's policy/
+        merged = path / "merged"
+        fix = (f"give {Path(name_or_path) / 'merged'}, the merged model beside it" if (merged / "config.json").is_file() else
+               "run with output.merge_lora=true and give its policy/merged, or merge it yourself (peft's "
+               "merge_and_unload, then save_pretrained)")
+        raise ConfigError(f"{key}: '{name_or_path}' is a LoRA adapter (adapter_config.json), not a whole model; {fix}")
+    problem = model_dir_damage(path)
     if problem:
         raise ConfigError(f"{key}: '{name_or_path}' is not an intact saved model ({problem}); "
                           "give a directory written by save_pretrained, a hub id, or null to build/train it")
