@@ -82,6 +82,9 @@ BAD_VALUES = [
     ("-m experiment=sweep_optuna output.dir=runs/a", "output.dir"),  # every trial into one directory
     # distributed (issue 11)
     ("trainer=ddp rl.prompts_per_step=3", "rl.prompts_per_step"),
+    # each rank splits its own share into mini-batches: two tracebacks after the stages ran
+    ("trainer=ddp algo=ppo rl.prompts_per_step=2", "rl.prompts_per_step: 2 prompts give each of 2 ranks 1, which algo.num_minibatches=2"),
+    ("trainer=ddp stages.sft.batch_size=63", "stages.sft.batch_size: 63 does not split evenly over 2 ranks"),
     ("trainer=ddp task.num_eval_prompts=1", "task.num_eval_prompts"),
     ("trainer=fsdp mode=async", "mode=async"),
     ("trainer=fsdp memory=lora output.merge_lora=true", "output.merge_lora"),

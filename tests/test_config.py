@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from conftest import ROOT, compose_cfg
 from rlhflab.config import check_trainer, validate
 from rlhflab.errors import ConfigError
+from rlhflab.models.cache import config_key
 from rlhflab.rollout.vllm import check_vllm_available, vllm_build
-from rlhflab.train import train
+from rlhflab.train import per_rank_stages, train
 
 
 def vllm_unavailable() -> str | None:
@@ -81,7 +83,6 @@ def test_every_schema_declares_exactly_its_targets_parameters(group, option):
     import inspect
 
     from hydra.utils import get_class
-    from omegaconf import OmegaConf
 
     cfg = compose_cfg([f"{group}={option}", *PARTNERS.get((group, option), [])], shrink=False)
     node = cfg[group]
@@ -213,6 +214,14 @@ def test_cli_gpu_settings_without_a_gpu_are_one_line_and_load_nothing(tmp_path):
     ("mode=async mode.device=cuda:1 mode.start_method=spawn trainer=gpu", 2, None),
     ("mode=async mode.device=cuda:2 mode.start_method=spawn trainer=gpu", 2, "mode.device=cuda:2: only 2 CUDA GPU(s) are visible"),
     ("mode=async mode.device=cuda:x mode.start_method=spawn", 0, "mode.device=cuda:x: not a device"),
+    # accelerator auto: validate() said the generator's GPU 0 clashed with training GPUs 0, 1 on a machine without a
+    # GPU (training ran on CPUs) and told to set cuda:2, which then found no GPU; the clash is judged where GPUs are
+    ("trainer=ddp trainer.devices=2 mode=async mode.device=cuda:0", 0, "mode.device=cuda:0: no CUDA GPU is visible here"),
+    ("trainer=ddp trainer.devices=2 mode=async mode.device=cuda:0", 4, "mode.device: cuda:0 gives the generator(s) GPU 0, 1"),
+    ("trainer=ddp trainer.devices=2 mode=async mode.device=cuda:2", 4, None),
+    # nccl with accelerator auto where no GPU is: torch's 'Distributed package doesn't have NCCL built in', twice
+    ("trainer=ddp trainer.strategy.process_group_backend=nccl", 0, "trainer.strategy.process_group_backend=nccl: NCCL needs GPUs"),
+    ("trainer=ddp trainer.strategy.process_group_backend=nccl", 2, None),
 ])
 def test_the_gpus_a_config_asks_for_are_checked_against_those_visible(monkeypatch, override, visible, key):
     import torch
@@ -222,11 +231,16 @@ def test_the_gpus_a_config_asks_for_are_checked_against_those_visible(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     cfg = compose_cfg(override.split(), shrink=False)
-    if key is None:
+
+    def checks():  # as train() makes them: validate() (which knows no GPU count), then check_devices
+        validate(cfg)
         check_devices(cfg)
+
+    if key is None:
+        checks()
     else:
         with pytest.raises(ConfigError, match="^" + __import__("re").escape(key)):
-            check_devices(cfg)
+            checks()
 
 
 def test_cli_mlflow_file_store_is_one_line_naming_the_key(tmp_path):
@@ -324,6 +338,10 @@ def test_several_nodes_pass_where_something_launched_them(monkeypatch, env):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     check_trainer(compose_cfg(["trainer=ddp", "trainer.num_nodes=2", "trainer.devices=2"]))
+    # trainer=fsdp's data_parallel_size was trainer.devices: the README's 2-node command was refused (2 shards, 4 ranks)
+    cfg = compose_cfg(["trainer=fsdp", "trainer.num_nodes=2", "trainer.devices=2"])
+    validate(cfg)
+    assert cfg.trainer.strategy.data_parallel_size == 4
 
 
 @pytest.mark.parametrize("override, tag", [
@@ -422,3 +440,16 @@ def test_a_path_given_with_a_tilde_is_under_the_home_directory(tmp_path, monkeyp
     cfg = compose_cfg([], shrink=False)
     check(cfg)
     assert cfg.logger.tracking_uri == f"sqlite:///{home}/env.db"
+
+
+def test_stage_batches_are_per_optimizer_step_over_all_ranks_and_their_cache_keys_name_the_ranks():
+    """Under DDP every rank loaded stages.sft.batch_size demonstrations (a global batch twice the size), and the
+    SFT policy was cached under the key a single process uses: a later single-process default run read it and
+    reached a gold reward of 0.650, not 0.818. Each rank now loads its share, and the ranks are in the key."""
+    stages = OmegaConf.to_container(compose_cfg(shrink=False).stages, resolve=True)
+    assert per_rank_stages(stages, 1) == stages
+    two = per_rank_stages(stages, 2)
+    for name in ("sft", "rm"):
+        assert two[name]["batch_size"] * 2 == stages[name]["batch_size"] == 64
+        assert config_key(two[name]) != config_key(stages[name]) != config_key(per_rank_stages(stages, 4)[name])
+    assert two["hydra_sft"] == stages["hydra_sft"]  # it trains with sft's and rm's batch sizes

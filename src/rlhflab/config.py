@@ -23,7 +23,7 @@ from rlhflab.errors import ConfigError
 from rlhflab.models.build import check_reward_chat_template
 from rlhflab.models.checks import check_reward_head
 from rlhflab.naming import model_tag
-from rlhflab.schema import check, cuda_index, ranks
+from rlhflab.schema import check, check_generator_device, cuda_index, ranks
 from rlhflab.tracking import MlflowTracker
 
 REQUIRED_GROUPS = ("task", "model", "algo", "reward", "memory", "mode", "off_policy", "generator", "trainer", "logger")
@@ -140,6 +140,12 @@ def check_devices(cfg: DictConfig) -> None:
     if index is not None and index >= visible:
         raise ConfigError(f"mode.device={device}: {'no CUDA GPU is' if not visible else f'only {visible} CUDA GPU(s) are'} "
                           "visible here; give a visible cuda:N, or mode.device=null to generate on the CPU")
+    if visible:  # trainer.accelerator=auto trains on these GPUs
+        check_generator_device(cfg, gpus=("gpu", "cuda", "auto"))
+    strategy = trainer.get("strategy")
+    if not visible and isinstance(strategy, DictConfig) and strategy.get("process_group_backend") == "nccl":
+        raise ConfigError("trainer.strategy.process_group_backend=nccl: NCCL needs GPUs, and no CUDA GPU is visible here; "
+                          "use gloo (or null to choose by device)")
 
 
 def check_half_precision(cfg: DictConfig, memory: str, needs_reward_model: bool) -> None:

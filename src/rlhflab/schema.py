@@ -369,6 +369,8 @@ def register() -> None:
     """Put the schemas in Hydra's ConfigStore (idempotent): before any config is composed."""
     from hydra.core.config_store import ConfigStore
 
+    # ${rlhflab.ranks:} = trainer.devices x trainer.num_nodes (trainer=fsdp's data_parallel_size: every rank shards)
+    OmegaConf.register_new_resolver("rlhflab.ranks", lambda *, _root_: ranks(_root_.trainer), replace=True)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=Train)
     for group, options in SCHEMAS.items():
@@ -508,11 +510,13 @@ def cuda_index(device) -> int | None:
     return int(index)
 
 
-def check_generator_device(cfg: DictConfig) -> None:
-    """mode.device=cuda:N puts each rank's generator on GPU N + its local rank: those must not be training GPUs."""
+def check_generator_device(cfg: DictConfig, gpus: tuple[str, ...] = ("gpu", "cuda")) -> None:
+    """mode.device=cuda:N puts each rank's generator on GPU N + its local rank: those must not be training GPUs.
+    `gpus`: the trainer.accelerator values that train on GPUs; check_devices adds `auto` where GPUs are visible (here,
+    without torch, auto may be CPUs, where the clash was said and the fix it gave then found no GPU)."""
     device = OmegaConf.select(cfg, "mode.device")
     first = cuda_index(device)
-    if first is None or cfg.trainer.accelerator not in ("gpu", "cuda", "auto"):
+    if first is None or cfg.trainer.accelerator not in gpus:
         return
     devices = trainer_devices(cfg.trainer)
     training = devices if isinstance(devices, list) else list(range(devices)) if isinstance(devices, int) and devices > 0 else [0]
@@ -575,3 +579,12 @@ def check(cfg: DictConfig) -> None:
     if cfg.rl.prompts_per_step % minibatches:
         raise SettingError("rl.prompts_per_step", f"{cfg.rl.prompts_per_step} is not divisible by algo.num_minibatches={minibatches}; "
                            f"make rl.prompts_per_step a multiple of {minibatches}")
+    if world > 1 and (cfg.rl.prompts_per_step // world) % minibatches:  # each rank splits its own share
+        raise SettingError("rl.prompts_per_step", f"{cfg.rl.prompts_per_step} prompts give each of {world} ranks "
+                           f"{cfg.rl.prompts_per_step // world}, which algo.num_minibatches={minibatches} does not divide; "
+                           f"make rl.prompts_per_step a multiple of {world * minibatches} (ranks x minibatches)")
+    for stage in ("sft", "rm"):
+        size = OmegaConf.select(cfg, f"stages.{stage}.batch_size")
+        if world > 1 and isinstance(size, int) and size % world:  # a global batch, split over the ranks
+            raise SettingError(f"stages.{stage}.batch_size", f"{size} does not split evenly over {world} ranks "
+                               f"(trainer.devices x trainer.num_nodes); make it a multiple of {world}")
