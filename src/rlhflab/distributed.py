@@ -258,6 +258,20 @@ def mean(values: dict[str, float]) -> dict[str, float]:
     return {k: float(v) / world_size() for k, v in zip(keys, t.tolist())}
 
 
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's element-wise sum over ranks (itself on one rank); the batch statistics of masked_whiten."""
+    if not initialized():
+        return t
+    out = t.detach().to(_device(), copy=True)
+    torch.distributed.all_reduce(out)
+    return out.to(t.device)
+
+
+def batch_total() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """all_sum where other ranks hold the rest of the batch; None in one process (masked_whiten's own statistics)."""
+    return all_sum if initialized() else None
+
+
 def total(value: float) -> float:
     """The sum of `value` over ranks."""
     if not initialized():

@@ -13,6 +13,7 @@ sample ``j`` of prompt ``i``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +83,8 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+    total: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Whiten ``x`` with mean/variance taken over masked elements only.
 
@@ -90,8 +92,18 @@ def masked_whiten(
     transform is applied EVERYWHERE, so masked-out positions hold whitened
     garbage and must still be ignored by the caller.  ``shift_mean=False`` keeps
     the original mean (only rescales), as PPO implementations do for rewards.
+    ``total``: sums a tensor over the ranks that hold the rest of the batch
+    (distributed.all_sum), so that the statistics are the global batch's, not this
+    rank's share's (with one rank it is the identity, and the result the same).
     """
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    if total is not None:
+        m = mask.to(torch.float64)
+        n, s = total(torch.stack([m.sum(), (x.double() * m).sum()])).unbind()
+        mean = s / n
+        var = total(((x.double() - mean) ** 2 * m).sum()) / n * n / (n - 1).clamp(min=1)
+        mean, var = mean.to(x.dtype), var.to(x.dtype)
+    else:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     return whitened if shift_mean else whitened + mean
 
@@ -407,13 +419,15 @@ def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma
 
 
 def reinforce_pp_advantages(
-    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
+    total: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu, 2025): returns of the per-token (KL-penalised) rewards, whitened over the
-    whole batch's valid tokens; no critic.  ``(b, t)`` -> ``(advantages, returns)``, 0 on padding.
+    whole batch's valid tokens (over every rank's with ``total``, see masked_whiten); no critic.
+    ``(b, t)`` -> ``(advantages, returns)``, 0 on padding.
     """
     returns = discounted_returns(token_rewards.detach(), response_mask, gamma)
-    advantages = _where_mask(masked_whiten(returns, response_mask), response_mask)
+    advantages = _where_mask(masked_whiten(returns, response_mask, total=total), response_mask)
     return advantages, returns
 
 
