@@ -453,3 +453,12 @@ def test_stage_batches_are_per_optimizer_step_over_all_ranks_and_their_cache_key
         assert two[name]["batch_size"] * 2 == stages[name]["batch_size"] == 64
         assert config_key(two[name]) != config_key(stages[name]) != config_key(per_rank_stages(stages, 4)[name])
     assert two["hydra_sft"] == stages["hydra_sft"]  # it trains with sft's and rm's batch sizes
+
+
+@pytest.mark.parametrize("extra", [["experiment=reverse"], ["task=tldr"], ["task=prompts", "task.path=data.jsonl"], []])
+def test_the_debug_preset_fits_every_task(extra):
+    """`debug=default` set the sentiment task's demonstration and pair counts, so with any other task (the --help
+    line offers it beside any command) it failed: 'task.num_demonstrations: not a setting of task; valid keys: (see
+    python src/train.py --cfg job)', a key the user never set. It now sets only what every task has."""
+    cfg = compose_cfg(["debug=default", *extra], shrink=False)
+    assert cfg.task.num_eval_prompts == 8 and cfg.trainer.max_steps == 4
