@@ -64,6 +64,8 @@ BAD_VALUES = [
     ('experiment=sweep_algos hydra.sweeper.params.algo="rloo,grop"', "algo=grop: no such option; choose one of"),
     # a setting of another option of the group: under reward=model (no settings) it said 'valid keys: ' and nothing
     ("reward.fn=my_pkg.rewards:score", "reward.fn: reward has no settings; reward.fn is a setting of reward=function: add reward=function"),
+    # several options have it: it said 'add memory=hydra', the first by name
+    ("memory.r=8", "memory.r: not a setting of memory; valid keys: gradient_checkpointing; memory.r is a setting of memory=hydra and memory=lora: add memory=hydra or memory=lora"),
     ("algo.beta=0.1", "algo.beta: not a setting of algo; valid keys: samples_per_prompt"),
     ("algo.loss_agg=token-sum", "algo.loss_agg"),
     ("mode=async staleness=-1", "staleness"),

@@ -345,7 +345,9 @@ def not_a_setting(key: str, others: list[str]) -> str:
             continue
     if not having:
         return said if keys else f"{said}; remove {key}"
-    return f"{said}; {key} is a setting of {' and '.join(f'{group}={o}' for o in having)}: add {group}={having[0]}"
+    # several: each is named, none picked for the user (memory.r: hydra came first by name, lora is as likely)
+    return (f"{said}; {key} is a setting of {' and '.join(f'{group}={o}' for o in having)}: add "
+            + " or ".join(f"{group}={o}" for o in having))
 
 
 _ABSENT = object()
