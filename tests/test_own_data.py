@@ -637,3 +637,19 @@ def test_a_language_model_given_as_the_reward_model_is_one_line(make_cfg, tmp_pa
                                           r"reward head.*; give a reward model"):
         validate(make_cfg(f"model.reward_model_path={tmp_path}/lm"))
     assert validate(make_cfg(f"model.reward_model_path={tmp_path}/rm")).reward.needs_reward_model  # a reward model passes
+
+
+def test_a_model_whose_tokenizer_cannot_read_the_tasks_prompts_is_one_line(tmp_path):
+    """model.sft_path=<the reverse example's policy> (a 15-character vocabulary) under the sentiment task read its
+    prompts as [UNK] and trained on them without a word: gold 0.000 -> 0.000. The task's own tokenizer passes."""
+    from rlhflab.models.build import check_vocabulary
+    from rlhflab.tasks.sentiment import SentimentTask
+
+    digits = PromptsTask(path=f"{EXAMPLE}/train.jsonl", tokenizer="char")
+    char_tokenizer = digits.build_tokenizer()
+    digits.setup(char_tokenizer)
+    words = SentimentTask().prompts("eval")
+    with pytest.raises(ConfigError, match=r"^model.sft_path: its tokenizer reads 100% of the task's prompt tokens as its "
+                                          r"unknown token '\[UNK\]': it was made for other text; give a model"):
+        check_vocabulary(char_tokenizer, words, "model.sft_path")
+    check_vocabulary(char_tokenizer, digits.prompts("eval"), "model.sft_path")

@@ -33,7 +33,7 @@ from rlhflab.interrupts import STOP, as_interrupt
 from rlhflab.lit import checkpoint as ckpt
 from rlhflab.lit.progress import StageProgressBar
 from rlhflab.lit.rl_module import RLHFModule
-from rlhflab.models.build import ensure_base_model, load_tokenizer
+from rlhflab.models.build import check_vocabulary, ensure_base_model, load_tokenizer
 from rlhflab.models.checks import check_hub, check_hub_dataset
 from rlhflab.naming import absolute_uri, redact
 from rlhflab.quiet import quiet_libraries
@@ -264,6 +264,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     tokenizer = load_tokenizer(model_cfg.get("tokenizer") or model_cfg.get("sft_path") or base.path,
                                model_cfg.get("sft_path") or base.path)
     counts = task.setup(tokenizer)  # chat templates and prompt budgets need the tokenizer
+    check_vocabulary(tokenizer, task.prompts("eval"), next((f"model.{k}" for k in ("tokenizer", "sft_path") if model_cfg.get(k)),
+                                                         "model.name_or_path"))
     if counts:
         tracker.log_metrics(counts, step=0)
     if task.num_train_prompts < cfg.rl.prompts_per_step:
