@@ -275,6 +275,11 @@ def test_help_lists_groups_options_and_their_comments(tmp_path):
     for path in (ROOT / "conf").glob("*/*.yaml"):  # every option, its name apart from its text
         shown = f"{path.parent.name}={path.stem}" if path.parent.name in ("experiment", "debug") else path.stem
         assert shown in words or f"*{shown}" in words, shown
+    # Hydra's launcher and sweeper groups, which the README's table lists, were left out
+    for group in ("launcher", "sweeper"):
+        assert f"hydra/{group}" in words and "*basic" in words
+        for path in (ROOT / "conf" / "hydra" / group).glob("*.yaml"):
+            assert path.stem in words, path
     # a comment's first sentence is shown whole, however many lines it spans in the file
     assert "[algo=... memory=... mode=async ...]." in " ".join(words)
     # an abbreviation's period does not end it ("Dr." once cut dr_grpo's to "Dr.")

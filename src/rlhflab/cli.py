@@ -402,6 +402,14 @@ def render_help() -> str:
     width = max(len(f"{group}={path.stem}") for group, path in presets) + 1
     for group, path in presets:
         lines += _wrapped(f"  {group + '=' + path.stem:<{width}}", _summary(path))
+    lines += ["", "where the jobs of -m run, and how they are chosen (Hydra's groups):"]
+    basic = {"launcher": "One job after another, in this process.", "sweeper": "Every combination of the comma lists (a grid)."}
+    hydra = [(group, "*basic", basic[group]) for group in basic]
+    hydra += [(group, " " + path.stem, _summary(path)) for group in basic for path in _options(f"hydra/{group}", None)]
+    hydra.sort(key=lambda row: list(basic).index(row[0]))  # stable: basic first in each group
+    width = max(len(option) for _, option, _ in hydra) + 1
+    for i, (group, option, text) in enumerate(hydra):
+        lines += _wrapped(f"  {'hydra/' + group if i == 0 or hydra[i - 1][0] != group else '':<16}{option:<{width}}", text)
     lines += [
         "",
         "every value: python src/train.py --cfg job    (each field's one-line comment is in its file under conf/)",
