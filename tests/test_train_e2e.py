@@ -224,3 +224,14 @@ def test_debug_preset_runs_the_whole_pipeline_into_its_own_experiment(tmp_path):
     assert any(f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning (all" in line
                for line in lines)
     assert not [line for line in lines if line != line.rstrip()]  # no padding to a console width
+
+
+def test_the_rl_bar_ends_on_the_last_evaluations_gold(make_cfg, capfd):
+    """Where the last step was no evaluation step (rl.eval_every=3 of 4 steps), Lightning closed the bar before the
+    module's final evaluation, and the bar ended on the gold of step 3 where the log and MLflow said step 4's."""
+    import re
+
+    result = train(make_cfg("trainer.enable_progress_bar=true", "rl.eval_every=3", "trainer.max_steps=4"))
+    shown = re.findall(r"gold: (-?\d+\.\d{3})", capfd.readouterr().out)
+    assert [step for step, _, _ in result.module.eval_history] == [0, 3, 4]
+    assert shown and float(shown[-1]) == round(result.metrics["eval/gold_reward"], 3), shown

@@ -51,6 +51,16 @@ class StageProgressBar(RichProgressBar):
         self._update_metrics(trainer, pl_module)
         self.refresh()
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        # Lightning ends the callbacks (this bar) before the module, whose on_train_end evaluates the last policy
+        # where the last step was not an evaluation step: the bar kept the evaluation before it as `gold`.
+        if self.stage == "rl" and hasattr(pl_module, "final_evaluation") and not self.is_disabled:
+            pl_module.final_evaluation()
+            if self.train_progress_bar_id is not None:
+                self._update_metrics(trainer, pl_module)
+                self.refresh()
+        super().on_train_end(trainer, pl_module)
+
     def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
         progress = getattr(pl_module, "progress", None)
         if progress is not None:

@@ -527,6 +527,11 @@ class RLHFModule(L.LightningModule):
             self.evaluate()
 
     def on_train_end(self) -> None:
+        self.final_evaluation()
+
+    def final_evaluation(self) -> None:
+        """The evaluation of the last policy, unless the last step's was it (once: the progress bar asks first,
+        so that its last `gold` is this one)."""
         if not self.eval_history or self.eval_history[-1][0] != self.policy_version:
             self.evaluate()
 
