@@ -51,7 +51,7 @@ def test_two_ranks_run_the_whole_pipeline_into_one_mlflow_run(tmp_path, trainer,
     assert len(found) == 1, [r.info.run_name for r in found]  # rank 1 created no run of its own
     (result,) = found
     assert result.info.status == "FINISHED"
-    assert result.data.params["trainer.devices"] == "2"
+    assert result.data.params["trainer.devices"] == "2" and result.data.params["rlhflab.ranks"] == "2"
     gold = client.get_metric_history(result.info.run_id, "eval/gold_reward")
     assert [m.step for m in gold] == [0, 10, 20]  # evaluated once per eval step (sharded and gathered), not per rank
     assert gold[-1].value > gold[0].value, [m.value for m in gold]

@@ -62,6 +62,7 @@ def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_p
     for key, value in {"algo": "rloo", "mode": "sync", "staleness": "0", "memory": "full", "model": "tiny"}.items():
         assert run.data.tags[key] == value
     assert run.data.params["algo.kl_coef"] == "0.05"
+    assert run.data.params["rlhflab.ranks"] == "1"  # the processes that trained (trainer.devices=auto says nothing)
     for name in REQUIRED_METRICS:
         assert name in run.data.metrics, name
     # every RL step is logged, not just the last

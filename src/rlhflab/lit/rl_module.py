@@ -523,6 +523,8 @@ class RLHFModule(L.LightningModule):
     # ---- evaluation ----------------------------------------------------------------------
 
     def on_train_start(self) -> None:
+        if self.logger is not None:  # the processes that train (trainer.devices=auto: 1 on CPUs), known once they run
+            self.logger.log_hyperparams({"rlhflab.ranks": distributed.world_size()})
         if not self.eval_history:  # a resumed run has its evaluations so far
             self.evaluate()
 
