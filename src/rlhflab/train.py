@@ -334,8 +334,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
         module.restore(resume, training=False)
         if module.eval_history[-1][0] != module.policy_version:  # killed after its last checkpoint, before the final eval
             logger.log_metrics(module.evaluate(), step=module.updates)
-    elapsed = module.elapsed()  # a resumed run's: its processes' up to the checkpoint, and this one's
-    t_rl, before = elapsed["rl_s"], module.elapsed_before["rl_s"]
+    # a resumed run's: its processes' up to the checkpoint, and this one's
+    t_rl, before = module.elapsed()["rl_s"], module.elapsed_before["rl_s"]
 
     policy_dir = save_policy(module, tokenizer, out / "policy", cfg, tracker)
     first, (_, after, final_kl) = module.eval_history[0][1], module.eval_history[-1]
