@@ -259,7 +259,7 @@ def mean(values: dict[str, float]) -> dict[str, float]:
 
 
 def all_sum(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's element-wise sum over ranks (itself on one rank); the batch statistics of masked_whiten."""
+    """A tensor's element-wise sum over ranks (itself on one rank): e.g. a batch statistic (F.masked_whiten's total)."""
     if not initialized():
         return t
     out = t.detach().to(_device(), copy=True)
@@ -267,15 +267,6 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
     return out.to(t.device)
 
 
-def batch_total() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """all_sum where other ranks hold the rest of the batch; None in one process (masked_whiten's own statistics)."""
-    return all_sum if initialized() else None
-
-
 def total(value: float) -> float:
     """The sum of `value` over ranks."""
-    if not initialized():
-        return value
-    t = torch.tensor([float(value)], dtype=torch.float64, device=_device())
-    torch.distributed.all_reduce(t)
-    return float(t.item())
+    return float(all_sum(torch.tensor([float(value)], dtype=torch.float64)).item())

@@ -59,32 +59,42 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> t
     return xm.sum() if dim is None else xm.sum(dim=dim)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+Total = Callable[[torch.Tensor], torch.Tensor]  # a sum over the ranks holding the rest of a batch (distributed.all_sum)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, total: Total | None = None) -> torch.Tensor:
     """Mean of ``x`` over masked positions (scalar for ``dim=None``, else reduced shape).
 
     An empty mask (or an all-empty row along ``dim``) gives 0 rather than NaN, so
     a fully padded micro-batch contributes nothing instead of crashing training.
+    ``total`` (``dim=None``): the sum and count over every rank's share, so the mean
+    is the whole batch's (with one rank it is the identity: the same numbers).
     """
     count = mask.bool().sum() if dim is None else mask.bool().sum(dim=dim)
-    return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
+    summed = masked_sum(x, mask, dim)
+    if total is not None:  # in float64: a count in bf16 is exact only to 256
+        summed64, count = total(torch.stack([summed.double(), count.double()])).unbind()
+        summed = summed64.to(summed.dtype)
+    return summed / count.clamp(min=1).to(x.dtype)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, total: Total | None = None) -> torch.Tensor:
     """Variance (scalar) of ``x`` over all masked elements; ``x``, ``mask`` e.g. ``(b, t)``.
 
     With ``unbiased`` the Bessel correction n/(n-1) is applied; for n < 2 the
     correction is skipped (the variance is then 0), avoiding a host sync to raise.
+    ``total``: over every rank's share, as masked_mean.
     """
-    var = masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+    var = masked_mean((x - masked_mean(x, mask, total=total)) ** 2, mask, total=total)
     if unbiased:
-        n = mask.bool().sum().to(x.dtype)
+        n = mask.bool().sum()
+        n = (total(n.double()) if total is not None else n).to(x.dtype)
         var = var * n / (n - 1).clamp(min=1)
     return var
 
 
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
-    total: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8, total: Total | None = None
 ) -> torch.Tensor:
     """Whiten ``x`` with mean/variance taken over masked elements only.
 
@@ -92,18 +102,9 @@ def masked_whiten(
     transform is applied EVERYWHERE, so masked-out positions hold whitened
     garbage and must still be ignored by the caller.  ``shift_mean=False`` keeps
     the original mean (only rescales), as PPO implementations do for rewards.
-    ``total``: sums a tensor over the ranks that hold the rest of the batch
-    (distributed.all_sum), so that the statistics are the global batch's, not this
-    rank's share's (with one rank it is the identity, and the result the same).
+    ``total``: the statistics over every rank's share of the batch (masked_mean).
     """
-    if total is not None:
-        m = mask.to(torch.float64)
-        n, s = total(torch.stack([m.sum(), (x.double() * m).sum()])).unbind()
-        mean = s / n
-        var = total(((x.double() - mean) ** 2 * m).sum()) / n * n / (n - 1).clamp(min=1)
-        mean, var = mean.to(x.dtype), var.to(x.dtype)
-    else:
-        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    mean, var = masked_mean(x, mask, total=total), masked_var(x, mask, total=total)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     return whitened if shift_mean else whitened + mean
 
@@ -419,8 +420,7 @@ def discounted_returns(rewards: torch.Tensor, response_mask: torch.Tensor, gamma
 
 
 def reinforce_pp_advantages(
-    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
-    total: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0, total: Total | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu, 2025): returns of the per-token (KL-penalised) rewards, whitened over the
     whole batch's valid tokens (over every rank's with ``total``, see masked_whiten); no critic.

@@ -150,7 +150,7 @@ class ReinforcePP(Algorithm):
 
     def prepare(self, s):
         rewards = F.token_level_rewards(s.scores, s.old_logprobs, s.ref_logprobs, s.response_mask, self.kl_coef, self.kl_estimator)
-        advantages, returns = F.reinforce_pp_advantages(rewards, s.response_mask, self.gamma, total=distributed.batch_total())
+        advantages, returns = F.reinforce_pp_advantages(rewards, s.response_mask, self.gamma, total=distributed.all_sum)
         metrics = self.kl_metrics(s) | {"train/rlhf_reward": F.masked_sum(rewards, s.response_mask, dim=1).mean()}
         return Targets(advantages=advantages), metrics
 
@@ -212,7 +212,7 @@ class PPO(Algorithm):
         rewards = F.token_level_rewards(s.scores, s.old_logprobs, s.ref_logprobs, s.response_mask, self.kl_coef, self.kl_estimator)
         advantages, returns = F.gae_advantages(rewards, s.values, s.response_mask, self.gamma, self.lam)
         if self.whiten_advantages:
-            advantages = F.masked_whiten(advantages, s.response_mask, total=distributed.batch_total()) * s.response_mask
+            advantages = F.masked_whiten(advantages, s.response_mask, total=distributed.all_sum) * s.response_mask
         metrics = self.kl_metrics(s) | {"train/rlhf_reward": F.masked_sum(rewards, s.response_mask, dim=1).mean()}
         return Targets(advantages=advantages, returns=returns, old_values=s.values), metrics
 
