@@ -330,7 +330,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
                     saver.save(module)
                 raise
     else:
-        log.info("resume: the checkpoint is at step %d, the budget: nothing left to train", done)
+        log.info("resume: the checkpoint is at step %d, the budget %d: nothing left to train", done, budget)
         module.restore(resume, training=False)
         if module.eval_history[-1][0] != module.policy_version:  # killed after its last checkpoint, before the final eval
             logger.log_metrics(module.evaluate(), step=module.updates)
