@@ -73,6 +73,7 @@ def find_sweep(client, sweep: str, key: str = "sweep"):
         if run.data.tags.get(SWEEP_TAG) != "1":
             raise SystemExit(_not_a_sweep(run, key, sweep))
         return run
+    prefix = re.fullmatch(r"[0-9a-f]{4,31}", sweep)  # the first characters of a run id
     experiment_ids = [e.experiment_id for e in client.search_experiments()]
     parents = client.search_runs(experiment_ids, f"tags.`{SWEEP_TAG}` = '1'",
                                  order_by=["attributes.start_time DESC"], max_results=5000)
@@ -80,7 +81,7 @@ def find_sweep(client, sweep: str, key: str = "sweep"):
         found = parents[:1]
     else:
         found = [r for r in parents if r.info.run_name == sweep][:1]  # the newest of that name
-        if not found and re.fullmatch(r"[0-9a-f]{4,31}", sweep):
+        if not found and prefix:
             found = [r for r in parents if r.info.run_id.startswith(sweep)]
             if len(found) > 1:
                 ids = ", ".join(r.info.run_id for r in found[:3]) + (", ..." if len(found) > 3 else "")
@@ -91,7 +92,7 @@ def find_sweep(client, sweep: str, key: str = "sweep"):
     # Not a parent: a job's or a single run's name (the newest of it) or id prefix is told as its full id is.
     others = [] if "'" in sweep else client.search_runs(
         experiment_ids, f"attributes.run_name = '{sweep}'", order_by=["attributes.start_time DESC"], max_results=1)
-    if not others and re.fullmatch(r"[0-9a-f]{4,31}", sweep):
+    if not others and prefix:
         others = client.search_runs(experiment_ids, f"attributes.run_id LIKE '{sweep}%'", max_results=2)
         others = others[:len(others) == 1]  # several runs start so: none is meant more than another
     if others:
