@@ -653,3 +653,20 @@ def test_a_model_whose_tokenizer_cannot_read_the_tasks_prompts_is_one_line(tmp_p
                                           r"unknown token '\[UNK\]': it was made for other text; give a model"):
         check_vocabulary(char_tokenizer, words, "model.sft_path")
     check_vocabulary(char_tokenizer, digits.prompts("eval"), "model.sft_path")
+
+
+def test_a_given_tokenizer_is_judged_before_the_mlflow_run_is_made(make_cfg, tmp_path):
+    """train() read a given policy's tokenizer only after the MLflow run was made, so the one line above came with a
+    run ended FAILED in the store. It is now read before: no store, no run, nothing cached."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhflab.train import train
+
+    char_tokenizer = PromptsTask(path=f"{EXAMPLE}/train.jsonl", tokenizer="char").build_tokenizer()
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(char_tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, pad_token_id=char_tokenizer.pad_token_id)).save_pretrained(tmp_path / "sft")
+    char_tokenizer.save_pretrained(tmp_path / "sft")
+    cfg = make_cfg(f"model.sft_path={tmp_path}/sft", f"cache_dir={tmp_path}/cache")
+    with pytest.raises(ConfigError, match=r"^model.sft_path: its tokenizer reads 100% of the task's prompt tokens"):
+        train(cfg)
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()

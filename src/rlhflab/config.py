@@ -41,6 +41,7 @@ class Plan:
     memory: MemoryStrategy
     tracker: MlflowTracker
     tags: dict[str, str]
+    fitted: tuple | None = None  # (tokenizer, task counts) when train() read a given tokenizer before the run
 
 
 def _instantiate(group: str, node: DictConfig, **kwargs):

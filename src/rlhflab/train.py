@@ -159,6 +159,7 @@ def train(cfg: DictConfig) -> Result:
     if hasattr(plan.task, "load") and plan.task.load():  # hub data read now: its missing split or column, too,
         check_task_data(cfg, plan.task, plan.reward.needs_reward_model)  # and what validate could not check yet
     quiet_libraries()
+    plan.fitted = fit_tokenizer(OmegaConf.to_container(cfg.model, resolve=True), plan.task)
     if cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))
     torch.manual_seed(cfg.seed)
@@ -224,6 +225,22 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     return result
 
 
+def fit_tokenizer(model_cfg: dict, task, base_path: str | None = None) -> tuple | None:
+    """(the policy's tokenizer, the counts task.setup logs): the task's prompts rendered against it (chat template,
+    prompt budgets) and its vocabulary checked on them. A tokenizer that is given (model.tokenizer, model.sft_path or
+    model.name_or_path) is read by train() before the MLflow run is made: a tokenizer made for other text, or prompts
+    past the budget, were one line after a run had been made and ended FAILED. A model built from model.arch has
+    the task's own tokenizer once built (`base_path`); without it, None."""
+    source = model_cfg.get("sft_path") or model_cfg.get("name_or_path") or base_path
+    if not source:
+        return None
+    tokenizer = load_tokenizer(model_cfg.get("tokenizer") or source, source)
+    counts = task.setup(tokenizer)  # chat templates and prompt budgets need the tokenizer
+    check_vocabulary(tokenizer, task.prompts("eval"),
+                     next((f"model.{k}" for k in ("tokenizer", "sft_path") if model_cfg.get(k)), "model.name_or_path"))
+    return tokenizer, counts
+
+
 def step_budget(cfg: DictConfig, plan: Plan) -> int:
     """trainer.max_steps in whole rollout batches of algo.epochs x algo.num_minibatches updates (Lightning stops
     only between them)."""
@@ -261,11 +278,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
 
     # Stage 0: the base model (built from config for the tiny preset, cached).
     base = ensure_base_model(model_cfg, task, cache_dir)
-    tokenizer = load_tokenizer(model_cfg.get("tokenizer") or model_cfg.get("sft_path") or base.path,
-                               model_cfg.get("sft_path") or base.path)
-    counts = task.setup(tokenizer)  # chat templates and prompt budgets need the tokenizer
-    check_vocabulary(tokenizer, task.prompts("eval"), next((f"model.{k}" for k in ("tokenizer", "sft_path") if model_cfg.get(k)),
-                                                         "model.name_or_path"))
+    tokenizer, counts = plan.fitted or fit_tokenizer(model_cfg, task, base.path)  # read before the run, if given
     if counts:
         tracker.log_metrics(counts, step=0)
     if task.num_train_prompts < cfg.rl.prompts_per_step:
