@@ -67,6 +67,13 @@ BAD_VALUES = [
     # several options have it: it said 'add memory=hydra', the first by name
     ("memory.r=8", "memory.r: not a setting of memory; valid keys: gradient_checkpointing; memory.r is a setting of memory=hydra and memory=lora: add memory=hydra or memory=lora"),
     ("algo.beta=0.1", "algo.beta: not a setting of algo; valid keys: samples_per_prompt"),
+    # a second bad key on the line: the first's keys were '(see python src/train.py --cfg job)'
+    ("algo.beta=0.1 memory.bar=2", "algo.beta: not a setting of algo; valid keys: samples_per_prompt"),
+    ("foo.bar=1", "foo: not a setting of the config; valid keys: task, model, algo"),
+    # model.arch is a transformers config, open to any key with '+'; it said "Key 'foo' is not in struct"
+    ("model.arch.rope_theta=1e4", "model.arch.rope_theta: not a setting of model.arch; valid keys: model_type, hidden_size, "
+                                  "intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
+                                  "max_position_embeddings; to add it, write +model.arch.rope_theta=1e4"),
     ("algo.loss_agg=token-sum", "algo.loss_agg"),
     ("mode=async staleness=-1", "staleness"),
     ("staleness=2", "staleness"),

@@ -216,6 +216,24 @@ def compose(overrides: list[str], hydra: bool = False):
         return hydra_compose(config_name=CONFIG_NAME, overrides=overrides, return_hydra_config=hydra)
 
 
+def what_composes(overrides: list[str]) -> list[str]:
+    """The overrides that compose, each bad one left out: what an error message reads its valid keys and
+    defaults under. With two bad keys on the line (algo.foo=1 memory.bar=2), composing the others failed on the
+    second, and the first's message listed no keys ('see ... --cfg job')."""
+    try:
+        compose(overrides)
+        return list(overrides)
+    except Exception:
+        kept: list[str] = []
+        for override in overrides:
+            try:
+                compose([*kept, override])
+            except Exception:
+                continue
+            kept.append(override)
+        return kept
+
+
 def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     """The command line's jobs: each combination of a sweep's comma lists and ranges. Overrides
     with a continuous search space (interval(...), for Optuna) are left to each job's own check."""
@@ -270,15 +288,19 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
     message = str(getattr(cause, "msg", None) or cause).strip().splitlines()[0]
     converted = re.search(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", message)
     others = [o for o in overrides if key is None or o.split("=")[0].lstrip("+~") != key]
+    if key:
+        others = what_composes(others)
     if key and converted:
         value, kind = converted.groups()
         return f"{key}: {value!r} is not {TYPE_WORDS.get(kind, kind)}; give {TYPE_WORDS.get(kind, kind)}, e.g. {key}={_default(key, others)}"
     if key and re.search(r"Key '\w+' not in '\w+'", message):
-        parent = key.rpartition(".")[0]
         clash = _preset_clash(key, overrides)
         if clash:
             return clash
         return not_a_setting(key, others)
+    if key and re.search(r"Key '\w+' is not in struct", message):  # a free mapping (model.arch): any key may be added
+        bad = next((o for o in overrides if o.split("=")[0].lstrip("~") == key), f"{key}=<value>")
+        return f"{not_a_setting(key, others)}; to add it, write +{bad}"
     if key:
         return f"{key}: {message}; see python src/train.py --help"
     bad = next((o for o in overrides if o.split("=")[0].lstrip("+~") in str(err)), " ".join(overrides) or "the config")
