@@ -156,9 +156,16 @@ def check_half_precision(cfg: DictConfig, memory: str, needs_reward_model: bool)
     is left alone."""
     if cfg.model.get("dtype") != "float16":
         return
-    trains = ("memory=full" if memory == "full" else
-              "stage sft" if not cfg.model.get("sft_path") else
-              "stage rm" if needs_reward_model and memory != "hydra" and not cfg.model.get("reward_model_path") else None)
+    from rlhflab.models.heads import has_reward_head
+
+    sft_path = cfg.model.get("sft_path")
+    if memory == "full":
+        trains = "memory=full"
+    elif memory == "hydra" and needs_reward_model:  # its one stage, from model.sft_path too, unless that has the head
+        trains = None if sft_path and has_reward_head(sft_path) else "stage hydra_sft"
+    else:
+        trains = ("stage sft" if not sft_path else
+                  "stage rm" if needs_reward_model and not cfg.model.get("reward_model_path") else None)
     if trains:
         raise ConfigError(f"model.dtype=float16: {trains} would train whole weights in float16, which AdamW's first step "
                           "turns to NaN (its eps, 1e-8, is 0 in float16); use model.dtype=bfloat16, or float32 with "
