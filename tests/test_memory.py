@@ -229,3 +229,78 @@ def test_fsdp_units_are_each_models_own_decoder_layers():
     assert decoder_layers(gpt2) == list(gpt2.transformer.h) and tied_head(gpt2) is None and tied_head(llama) is None
     tied = _gpt2()
     assert tied_head(tied) == (tied.transformer.wte, tied.lm_head)
+
+
+def _value_model(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    from rlhflab.models.build import without_dropout
+
+    torch.manual_seed(seed)
+    return without_dropout(LlamaForTokenClassification(LlamaConfig(  # as load_value_model: no dropout
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_labels=1,
+        pad_token_id=0)))
+
+
+def _value_loss(model, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    values = model(input_ids=ids).logits.squeeze(-1)[:, 2:-1].float()  # as MemoryStrategy._values slices them
+    return ((values - target) ** 2).mean()
+
+
+def _sharded_value_rank(rank: int, store: str, ids, target, results) -> None:
+    """One of two forked gloo ranks: a value model (a biased score head, as PPO's) sharded as a run shards it,
+    its value loss on this rank's half of the batch, backward; the whole gradients and the warnings seen."""
+    import os
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rlhflab.models.sharding import full, shard, warm_up
+
+    try:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("default")  # as a run's console shows them (once per place)
+            model = shard(_value_model(), mesh["data_parallel"])
+            warm_up(model)
+            rows = slice(rank * len(ids) // 2, (rank + 1) * len(ids) // 2)
+            _value_loss(model, ids[rows], target[rows]).backward()
+        grads = {name: full(p.grad).tolist() for name, p in model.named_parameters()}
+        results.put((rank, grads, [str(w.message) for w in seen]))
+    except BaseException as err:  # said at once, not after the test's timeout
+        results.put((rank, repr(err), None))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+
+def test_a_sharded_value_model_gets_one_processs_gradients_and_no_view_warning(tmp_path):
+    """Under trainer=fsdp, PPO printed torch's 'FSDP2-wrapped module (FSDPLinear) returned a view tensor ... can cause
+    backward to fail or produce wrong gradients' four times: a Linear with a bias on a 3-D input returns a view of
+    its own output (addmm, then view), and nothing in rlhflab changes the values in place. The warning is set aside
+    for those heads, and two real gloo ranks with half the batch each get one process's gradients."""
+    import multiprocessing
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 32, (4, 7), generator=gen)
+    target = torch.randn(4, 4, generator=gen)
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_sharded_value_rank, args=(r, str(tmp_path / "store"), ids, target, results)) for r in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        got = sorted((results.get(timeout=120) for _ in procs), key=lambda g: g[0])
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert all(isinstance(g[1], dict) for g in got), got
+    whole = _value_model()
+    _value_loss(whole, ids, target).backward()
+    for name, p in whole.named_parameters():
+        for rank, grads, _ in got:
+            torch.testing.assert_close(torch.tensor(grads[name]), p.grad, msg=f"rank {rank}: {name}")
+    assert not [w for g in got for w in g[2] if "returned a view tensor" in w], got[0][2]

@@ -38,9 +38,20 @@ def decoder_layers(base: nn.Module) -> list[nn.Module]:
     return [m for m in base.modules() if type(m).__name__ in names]
 
 
+# torch warns when a unit returns a view ('... returned a view tensor. An in-place op on this view ... can cause
+# backward to fail or produce wrong gradients'): a Linear with a bias on a 3-D input returns a view of its own output
+# (addmm, then view), as does the value model whose score head it is; PPO printed it four times. rlhflab changes no
+# model output in place, and a sharded value model's gradients are one process's (tests/test_memory.py).
+VIEW_WARNING = r"FSDP2-wrapped module \(FSDP(Linear|\w+For(Token|Sequence)Classification)\) returned a view tensor"
+
+
 def shard(model: nn.Module, mesh) -> nn.Module:
     """Shard `model` over the data-parallel `mesh` in place (see the module docstring); returns it."""
+    import warnings
+
     from torch.distributed.fsdp import fully_shard
+
+    warnings.filterwarnings("ignore", message=VIEW_WARNING)
 
     base = _hf(model)
     layers = decoder_layers(base)
