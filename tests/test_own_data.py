@@ -670,3 +670,9 @@ def test_a_given_tokenizer_is_judged_before_the_mlflow_run_is_made(make_cfg, tmp
     with pytest.raises(ConfigError, match=r"^model.sft_path: its tokenizer reads 100% of the task's prompt tokens"):
         train(cfg)
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
+    # the prompt budget, judged with the same tokenizer ('125=' is 4 characters)
+    cfg = make_cfg("experiment=reverse", f"model.sft_path={tmp_path}/sft", f"cache_dir={tmp_path}/cache",
+                   "task.max_prompt_tokens=3", shrink=False)
+    with pytest.raises(ConfigError, match=r"^task.max_prompt_tokens: every train prompt is longer than 3 tokens"):
+        train(cfg)
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()

@@ -159,7 +159,7 @@ def train(cfg: DictConfig) -> Result:
     if hasattr(plan.task, "load") and plan.task.load():  # hub data read now: its missing split or column, too,
         check_task_data(cfg, plan.task, plan.reward.needs_reward_model)  # and what validate could not check yet
     quiet_libraries()
-    plan.fitted = fit_tokenizer(OmegaConf.to_container(cfg.model, resolve=True), plan.task)
+    plan.fitted = fit_tokenizer(cfg, plan.task)
     if cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))
     torch.manual_seed(cfg.seed)
@@ -225,19 +225,23 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     return result
 
 
-def fit_tokenizer(model_cfg: dict, task, base_path: str | None = None) -> tuple | None:
+def fit_tokenizer(cfg: DictConfig, task, base_path: str | None = None) -> tuple | None:
     """(the policy's tokenizer, the counts task.setup logs): the task's prompts rendered against it (chat template,
-    prompt budgets) and its vocabulary checked on them. A tokenizer that is given (model.tokenizer, model.sft_path or
-    model.name_or_path) is read by train() before the MLflow run is made: a tokenizer made for other text, or prompts
-    past the budget, were one line after a run had been made and ended FAILED. A model built from model.arch has
-    the task's own tokenizer once built (`base_path`); without it, None."""
-    source = model_cfg.get("sft_path") or model_cfg.get("name_or_path") or base_path
+    prompt budgets), its vocabulary checked on them, and enough prompts left for a step. Where the model is given
+    (model.sft_path or model.name_or_path), train() reads its tokenizer (or model.tokenizer) before the MLflow run is
+    made: a tokenizer made for other text, or prompts past the budget, were one line after a run had been made and
+    ended FAILED. A model built from model.arch has the task's own tokenizer once built (`base_path`); before, None."""
+    model = cfg.model
+    source = model.get("sft_path") or model.get("name_or_path") or base_path
     if not source:
         return None
-    tokenizer = load_tokenizer(model_cfg.get("tokenizer") or source, source)
+    tokenizer = load_tokenizer(model.get("tokenizer") or source, source)
     counts = task.setup(tokenizer)  # chat templates and prompt budgets need the tokenizer
     check_vocabulary(tokenizer, task.prompts("eval"),
-                     next((f"model.{k}" for k in ("tokenizer", "sft_path") if model_cfg.get(k)), "model.name_or_path"))
+                     next((f"model.{k}" for k in ("tokenizer", "sft_path") if model.get(k)), "model.name_or_path"))
+    if task.num_train_prompts < cfg.rl.prompts_per_step:
+        raise ConfigError(f"rl.prompts_per_step={cfg.rl.prompts_per_step}: only {task.num_train_prompts} training prompts "
+                          "remain; lower it, or keep more prompts (task.max_prompt_tokens, task.overlong=truncate)")
     return tokenizer, counts
 
 
@@ -278,12 +282,9 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
 
     # Stage 0: the base model (built from config for the tiny preset, cached).
     base = ensure_base_model(model_cfg, task, cache_dir)
-    tokenizer, counts = plan.fitted or fit_tokenizer(model_cfg, task, base.path)  # read before the run, if given
+    tokenizer, counts = plan.fitted or fit_tokenizer(cfg, task, base.path)  # read before the run where the model is given
     if counts:
         tracker.log_metrics(counts, step=0)
-    if task.num_train_prompts < cfg.rl.prompts_per_step:
-        raise ConfigError(f"rl.prompts_per_step={cfg.rl.prompts_per_step}: only {task.num_train_prompts} training prompts "
-                          "remain; lower it, or keep more prompts (task.max_prompt_tokens, task.overlong=truncate)")
     # The stages the memory strategy needs (sft and rm, or hydra_sft), each skipped when given or cached.
     needed = plan.memory.stages(plan.reward.needs_reward_model)
 
