@@ -218,6 +218,10 @@ def test_cli_gpu_settings_without_a_gpu_are_one_line_and_load_nothing(tmp_path):
     ("mode=async mode.device=cuda:1 mode.start_method=spawn trainer=gpu", 2, None),
     ("mode=async mode.device=cuda:2 mode.start_method=spawn trainer=gpu", 2, "mode.device=cuda:2: only 2 CUDA GPU(s) are visible"),
     ("mode=async mode.device=cuda:x mode.start_method=spawn", 0, "mode.device=cuda:x: not a device"),
+    # read as the CPU, then the generator process died on torch's device string, after the models had loaded
+    ("mode=async mode.device=gpu", 0, "mode.device=gpu: not a device; give cuda:N"),
+    ("mode=async mode.device=0", 2, "mode.device=0: not a device; give cuda:N"),
+    ("mode=async mode.device=cpu", 0, None),
     # accelerator auto: validate() said the generator's GPU 0 clashed with training GPUs 0, 1 on a machine without a
     # GPU (training ran on CPUs) and told to set cuda:2, which then found no GPU; the clash is judged where GPUs are
     ("trainer=ddp trainer.devices=2 mode=async mode.device=cuda:0", 0, "mode.device=cuda:0: no CUDA GPU is visible here"),

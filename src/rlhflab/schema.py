@@ -500,13 +500,14 @@ def ranks(trainer: DictConfig) -> int:
 
 
 def cuda_index(device) -> int | None:
-    """N of mode.device=cuda:N (0 for cuda); None for no device or a CPU one."""
+    """N of mode.device=cuda:N (0 for cuda); None for no device or the CPU. Anything else (gpu, 0, a typo) passed as
+    the CPU here and failed in the generator process, after the models had loaded, as 'died without a traceback'."""
     device = str(device or "")
-    if not device.startswith("cuda"):
+    if device in ("", "cpu"):
         return None
     index = device.partition(":")[2] or "0"
     if device.partition(":")[0] != "cuda" or not index.isdigit():
-        raise SettingError(f"mode.device={device}", "not a device; give cuda:N (N a visible GPU's index) or null (CPU)")
+        raise SettingError(f"mode.device={device}", "not a device; give cuda:N (N a visible GPU's index), or null (CPU)")
     return int(index)
 
 
