@@ -96,6 +96,20 @@ def test_generator_exception_fails_the_run_fast_with_its_traceback(make_cfg):
     assert not live_children()  # the generator was reaped
 
 
+def test_a_generator_that_fails_on_its_way_to_its_device_says_why(make_cfg, monkeypatch):
+    """The generator process moved its policy to mode.device before the part that sends errors to the learner: a GPU
+    out of memory there (or a device torch cannot read) ended the run with 'died (exit code 1) without a traceback'."""
+    from rlhflab.rollout import async_source
+
+    def out_of_memory(device):
+        raise RuntimeError("CUDA out of memory, on purpose")
+
+    monkeypatch.setattr(async_source, "pin_cuda_device", out_of_memory)  # the forked generator inherits it
+    with pytest.raises(GeneratorCrashed, match="CUDA out of memory, on purpose"):
+        train(make_cfg("mode=async", "mode.device=cpu", "trainer.max_steps=4"))
+    assert not live_children()
+
+
 @pytest.mark.slow
 def test_killed_generator_fails_fast_and_leaves_nothing(tmp_path, stage_cache):
     env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"}

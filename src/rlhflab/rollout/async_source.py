@@ -238,16 +238,16 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
     ignore_stop_signals()
     die_with_parent(parent)
     torch.set_num_threads(threads)
-    if device is not None:
-        device = pin_cuda_device(device)
-        model.to(device)
     samples_per_prompt, greedy = algo_needs
-    # Only the learner's autocast for the device type this process computes on (a CPU generator forked from a GPU
-    # learner must not touch CUDA).
-    autocast = {t: dtype for t, dtype in (autocast or {}).items() if t == torch.device(device or "cpu").type}
-    params = dict(model.named_parameters())
     version = start_version  # the weights the process started with
-    try:
+    try:  # from the move to its device on (a GPU out of memory there was 'died without a traceback'): said to the learner
+        if device is not None:
+            device = pin_cuda_device(device)
+            model.to(device)
+        # Only the learner's autocast for the device type this process computes on (a CPU generator forked from a GPU
+        # learner must not touch CUDA).
+        autocast = {t: dtype for t, dtype in (autocast or {}).items() if t == torch.device(device or "cpu").type}
+        params = dict(model.named_parameters())
         for query, index, batch in batches:  # the learner's stream, from the learner's first batch
             j = int(batch)
             need = required_version(j, staleness, sync_every)
