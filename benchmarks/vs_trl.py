@@ -450,6 +450,37 @@ def summarize(step_end: list[float], rewards: list[float], per_step: int) -> dic
             "final_reward": statistics.fmean(rewards[-LAST:]), "rewards": rewards}
 
 
+def child_failed(what: str, code: int, wall: float, log: Path, timeout: float) -> SystemExit:
+    """One line for a child that failed: why (its exit code, or --timeout), its own error line (or last line), and
+    its log, which main() keeps (it was deleted with the work directory, and the message pointed at it)."""
+    why = f"killed at --timeout {timeout:g} s" if code == -signal.SIGKILL and wall >= timeout else f"exit {code}"
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.is_file() else []
+    said = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "(no output)")
+    return SystemExit(f"{what} failed ({why}): {said}\n  its log: {log}")
+
+
+def check_commands(a) -> None:
+    """Every rlhflab command the benchmark will run, through rlhflab's own preflight (no model, ~0.5 s each), before
+    the SFT policy is made: a bad --model, --k or --rlhflab-override failed only in its child, after the SFT run
+    (an override that one algorithm lacks, halfway through the benchmark)."""
+    import contextlib
+    import io
+
+    from rlhflab.cli import preflight
+
+    scratch = Path(tempfile.gettempdir()) / "vs_trl-check"
+    commands = [("preparing the SFT policy", rlhflab_cmd(a, "rloo", None, 1, scratch, PREP.get(a.model, []) + a.prep_override))]
+    commands += [(f"rlhflab {algo} ({side})", rlhflab_cmd(a, algo, a.sft, a.steps, scratch, a.rlhflab_override, side))
+                 for algo in a.algos for side in a.sides if side in SIDE_MODE]
+    for what, cmd in commands:
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                preflight(cmd[2:])
+        except SystemExit:
+            raise SystemExit(f"{what}: rlhflab would refuse its command: {said.getvalue().strip()}") from None
+
+
 def prepare(a, work: Path, env: dict) -> str:
     """The SFT policy both sides start from, made by rlhflab's own CLI (stage sft, cached in --cache)."""
     if a.sft:
@@ -460,7 +491,7 @@ def prepare(a, work: Path, env: dict) -> str:
     cmd = rlhflab_cmd(a, "rloo", None, 1, out, PREP.get(a.model, []) + a.prep_override)
     code, _, _, wall = run_child(cmd, work / "prep.log", a.timeout, env)
     if code != 0:
-        raise SystemExit(f"preparing the SFT policy failed (exit {code}); see {work / 'prep.log'}")
+        raise child_failed("preparing the SFT policy", code, wall, work / "prep.log", a.timeout)
     run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
     sft = read_rlhflab(db, run_id)["policy_start"]
     print(f"SFT policy: {sft} (made or found by rlhflab in {wall:.0f} s)", flush=True)
@@ -478,7 +509,7 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
         code, rss, pss, wall = run_child(cmd, d / "log.txt", a.timeout,
                                     env | {"MLFLOW_TRACKING_URI": f"sqlite:///{db}", "RLHFLAB_CACHE": str(a.cache)})
         if code != 0:
-            raise SystemExit(f"rlhflab {algo} rep {rep} failed (exit {code}); see {d / 'log.txt'}")
+            raise child_failed(f"rlhflab {algo} ({side}) rep {rep}", code, wall, d / "log.txt", a.timeout)
         run_id = json.loads((d / "run" / "mlflow_run.json").read_text())["run_id"]
         raw = read_rlhflab(db, run_id)
         res = summarize(raw["step_end"], raw["rewards"], per_step) | {"own_samples_per_s": raw["own_samples_per_s"]}
@@ -495,7 +526,7 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
         code, rss, pss, wall = run_child(cmd, d / "log.txt", a.timeout,
                                          env | {"MLFLOW_TRACKING_URI": f"sqlite:///{d / 'mlflow.db'}"})
         if code != 0:
-            raise SystemExit(f"TRL {algo} rep {rep} failed (exit {code}); see {d / 'log.txt'}")
+            raise child_failed(f"TRL {algo} ({side}) rep {rep}", code, wall, d / "log.txt", a.timeout)
         raw = json.loads(js.read_text())
         res = summarize(raw["step_end"], raw["rewards"], per_step) | {"startup_s": raw["startup_s"], "settings": raw["settings"]}
     res |= {"peak_rss_mb": rss, "peak_pss_mb": pss, "wall_s": wall}
@@ -516,9 +547,9 @@ def judge_policy(a, policy: Path, d: Path, env: dict) -> dict:
            "--seed", str(a.seed), "--temperature", str(a.temperature)]
     if a.max_new_tokens:
         cmd += ["--max-new-tokens", str(a.max_new_tokens)]
-    code, *_ = run_child(cmd, d / "eval.log", a.timeout, env)
+    code, _, _, wall = run_child(cmd, d / "eval.log", a.timeout, env)
     if code != 0:
-        raise SystemExit(f"judging the policy {policy} failed (exit {code}); see {d / 'eval.log'}")
+        raise child_failed(f"judging the policy {policy}", code, wall, d / "eval.log", a.timeout)
     return json.loads(js.read_text())
 
 
@@ -594,7 +625,10 @@ def table(a, results: dict) -> str:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=Formatter)
     p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset of rloo,grpo,online_dpo")
     p.add_argument("--sides", default=",".join(DEFAULT_SIDES), help="comma-separated subset of " + ",".join(SIDES))
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (the table gives medians)")
@@ -616,7 +650,8 @@ def parse(argv=None):
     p.add_argument("--prep-override", action="append", default=[], help="extra rlhflab override for the SFT-making run")
     p.add_argument("--rlhflab-override", action="append", default=[], help="extra rlhflab override for every rlhflab run")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a child run is killed")
-    p.add_argument("--keep", action="store_true", help="keep the runs' work directory (logs, MLflow dbs, JSON)")
+    p.add_argument("--keep", action="store_true", help="keep the runs' work directory (logs, MLflow dbs, JSON); a failed "
+                   "benchmark keeps it always")
     p.add_argument("--out", type=Path, default=None, help="write the table (markdown) here; results JSON next to it")
     a = p.parse_args(argv)
     a.argv = list(argv if argv is not None else sys.argv[1:])
@@ -631,6 +666,23 @@ def parse(argv=None):
     bad = [x for x in a.sides if x not in SIDES]
     if bad:
         p.error(f"unknown sides {bad}; choose from {', '.join(SIDES)}")
+    # Each of these failed in a child after minutes (or gave an empty table, or a traceback), if at all.
+    if not a.algos or not a.sides:
+        p.error(f"--{'algos' if not a.algos else 'sides'}: none given; name at least one")
+    at_least = {"reps": 1, "steps": 2, "prompts_per_step": 1, "k": 2, "response_words": 1, "eval_prompts": 0}
+    if a.eval_prompts:
+        at_least["eval_samples"] = 1
+    if a.max_new_tokens is not None:
+        at_least["max_new_tokens"] = 1
+    for name, least in at_least.items():
+        if getattr(a, name) < least:
+            why = " (completions/s times steps 2..N)" if name == "steps" else ""
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: give {least} or more{why}")
+    if a.timeout <= 0:
+        p.error(f"--timeout {a.timeout:g}: give a number of seconds above 0")
+    models = sorted(f.stem for f in (ROOT / "conf" / "model").glob("*.yaml"))
+    if a.model not in models:
+        p.error(f"--model {a.model}: not an rlhflab model preset; choose from {', '.join(models)}")
     return a
 
 
@@ -664,9 +716,11 @@ def main(argv=None) -> None:
         import trl  # noqa: F401
     except ImportError:
         raise SystemExit('TRL is not installed: pip install -e ".[bench]"') from None
+    check_commands(a)
     env = child_env()
     work = Path(tempfile.mkdtemp(prefix="vs_trl-"))
     print(f"work directory: {work}", flush=True)
+    done = False
     try:
         sft = prepare(a, work, env)
         results = {algo: {side: [] for side in a.sides} for algo in a.algos}
@@ -682,9 +736,10 @@ def main(argv=None) -> None:
             a.out.write_text(text + "\n")
             a.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "sft": sft,
                                                               "results": results}, indent=1))
+        done = True
     finally:
-        if a.keep:
-            print(f"kept: {work}")
+        if a.keep or not done:  # a failed or stopped benchmark keeps its logs, which its error line names
+            print(f"kept: {work}", file=sys.stderr if not done else sys.stdout, flush=True)
         else:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -125,3 +125,40 @@ def test_import_rss_charges_each_package_its_own_load(tmp_path):
     rest = res["peak_rss_mb"] - res["start_mb"] - res["imports_mb"]
     assert 22 < rest < 40, rest  # the 24 MiB allocated outside any import
     assert "fat" in proc.stderr and "first imported by" in proc.stderr
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--reps", "0"], "--reps 0: give 1 or more"),  # an empty table, exit 0
+    (["--sides", ",,"], "--sides: none given"),  # ZeroDivisionError
+    (["--steps", "1"], "--steps 1: give 2 or more"),  # a RuntimeError after the run
+    (["--eval-samples", "0"], "--eval-samples 0: give 1 or more"),  # a policy reward from 0 samples
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: give 1 or more"),  # read as the task's budget
+    (["--model", "bogus"], "--model bogus: not an rlhflab model preset; choose from llama100m"),  # failed in the SFT run
+])
+def test_vs_trl_refuses_bad_arguments_before_any_run(capsys, args, said):
+    vs_trl = load_vs_trl()
+    with pytest.raises(SystemExit) as stop:
+        vs_trl.parse(args)
+    assert stop.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_vs_trl_checks_every_rlhflab_command_before_the_sft_run():
+    """An override one algorithm lacks (GRPO names its KL weight kl_loss_coef) failed halfway through a benchmark."""
+    vs_trl = load_vs_trl()
+    vs_trl.check_commands(vs_trl.parse(["--algos", "rloo", "--rlhflab-override", "algo.kl_coef=0.1"]))  # RLOO has it
+    with pytest.raises(SystemExit, match=r"^rlhflab grpo \(rlhflab\): rlhflab would refuse its command: error: algo.kl_coef: "
+                                         "not a setting of algo"):
+        vs_trl.check_commands(vs_trl.parse(["--algos", "rloo,grpo", "--rlhflab-override", "algo.kl_coef=0.1"]))
+
+
+def test_a_failed_child_is_said_with_its_error_line_and_a_kept_log(tmp_path):
+    """'failed (exit 2); see <log>' named a log the work directory's removal had deleted, and a run killed at
+    --timeout said only 'exit -9'."""
+    vs_trl = load_vs_trl()
+    log = tmp_path / "log.txt"
+    log.write_text("[12:00:00] INFO stage sft\nerror: trainer.max_steps: 0 must be >= 1\n")
+    said = str(vs_trl.child_failed("rlhflab rloo (rlhflab) rep 1", 2, 3.0, log, 1800).code)
+    assert said.startswith("rlhflab rloo (rlhflab) rep 1 failed (exit 2): error: trainer.max_steps: 0 must be >= 1")
+    assert said.endswith(f"its log: {log}")
+    killed = str(vs_trl.child_failed("TRL rloo (trl) rep 1", -9, 4.2, log, 4).code)
+    assert killed.startswith("TRL rloo (trl) rep 1 failed (killed at --timeout 4 s)")
