@@ -89,6 +89,15 @@ BAD_VALUES = [
     ("-m algo=rloo,grpo algo.kl_coef=0.1", "algo.kl_coef"),
     ("-m seed=0,1 output.dir=runs/a", "output.dir"),  # job 1 replaced job 0's policy/ without a word
     ("-m experiment=sweep_optuna output.dir=runs/a", "output.dir"),  # every trial into one directory
+    # Optuna's settings, read by it once the sweep's parent run was made: a traceback and an empty FAILED parent
+    ("experiment=sweep_optuna hydra.sweeper.n_trials=0", "hydra.sweeper.n_trials=0: a study needs a trial to run"),
+    ("experiment=sweep_optuna hydra.sweeper.direction=maximise", "hydra.sweeper.direction=maximise: not an Optuna direction"),
+    ("experiment=sweep_optuna hydra.sweeper.storage=sqlite:///optuna.db", "hydra.sweeper.storage=sqlite:///optuna.db: Optuna"),
+    ('experiment=sweep_optuna hydra.sweeper.params={algo.kl_coef:"tag(log,interval(0,0.1))"}',
+     "hydra.sweeper.params.algo.kl_coef: tag(log,interval(0,0.1)) searches on a log scale from 0.0; give a low above 0"),
+    # the fix named None: the default was read from a job's config, which has no hydra node
+    ("experiment=sweep_optuna hydra.sweeper.n_trials=abc", "hydra.sweeper.n_trials: 'abc' is not a whole number; give a "
+                                                           "whole number, e.g. hydra.sweeper.n_trials=8"),
     # distributed (issue 11)
     ("trainer=ddp rl.prompts_per_step=3", "rl.prompts_per_step"),
     # each rank splits its own share into mini-batches: two tracebacks after the stages ran

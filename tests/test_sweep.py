@@ -300,6 +300,21 @@ def test_sweep_against_a_tracking_server(tmp_path, stage_cache, monkeypatch):
     assert "Traceback" in sweep.output  # an unexpected error is shown in full, unlike a ConfigError
 
 
+def test_an_optuna_study_whose_every_trial_failed_ends_as_a_grid_sweep_does(tmp_path):
+    """Optuna's study.best_trial raised 'ValueError: No trials are completed yet' after the last failed trial: exit 1,
+    a traceback, and the parent FAILED with no summary and no list of the trials' errors."""
+    not_a_dir = tmp_path / "not_a_dir"
+    not_a_dir.mkdir()
+    (not_a_dir / "models").write_text("")  # each trial fails inside train()
+    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", not_a_dir, "experiment=sweep_optuna",
+                      "hydra.sweeper.n_trials=2", f"cache_dir={not_a_dir}")  # run_sweep: exit 0
+    parent, children = sweep_runs(MlflowClient(sweep.uri))
+    assert parent.info.status == "FINISHED" and parent.data.metrics["sweep/failed_jobs"] == 2
+    assert [r.info.status for r in children] == ["FAILED", "FAILED"]
+    assert "no trial finished" in sweep.output and "2 job(s) failed" in sweep.output
+    assert "No trials are completed yet" not in sweep.output
+
+
 @pytest.mark.slow
 def test_optuna_preset_runs_trials_as_children_and_optimises_the_kl_penalised_gold(tmp_path, stage_cache):
     """Also a store given as sqlite:///~/...: the parent run was in ./~/mlflow.db and each trial's in

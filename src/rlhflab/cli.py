@@ -59,6 +59,7 @@ def preflight(argv: list[str]) -> None:
                 gridded.update(map(tuple, more))
                 jobs.extend(more)
             check_hydra_dirs(cfg.hydra)
+            check_optuna(cfg.hydra)
             searched = sweep_searches(cfg)
             check_typed(cfg, searched["choices"])
             check_launcher(searched["choices"])
@@ -140,6 +141,39 @@ def check_hydra_dirs(hydra) -> None:
         if isinstance(value, str) and value.startswith("~"):
             raise ConfigError(f"hydra.{kind}.dir: '{value}' would be a directory named '~' in the working directory (Hydra "
                               f"does not expand '~'); {home_fix(f'hydra.{kind}.dir', value)}")
+
+
+def check_optuna(hydra) -> None:
+    """hydra-optuna-sweeper reads its settings only once the sweep's MLflow parent run is made: n_trials=0, a misspelt
+    direction, a log interval from 0 or SQL storage each left an empty FAILED parent and 22-32 lines of traceback."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import IntervalSweep
+    from omegaconf import OmegaConf
+
+    sweeper = hydra.get("sweeper")
+    if sweeper is None or not str(sweeper.get("_target_", "")).endswith("OptunaSweeper"):
+        return
+    trials = sweeper.get("n_trials")
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ConfigError(f"hydra.sweeper.n_trials={trials}: a study needs a trial to run; give a whole number, 1 or more")
+    direction = OmegaConf.to_container(sweeper, resolve=True).get("direction")
+    for one in direction if isinstance(direction, list) else [direction]:
+        name = getattr(one, "name", one)  # the schema's default is hydra-optuna-sweeper's Direction enum
+        if name not in ("maximize", "minimize"):
+            raise ConfigError(f"hydra.sweeper.direction={name}: not an Optuna direction; give maximize (rlhflab's "
+                              "objective, the gold reward, is maximized) or minimize")
+    if sweeper.get("storage") is not None:
+        raise ConfigError(f"hydra.sweeper.storage={sweeper.storage}: Optuna 2.10's SQL storage fails with SQLAlchemy 2.1 "
+                          "(an AssertionError once the sweep starts); leave it null (the study in memory; every trial's "
+                          "numbers are in MLflow)")
+    for key, value in (OmegaConf.to_container(sweeper.get("params") or {}, resolve=False) or {}).items():
+        parsed = OverridesParser.create().parse_overrides([f"{key}={value}"])[0].value()
+        if isinstance(parsed, IntervalSweep):
+            if parsed.start >= parsed.end:
+                raise ConfigError(f"hydra.sweeper.params.{key}: {value} is empty; give interval(low, high) with low below high")
+            if "log" in (parsed.tags or set()) and parsed.start <= 0:
+                raise ConfigError(f"hydra.sweeper.params.{key}: {value} searches on a log scale from {parsed.start}; give "
+                                  "a low above 0")
 
 
 def home_fix(key: str, value: str) -> str:
@@ -339,7 +373,8 @@ def _default(key: str, overrides: list[str]) -> str:
     from omegaconf import OmegaConf
 
     try:
-        return str(OmegaConf.select(compose(overrides), key, throw_on_missing=False))
+        # hydra.*: Hydra's own node, which a job's config lacks ('e.g. hydra.sweeper.n_trials=None')
+        return str(OmegaConf.select(compose(overrides, hydra=key.startswith("hydra.")), key, throw_on_missing=False))
     except Exception:
         return "<value>"
 

@@ -1,0 +1,28 @@
+"""hydra-optuna-sweeper's sweeper, ending a study none of whose trials finished as a grid sweep with failed jobs ends.
+
+Imported by Hydra's plugin scan at every start: the sweeper's module imports Optuna only when it is made.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
+
+log = logging.getLogger(__name__)
+
+
+class RlhflabOptunaSweeper(OptunaSweeper):
+    """With every trial failed (rlhflab's preset lets a failed trial be recorded and the study go on,
+    max_failure_rate=1.0), Optuna's `study.best_trial` raised 'ValueError: No trials are completed yet' after the
+    last one: a traceback, exit 1, and the sweep's MLflow parent FAILED with no summary and no list of the jobs'
+    errors. The sweep now ends as a grid sweep whose jobs failed: the parent FINISHED with sweep/failed_jobs, each
+    job's error listed by the MLflow callback."""
+
+    def sweep(self, arguments):
+        try:
+            return super().sweep(arguments)
+        except ValueError as err:
+            if "No trials are completed yet" not in str(err):
+                raise
+            log.error("optuna: no trial finished, so the study has no best trial; each trial's error is listed below")
