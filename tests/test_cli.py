@@ -89,6 +89,8 @@ BAD_VALUES = [
     ("-m algo=rloo,grpo algo.kl_coef=0.1", "algo.kl_coef"),
     ("-m seed=0,1 output.dir=runs/a", "output.dir"),  # job 1 replaced job 0's policy/ without a word
     ("-m experiment=sweep_optuna output.dir=runs/a", "output.dir"),  # every trial into one directory
+    # Hydra's 'Only one of --run, --multirun, --cfg, --info and --shell_completion can be specified' traceback
+    ("-m algo=online_dpo,rloo --cfg job", "--cfg: Hydra shows one job's config, not a sweep's; drop -m"),
     # Optuna's settings, read by it once the sweep's parent run was made: a traceback and an empty FAILED parent
     ("experiment=sweep_optuna hydra.sweeper.n_trials=0", "hydra.sweeper.n_trials=0: a study needs a trial to run"),
     ("experiment=sweep_optuna hydra.sweeper.direction=maximise", "hydra.sweeper.direction=maximise: not an Optuna direction"),
