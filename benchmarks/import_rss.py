@@ -97,13 +97,16 @@ class ImportMeter:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        raise SystemExit("usage: import_rss.py [--top N] [--json FILE] -- SCRIPT [ARGS...]")
-    cut = argv.index("--")
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    cut = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(usage="import_rss.py [--top N] [--json FILE] -- SCRIPT [ARGS...]", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--top", type=int, default=20, help="packages to print (default 20)")
     p.add_argument("--json", type=Path, default=None, help="write every package's and module's MB here")
-    a = p.parse_args(argv[:cut])
+    a = p.parse_args(argv[:cut])  # --help here: the whole docstring
+    if "--" not in argv:
+        p.error("give the program after --, e.g. import_rss.py -- src/train.py reward=rule")
+    if a.top < 0:  # a negative count dropped the last rows without a word
+        p.error(f"--top {a.top}: give 0 or more")
     script, *args = argv[cut + 1:] or [None]
     if script is None or not Path(script).is_file():
         raise SystemExit(f"import_rss.py: no script file {script!r} after --")

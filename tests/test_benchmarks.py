@@ -162,3 +162,13 @@ def test_a_failed_child_is_said_with_its_error_line_and_a_kept_log(tmp_path):
     assert said.endswith(f"its log: {log}")
     killed = str(vs_trl.child_failed("TRL rloo (trl) rep 1", -9, 4.2, log, 4).code)
     assert killed.startswith("TRL rloo (trl) rep 1 failed (killed at --timeout 4 s)")
+
+
+def test_import_rss_help_and_bad_arguments():
+    """--help printed a bare usage line to stderr and exited 1; --top -3 dropped the last three rows."""
+    script = str(ROOT / "benchmarks" / "import_rss.py")
+    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "Where a Python program's peak RSS goes" in shown.stdout and "--top" in shown.stdout
+    for args, said in ((["--top", "-3", "--", script], "--top -3: give 0 or more"), ([], "give the program after --")):
+        out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and said in out.stderr, out.stderr
