@@ -163,7 +163,7 @@ def test_legend_of_many_runs_sits_outside_the_axes_and_in_the_file(tmp_path):
     assert Image.open(tmp_path / "lines.png").size[0] >= right / dpi * 120  # the saved file holds the whole legend
 
 
-def test_a_sweep_is_found_by_id_prefix_name_or_latest_and_anything_else_is_one_line(tmp_path, monkeypatch):
+def test_a_sweep_is_found_by_id_prefix_name_or_latest_and_anything_else_is_one_line(tmp_path, monkeypatch, capsys):
     """find_sweep against a real SQLite store: the parent by its id, its first characters, its name or
     `latest`; a job's id, a single run's id, an unknown id and an ambiguous prefix each end in one line."""
     import uuid
@@ -202,6 +202,13 @@ def test_a_sweep_is_found_by_id_prefix_name_or_latest_and_anything_else_is_one_l
     assert error("rloo").endswith(f"is one job of a sweep; give its parent, sweep={new.info.run_id}")
     assert error("0000") == f"error: sweep=0000: no sweep parent run of that id or name at {client.tracking_uri}"
     assert error("nosuch") == f"error: sweep=nosuch: no sweep parent run of that id or name at {client.tracking_uri}"
+    assert error("7a1").endswith("; an id prefix needs 4 characters or more")
+    # A sweep that failed before its first job (a bad sweeper setting, before the preflight checked it) left an empty
+    # parent, newest of all: `latest` took it and the report said it had no child runs.
+    empty = client.create_run(experiment, run_name="sweep c", tags={SWEEP_TAG: "1"}, start_time=5)
+    client.set_terminated(empty.info.run_id, "FAILED")
+    assert find_sweep(client, "latest").info.run_id == new.info.run_id
+    assert "the 1 newer sweep parent run(s) have no job runs" in capsys.readouterr().err
 
 
 def test_no_database_or_no_sweep_in_it_is_one_line_and_makes_no_database(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import argparse
 import math
 import os
 import re
+import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,8 +78,12 @@ def find_sweep(client, sweep: str, key: str = "sweep"):
     experiment_ids = [e.experiment_id for e in client.search_experiments()]
     parents = client.search_runs(experiment_ids, f"tags.`{SWEEP_TAG}` = '1'",
                                  order_by=["attributes.start_time DESC"], max_results=5000)
-    if sweep == "latest":
-        found = parents[:1]
+    if sweep == "latest":  # the newest with a job: a sweep that failed before its first job left an empty parent
+        found = next(([r] for r in parents if client.search_runs([r.info.experiment_id],
+                      f"tags.mlflow.parentRunId = '{r.info.run_id}'", max_results=1)), parents[:1])
+        if found and found[0] is not parents[0]:
+            print(f"sweep=latest: {found[0].info.run_name} ({found[0].info.run_id}); the {parents.index(found[0])} newer "
+                  "sweep parent run(s) have no job runs", file=sys.stderr)
     else:
         found = [r for r in parents if r.info.run_name == sweep][:1]  # the newest of that name
         if not found and prefix:
@@ -99,7 +104,8 @@ def find_sweep(client, sweep: str, key: str = "sweep"):
         raise SystemExit(_not_a_sweep(others[0], key, sweep))
     if not parents:
         raise SystemExit(f"error: {key}={sweep}: {client.tracking_uri} holds no sweep; python src/train.py -m ... makes one")
-    raise SystemExit(f"error: {key}={sweep}: no sweep parent run of that id or name at {client.tracking_uri}")
+    short = "; an id prefix needs 4 characters or more" if re.fullmatch(r"[0-9a-f]{1,3}", sweep) else ""
+    raise SystemExit(f"error: {key}={sweep}: no sweep parent run of that id or name at {client.tracking_uri}{short}")
 
 
 def _not_a_sweep(run, key: str, ref: str) -> str:
