@@ -91,6 +91,15 @@ BAD_VALUES = [
     ("-m experiment=sweep_optuna output.dir=runs/a", "output.dir"),  # every trial into one directory
     # Hydra's 'Only one of --run, --multirun, --cfg, --info and --shell_completion can be specified' traceback
     ("-m algo=online_dpo,rloo --cfg job", "--cfg: Hydra shows one job's config, not a sweep's; drop -m"),
+    # one key of a search space: 'requires --multirun' (unquoted), then 'not a setting ... write +...' (quoted), then
+    # 'Cannot convert dict to string' (with +): Hydra reads the dots of 'rl.lr' as nesting
+    ('experiment=sweep_optuna hydra.sweeper.params.rl.lr="tag(log,interval(1e-4,1e-3))"',
+     "hydra.sweeper.params.rl.lr: Hydra reads the dots of a searched key as nesting, so one key of the search space cannot "
+     "be set alone; give the whole space in one quoted override: 'hydra.sweeper.params={algo.kl_coef:\"tag(log, "
+     "interval(0.005, 0.5))\",rl.lr:\"tag(log,interval(1e-4,1e-3))\"}'"),
+    ("experiment=sweep_kl hydra.sweeper.params.algo=rloo,grpo",
+     "hydra.sweeper.params.algo: Hydra read its value as a sweep of the command line; write "
+     "'hydra.sweeper.params.algo=\"rloo,grpo\"'"),
     # Optuna's settings, read by it once the sweep's parent run was made: a traceback and an empty FAILED parent
     ("experiment=sweep_optuna hydra.sweeper.n_trials=0", "hydra.sweeper.n_trials=0: a study needs a trial to run"),
     ("experiment=sweep_optuna hydra.sweeper.direction=maximise", "hydra.sweeper.direction=maximise: not an Optuna direction"),
@@ -328,8 +337,14 @@ def doc_commands() -> list[tuple[str, list[str]]]:
     found = {}
     for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "conf").rglob("*.yaml"))]:
         text = re.sub(r"\\\n\s*", " ", md.read_text())
-        for match in re.finditer(r"python src/train\.py([^`\n|#;&(]*)", text):  # up to a comment, a "(note)", a pipe
-            args = match.group(1).strip()
+        for match in re.finditer(r"python src/train\.py([^`\n]*)", text):
+            args, quote = "", None
+            for char in match.group(1):  # up to a comment, a "(note)", a pipe, each outside quotes
+                if quote is None and char in "|#;&(":
+                    break
+                quote = (None if char == quote else quote) if quote else (char if char in "'\"" else None)
+                args += char
+            args = args.strip()
             if not any(marker in args + " " for marker in NOT_HERE):
                 found.setdefault(args, md.name)
     return [(name, shlex.split(args)) for args, name in found.items()]

@@ -306,6 +306,9 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
                 return (f"{override}: not an override Hydra can read ({why}); write group=option or key=value "
                         "(key=a,b sweeps with -m), quoting a value that holds spaces, commas or brackets")
 
+    searched = next((o for o in overrides if o.lstrip("+~").startswith("hydra.sweeper.params.")), None)
+    if searched and "hydra.sweeper.params" in f"{err} {getattr(err, 'full_key', '')} {err.__cause__}":
+        return searched_key_error(searched, [o for o in overrides if o != searched])
     if isinstance(err, MissingConfigException):
         found = re.search(r"Could not find '([^']+)/([^']+)'", str(err))
         if found:
@@ -347,6 +350,32 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
         return (f"{bad}: a comma list is a sweep, which needs -m (python src/train.py -m {bad} ...); "
                 "for a list value write key=[a,b], for a string with a comma quote it: key=\"'a,b'\"")
     return f"{bad}: {message}; see python src/train.py --help"
+
+
+def searched_key_error(override: str, others: list[str]) -> str:
+    """hydra.sweeper.params.rl.lr=...: Hydra reads the dots of a searched key as nesting (params.rl.lr, where the
+    preset's key is 'rl.lr'), so one key of a search space cannot be set alone. Unquoted, its value is a sweep that
+    'requires --multirun' (the preset is one already); quoted, 'rl' was not a setting, and '+' then failed on a
+    dict. The fix: the whole search space in one override, this key's value in it."""
+    from omegaconf import OmegaConf
+
+    key, _, value = override.lstrip("+~").partition("=")
+    name = key.removeprefix("hydra.sweeper.params.")
+    try:
+        space = OmegaConf.to_container(OmegaConf.select(compose(what_composes(others), hydra=True), "hydra.sweeper.params")
+                                       or {}, resolve=False)
+    except Exception:
+        space = {}
+    bare = value.strip("'\"")
+    if "." not in name:  # a top-level key (seed) is set alone: quoted (unquoted, its value is a sweep of its own), and
+        add = "" if name in space else "+"  # added with '+' where the preset does not search it
+        why = ("Hydra read its value as a sweep of the command line" if bare == value else
+               f"the preset does not search it (it searches {', '.join(space) or 'nothing'})")
+        return f"{key}: {why}; write '{add}{key}=\"{bare}\"'"
+    space[name] = bare or "<search>"
+    whole = ",".join(f'{k}:"{v}"' for k, v in space.items())
+    return (f"{key}: Hydra reads the dots of a searched key as nesting, so one key of the search space cannot be set "
+            f"alone; give the whole space in one quoted override: 'hydra.sweeper.params={{{whole}}}'")
 
 
 def _preset_clash(key: str, overrides: list[str]) -> str | None:
