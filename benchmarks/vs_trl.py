@@ -534,7 +534,7 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
         res |= judge_policy(a, d / "run" / "policy" if side in SIDE_MODE else d / "policy", d, env)
     judged = f", policy reward {res['policy_reward']:+.3f}" if a.eval_prompts else ""
     print(f"  rep {rep} {algo:10s} {side:13s}: {res['completions_per_s']:7.1f} completions/s over steps 2..{res['steps']}, "
-          f"RL {res['rl_s']:.1f} s, peak RSS {rss:.0f} MB, tree PSS {pss:.0f} MB, reward(last {LAST}) "
+          f"RL {res['rl_s']:.1f} s, peak RSS {rss:.0f} MB, tree PSS {pss:.0f} MB, reward(last {min(LAST, len(res['rewards']))}) "
           f"{res['final_reward']:+.3f}{judged}, wall {wall:.0f} s", flush=True)
     return res
 
@@ -591,7 +591,7 @@ def table(a, results: dict) -> str:
         "",
         f"rlhflab vs TRL: model={a.model}, {a.prompts_per_step} prompts/step, k={a.k} (online DPO 2), "
         f"max_new_tokens={a.max_new_tokens or 'task (9)'}, lr {a.lr}, temperature {a.temperature}, "
-        f"eos_penalty {a.eos_penalty}, {a.steps} steps, float32; medians of {a.reps} interleaved reps. "
+        f"eos_penalty {a.eos_penalty}, {a.steps} steps, float32; {f'medians of {a.reps} interleaved reps' if a.reps > 1 else 'one rep'}. "
         f"Sides: {settings}.",
         f"({versions()}; {os.cpu_count()} CPUs; OMP_WAIT_POLICY=PASSIVE)",
         "",
@@ -615,7 +615,7 @@ def table(a, results: dict) -> str:
         cells += [" / ".join(f"{m[side][key]:.3f}" for side in sides) for key in keys[3:]]
         lines.append(f"| {LABEL[algo]} | " + " | ".join(cells) + " |")
     lines += ["", f"completions/s: completions of steps 2..N over the wall time from the end of step 1 to the end of step N; "
-              f"final reward: mean batch gold reward over the last {LAST} steps; "
+              f"final reward: mean batch gold reward over the last {min(LAST, a.steps)} steps; "
               + (f"policy reward: the final policy's mean gold reward on {a.eval_prompts} held-out prompts x {a.eval_samples} "
                  "samples, judged by one piece of code for every side; " if judged else "")
               + "peak RSS: the child process's ru_maxrss "
