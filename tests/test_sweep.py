@@ -390,8 +390,10 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
 @pytest.mark.parametrize("experiment, params, task, name", [
     (None, None, ["algo=rloo,online_dpo", "mode=async", "staleness=1", "logger.tracking_uri=sqlite:///x.db"],
      "sweep algo=rloo,online_dpo async staleness=1 2026-11-26_14-56-52-040795"),
-    ("sweep_optuna", {"algo.kl_coef": "tag(log, interval(0.005, 0.5))"}, ["experiment=sweep_optuna", "algo=remax", "kl_budget=1.5"],
-     "sweep_optuna kl_coef=tag(log, interval(0.005, 0.5)) remax kl_budget=1.5 2026-11-26_14-56-52-040795"),
+    # an Optuna search, compact ('kl_coef=tag(log, interval(0.005, 0.5))' made reports/..._tag_log,_interval_0.005,_0.5...)
+    ("sweep_optuna", {"algo.kl_coef": "tag(log, interval(0.005, 0.5))", "rl.lr": "interval(1.0e-4, 3.0e-3)"},
+     ["experiment=sweep_optuna", "algo=remax", "kl_budget=1.5"],
+     "sweep_optuna kl_coef=log[0.005,0.5] lr=[1.0e-4,3.0e-3] remax kl_budget=1.5 2026-11-26_14-56-52-040795"),
     # a list of paths: each value by its last part ('sft_path=policy' lost the first path and the list)
     (None, None, ["model.sft_path=/runs/a/policy,/runs/b/step-3", "trainer.max_steps=10"],
      "sweep sft_path=policy,step-3 max_steps=10 2026-11-26_14-56-52-040795"),

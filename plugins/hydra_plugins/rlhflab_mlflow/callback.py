@@ -265,12 +265,24 @@ def sweep_name(config: DictConfig, swept: dict[str, str]) -> str:
     dir), e.g. `sweep algo=ppo,rloo async staleness=1 2025-01-31_12-00-00`: the command line's other settings,
     named as a run names them (run_name), so that two sweeps of the same grid are told apart by more than time."""
     prefix = Path(OmegaConf.select(config, "hydra.runtime.choices.experiment") or "sweep").name
-    what = " ".join(short_override(f"{key}={value}") for key, value in swept.items())
+    what = " ".join(short_override(f"{key}={compact_search(value)}") for key, value in swept.items())
     shared = [o for o in OmegaConf.to_container(config.hydra.overrides.task)
               if o.partition("=")[0].lstrip("+~") not in (*swept, "experiment")]
     algo = next((o.partition("=")[2] for o in shared if o.lstrip("+~").startswith("algo=")), "")
     when = "_".join(Path(str(config.hydra.sweep.dir)).parts[-2:])
     return " ".join(part for part in (prefix, what[:200], run_name(algo, shared).strip()[:100], when) if part)
+
+
+def compact_search(value: str) -> str:
+    """An Optuna search as a name shows it: tag(log, interval(0.005, 0.5)) -> log[0.005,0.5], interval(a, b) ->
+    [a,b]. The whole expression made the parent's name and its report's directory
+    (reports/sweep_optuna_kl_coef=tag_log,_interval_0.005,_0.5_lr=tag_log,...) hard to read; the tag
+    rlhflab.sweep.params keeps it as written."""
+    import re
+
+    interval = r"interval\(\s*([^,()]+?)\s*,\s*([^,()]+?)\s*\)"
+    value = re.sub(rf"tag\(\s*log\s*,\s*{interval}\s*\)", r"log[\1,\2]", value)
+    return re.sub(interval, r"[\1,\2]", value)
 
 
 def _sweep_tags(config: DictConfig, swept: dict[str, str]) -> dict[str, str]:
