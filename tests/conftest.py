@@ -152,3 +152,39 @@ def wait_for(predicate, timeout: float, what: str, proc=None, poll: float = 0.2)
             raise AssertionError(f"the run ended (rc {proc.returncode}) before {what}:\n{proc.stdout.read()[-4000:]}")
         time.sleep(poll)
     raise AssertionError(f"{what}: not within {timeout:.0f} s")
+
+
+def on_two_gloo_ranks(fn, store: Path, *args) -> list:
+    """fn(rank, *args) in each of two forked processes that form one gloo group (through the file `store`): their
+    return values, by rank (lists and numbers: a tensor would be shared by file descriptor and die with its process).
+    A rank's exception fails the test at once with its repr, not after a timeout; the processes always end."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(fn, rank, str(store), args, results)) for rank in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        got = sorted((results.get(timeout=120) for _ in procs), key=lambda g: g[0])
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    failed = [error for _, _, error in got if error]
+    assert not failed, failed
+    return [value for _, value, _ in got]
+
+
+def _gloo_rank(fn, rank: int, store: str, args: tuple, results) -> None:
+    import torch
+
+    try:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+        results.put((rank, fn(rank, *args), None))
+    except BaseException as err:
+        results.put((rank, None, repr(err)))
+    finally:
+        results.close()
+        results.join_thread()
+        os._exit(0)

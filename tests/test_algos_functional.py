@@ -666,52 +666,31 @@ def test_dpo_pairs_normaliser_makes_the_ranks_mean_the_global_mean():
     assert (halves[0] + halves[1]).item() / 2 == pytest.approx(whole.item())
 
 
-def _whiten_rank(rank: int, store: str, x: torch.Tensor, mask: torch.Tensor, results) -> None:
-    """One of two forked gloo ranks: masked_whiten and REINFORCE++'s advantages of its half of the batch, with
-    the statistics summed over both ranks (distributed.all_sum), as PPO's and REINFORCE++'s prepare() run them."""
-    import os
-
+def _whiten_rank(rank: int, x: torch.Tensor, mask: torch.Tensor) -> tuple[list, list]:
+    """One of two gloo ranks: masked_whiten and REINFORCE++'s advantages of its half of the batch, with the
+    statistics summed over both ranks (distributed.all_sum), as PPO's and REINFORCE++'s prepare() run them."""
     from rlhflab import distributed
 
-    try:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-        rows = slice(rank * len(x) // 2, (rank + 1) * len(x) // 2)
-        whitened = F.masked_whiten(x[rows], mask[rows], total=distributed.all_sum)
-        advantages, _ = F.reinforce_pp_advantages(x[rows], mask[rows], 0.9, total=distributed.all_sum)
-        results.put((rank, whitened.tolist(), advantages.tolist()))  # lists: a tensor would be shared by fd
-    except BaseException as err:  # said at once, not after the test's timeout
-        results.put((rank, repr(err), None))
-    finally:
-        results.close()
-        results.join_thread()
-        os._exit(0)
+    rows = slice(rank * len(x) // 2, (rank + 1) * len(x) // 2)
+    whitened = F.masked_whiten(x[rows], mask[rows], total=distributed.all_sum)
+    advantages, _ = F.reinforce_pp_advantages(x[rows], mask[rows], 0.9, total=distributed.all_sum)
+    return whitened.tolist(), advantages.tolist()
 
 
 def test_whitening_under_two_ranks_uses_the_global_batchs_statistics(tmp_path):
     """PPO's whiten_advantages and REINFORCE++ whitened over each rank's share of the batch (no collective), so
     the advantages differed from one process's on the same batch by up to ~1 and results depended on the number of
     ranks. Two real gloo ranks, each with half of an uneven batch, now give one process's values."""
-    import multiprocessing
+    from conftest import on_two_gloo_ranks
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 6, generator=gen, dtype=torch.float64) * torch.arange(1, 9, dtype=torch.float64)[:, None]
     mask = (torch.arange(6)[None] < torch.tensor([6, 5, 1, 2, 6, 6, 6, 3])[:, None]).to(torch.float64)
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_whiten_rank, args=(r, str(tmp_path / "store"), x, mask, results)) for r in (0, 1)]
-    try:
-        for p in procs:
-            p.start()
-        got = sorted((results.get(timeout=120) for _ in procs), key=lambda g: g[0])
-    finally:
-        for p in procs:
-            p.kill()
-            p.join()
-    assert all(isinstance(g[1], list) for g in got), got
+    got = on_two_gloo_ranks(_whiten_rank, tmp_path / "store", x, mask)
     valid = mask.bool()
     whole = F.masked_whiten(x, mask)
-    ranks = {k: torch.tensor([row for g in got for row in g[k]], dtype=torch.float64) for k in (1, 2)}
-    assert_close(ranks[1][valid], whole[valid])
-    assert_close(ranks[2], F.reinforce_pp_advantages(x, mask, 0.9)[0])
+    ranks = {k: torch.tensor([row for g in got for row in g[k]], dtype=torch.float64) for k in (0, 1)}
+    assert_close(ranks[0][valid], whole[valid])
+    assert_close(ranks[1], F.reinforce_pp_advantages(x, mask, 0.9)[0])
     per_rank = torch.cat([F.masked_whiten(x[:4], mask[:4]), F.masked_whiten(x[4:], mask[4:])])
     assert (per_rank[valid] - whole[valid]).abs().max() > 0.5  # what each rank alone gave

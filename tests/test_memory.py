@@ -247,33 +247,23 @@ def _value_loss(model, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((values - target) ** 2).mean()
 
 
-def _sharded_value_rank(rank: int, store: str, ids, target, results) -> None:
-    """One of two forked gloo ranks: a value model (a biased score head, as PPO's) sharded as a run shards it,
-    its value loss on this rank's half of the batch, backward; the whole gradients and the warnings seen."""
-    import os
+def _sharded_value_rank(rank: int, ids, target) -> tuple[dict, list]:
+    """One of two gloo ranks: a value model (a biased score head, as PPO's) sharded as a run shards it, its value
+    loss on this rank's half of the batch, backward; (the whole gradients, the warnings seen)."""
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
 
     from rlhflab.models.sharding import full, shard, warm_up
 
-    try:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("default")  # as a run's console shows them (once per place)
-            model = shard(_value_model(), mesh["data_parallel"])
-            warm_up(model)
-            rows = slice(rank * len(ids) // 2, (rank + 1) * len(ids) // 2)
-            _value_loss(model, ids[rows], target[rows]).backward()
-        grads = {name: full(p.grad).tolist() for name, p in model.named_parameters()}
-        results.put((rank, grads, [str(w.message) for w in seen]))
-    except BaseException as err:  # said at once, not after the test's timeout
-        results.put((rank, repr(err), None))
-    finally:
-        results.close()
-        results.join_thread()
-        os._exit(0)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # as a run's console shows them (once per place)
+        model = shard(_value_model(), mesh["data_parallel"])
+        warm_up(model)
+        rows = slice(rank * len(ids) // 2, (rank + 1) * len(ids) // 2)
+        _value_loss(model, ids[rows], target[rows]).backward()
+    return {name: full(p.grad).tolist() for name, p in model.named_parameters()}, [str(w.message) for w in seen]
 
 
 def test_a_sharded_value_model_gets_one_processs_gradients_and_no_view_warning(tmp_path):
@@ -281,26 +271,15 @@ def test_a_sharded_value_model_gets_one_processs_gradients_and_no_view_warning(t
     backward to fail or produce wrong gradients' four times: a Linear with a bias on a 3-D input returns a view of
     its own output (addmm, then view), and nothing in rlhflab changes the values in place. The warning is set aside
     for those heads, and two real gloo ranks with half the batch each get one process's gradients."""
-    import multiprocessing
+    from conftest import on_two_gloo_ranks
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 32, (4, 7), generator=gen)
     target = torch.randn(4, 4, generator=gen)
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_sharded_value_rank, args=(r, str(tmp_path / "store"), ids, target, results)) for r in (0, 1)]
-    try:
-        for p in procs:
-            p.start()
-        got = sorted((results.get(timeout=120) for _ in procs), key=lambda g: g[0])
-    finally:
-        for p in procs:
-            p.kill()
-            p.join()
-    assert all(isinstance(g[1], dict) for g in got), got
+    got = on_two_gloo_ranks(_sharded_value_rank, tmp_path / "store", ids, target)
     whole = _value_model()
     _value_loss(whole, ids, target).backward()
     for name, p in whole.named_parameters():
-        for rank, grads, _ in got:
+        for rank, (grads, _) in enumerate(got):
             torch.testing.assert_close(torch.tensor(grads[name]), p.grad, msg=f"rank {rank}: {name}")
-    assert not [w for g in got for w in g[2] if "returned a view tensor" in w], got[0][2]
+    assert not [w for _, seen in got for w in seen if "returned a view tensor" in w], got[0][1]
