@@ -92,14 +92,14 @@ BAD_VALUES = [
     # Hydra's 'Only one of --run, --multirun, --cfg, --info and --shell_completion can be specified' traceback
     ("-m algo=online_dpo,rloo --cfg job", "--cfg: Hydra shows one job's config, not a sweep's; drop -m"),
     # one key of a search space: 'requires --multirun' (unquoted), then 'not a setting ... write +...' (quoted), then
-    # 'Cannot convert dict to string' (with +): Hydra reads the dots of 'rl.lr' as nesting
-    ('experiment=sweep_optuna hydra.sweeper.params.rl.lr="tag(log,interval(1e-4,1e-3))"',
-     "hydra.sweeper.params.rl.lr: Hydra reads the dots of a searched key as nesting, so one key of the search space cannot "
-     "be set alone; give the whole space in one quoted override: 'hydra.sweeper.params={algo.kl_coef:\"tag(log, "
-     "interval(0.005, 0.5))\",rl.lr:\"tag(log,interval(1e-4,1e-3))\"}'"),
-    ("experiment=sweep_kl hydra.sweeper.params.algo=rloo,grpo",
-     "hydra.sweeper.params.algo: Hydra read its value as a sweep of the command line; write "
-     "'hydra.sweeper.params.algo=\"rloo,grpo\"'"),
+    # 'Cannot convert dict to string' (with +): Hydra reads the dots of 'rl.lr' as nesting; '++' merges a dict in
+    ('experiment=sweep_optuna hydra.sweeper.params.rl.max_grad_norm="interval(0.5,2)"',
+     "hydra.sweeper.params.rl.max_grad_norm: Hydra reads a searched key's dots as nesting and its unquoted value as a "
+     "sweep of the command line; write '++hydra.sweeper.params={rl.max_grad_norm:\"interval(0.5,2)\"}'"),
+    ("experiment=sweep_kl hydra.sweeper.params.algo=rloo,grpo", "hydra.sweeper.params.algo: Hydra reads"),
+    # a typo was told to write '+...', which then failed on the same key
+    ('experiment=sweep_optuna hydra.sweeper.params.rl.lrr="interval(0.5,2)"',
+     "hydra.sweeper.params.rl.lrr: not a setting of rl; valid keys: prompts_per_step, lr"),
     # Optuna's settings, read by it once the sweep's parent run was made: a traceback and an empty FAILED parent
     ("experiment=sweep_optuna hydra.sweeper.n_trials=0", "hydra.sweeper.n_trials=0: a study needs a trial to run"),
     ("experiment=sweep_optuna hydra.sweeper.direction=maximise", "hydra.sweeper.direction=maximise: not an Optuna direction"),

@@ -354,28 +354,23 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
 
 def searched_key_error(override: str, others: list[str]) -> str:
     """hydra.sweeper.params.rl.lr=...: Hydra reads the dots of a searched key as nesting (params.rl.lr, where the
-    preset's key is 'rl.lr'), so one key of a search space cannot be set alone. Unquoted, its value is a sweep that
-    'requires --multirun' (the preset is one already); quoted, 'rl' was not a setting, and '+' then failed on a
-    dict. The fix: the whole search space in one override, this key's value in it."""
+    preset's key is 'rl.lr'), so it cannot be set this way. Unquoted, its value was a sweep that 'requires
+    --multirun' (the preset is one already); quoted, 'rl' was not a setting, and '+' then failed on a dict. A dict
+    override merges into the search space, and '++' adds a key it lacks: the line writes that, for this key only,
+    once the jobs are known to have the key."""
     from omegaconf import OmegaConf
 
     key, _, value = override.lstrip("+~").partition("=")
     name = key.removeprefix("hydra.sweeper.params.")
     try:
-        space = OmegaConf.to_container(OmegaConf.select(compose(what_composes(others), hydra=True), "hydra.sweeper.params")
-                                       or {}, resolve=False)
+        job = compose(what_composes(others))
     except Exception:
-        space = {}
-    bare = value.strip("'\"")
-    if "." not in name:  # a top-level key (seed) is set alone: quoted (unquoted, its value is a sweep of its own), and
-        add = "" if name in space else "+"  # added with '+' where the preset does not search it
-        why = ("Hydra read its value as a sweep of the command line" if bare == value else
-               f"the preset does not search it (it searches {', '.join(space) or 'nothing'})")
-        return f"{key}: {why}; write '{add}{key}=\"{bare}\"'"
-    space[name] = bare or "<search>"
-    whole = ",".join(f'{k}:"{v}"' for k, v in space.items())
-    return (f"{key}: Hydra reads the dots of a searched key as nesting, so one key of the search space cannot be set "
-            f"alone; give the whole space in one quoted override: 'hydra.sweeper.params={{{whole}}}'")
+        job = None
+    if job is not None and OmegaConf.select(job, name, default=_ABSENT) is _ABSENT:
+        return f"hydra.sweeper.params.{not_a_setting(name, what_composes(others))}"
+    return (f"{key}: Hydra reads a searched key's dots as nesting and its unquoted value as a sweep of the command line; "
+            f"write '++hydra.sweeper.params={{{name}:\"{value.strip(chr(39) + chr(34))}\"}}' (it merges into the "
+            "search space)")
 
 
 def _preset_clash(key: str, overrides: list[str]) -> str | None:
