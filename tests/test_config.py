@@ -139,6 +139,8 @@ def test_real_preset_loads_through_from_pretrained_names():
         # float16 weights under AdamW turn NaN at the first step (stage sft said to lower its lr)
         ("model.dtype=float16", "model.dtype=float16: memory=full would train whole weights in float16"),
         ("model.dtype=float16 memory=lora", "model.dtype=float16: stage sft would train"),
+        # a built model has the task's tokenizer: another one was read as [UNK] after the run was made, or indexed past
+        ("model.tokenizer=EleutherAI/pythia-14m", "model.tokenizer=EleutherAI/pythia-14m: a model built from model.arch"),
         # hydra's stage is hydra_sft (it said 'stage sft'), and it trains from a given model.sft_path too (it passed)
         ("model.dtype=float16 memory=hydra", "model.dtype=float16: stage hydra_sft would train"),
         ("model.dtype=float16 memory=hydra model.sft_path=EleutherAI/pythia-14m", "model.dtype=float16: stage hydra_sft"),

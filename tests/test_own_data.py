@@ -676,3 +676,22 @@ def test_a_given_tokenizer_is_judged_before_the_mlflow_run_is_made(make_cfg, tmp
     with pytest.raises(ConfigError, match=r"^task.max_prompt_tokens: every train prompt is longer than 3 tokens"):
         train(cfg)
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
+    # and for a model still to be built, with the task's own tokenizer (it was judged after the run was made)
+    cfg = make_cfg("experiment=reverse", f"cache_dir={tmp_path}/cache", "task.max_prompt_tokens=3", shrink=False)
+    with pytest.raises(ConfigError, match=r"^task.max_prompt_tokens: every train prompt is longer than 3 tokens"):
+        train(cfg)
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
+    # a model with fewer embedding rows than its tokenizer has tokens: stage rm's IndexError, after the run was made
+    LlamaForCausalLM(LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, pad_token_id=0)).save_pretrained(tmp_path / "small")
+    char_tokenizer.save_pretrained(tmp_path / "small")
+    cfg = make_cfg("experiment=reverse", f"model.sft_path={tmp_path}/small", f"cache_dir={tmp_path}/cache", shrink=False)
+    with pytest.raises(ConfigError, match=rf"^model.sft_path: its tokenizer has {len(char_tokenizer)} tokens and the model "
+                                          r".* 5 embedding rows"):
+        train(cfg)
+    # a saved model without its tokenizer: transformers' ValueError traceback
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / "small" / name).unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match=r"^model.sft_path: no tokenizer can be read from '.*small' \("):
+        train(cfg)
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()

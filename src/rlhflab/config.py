@@ -215,6 +215,11 @@ def validate(cfg: DictConfig) -> Plan:
             f"off_policy={correction.name}: {algo.name}'s loss has no importance ratio to weight; "
             "use off_policy=behaviour or off_policy=recompute"
         )
+    if cfg.model.get("tokenizer") and not (cfg.model.get("name_or_path") or cfg.model.get("sft_path")):
+        # ensure_base_model builds the model for the task's own tokenizer: another one's ids are rows it does not
+        # have, or other words (read as [UNK] only after the run had been made)
+        raise ConfigError(f"model.tokenizer={cfg.model.tokenizer}: a model built from model.arch has the task's own "
+                          "tokenizer; set model.tokenizer=null, or give model.name_or_path (or model.sft_path) it belongs to")
     if task.demonstrations() is None and not cfg.model.get("sft_path"):
         raise ConfigError(f"model.sft_path: null, but task {task.name} has no demonstrations to train SFT on; give a ready SFT "
                           "policy" + (" or task.demonstrations_path=<file>" if "demonstrations_path" in cfg.task else ""))

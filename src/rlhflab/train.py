@@ -230,19 +230,46 @@ def fit_tokenizer(cfg: DictConfig, task, base_path: str | None = None) -> tuple 
     prompt budgets), its vocabulary checked on them, and enough prompts left for a step. Where the model is given
     (model.sft_path or model.name_or_path), train() reads its tokenizer (or model.tokenizer) before the MLflow run is
     made: a tokenizer made for other text, or prompts past the budget, were one line after a run had been made and
-    ended FAILED. A model built from model.arch has the task's own tokenizer once built (`base_path`); before, None."""
+    ended FAILED. A model built from model.arch has the task's own tokenizer: train() judges the prompts with it
+    (None), and _run reads its saved copy once the model is built (`base_path`)."""
+    from transformers import AutoConfig
+
     model = cfg.model
     source = model.get("sft_path") or model.get("name_or_path") or base_path
-    if not source:
+    if not source:  # a model not built yet: the task's own tokenizer judges the prompts now, the saved one in _run
+        fit_prompts(cfg, task, task.build_tokenizer())
         return None
-    tokenizer = load_tokenizer(model.get("tokenizer") or source, source)
+    key = next((f"model.{k}" for k in ("tokenizer", "sft_path", "name_or_path") if model.get(k)), None)
+    path = model.get("tokenizer") or source
+    try:
+        tokenizer = load_tokenizer(path, source)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as err:  # transformers' 'Couldn't instantiate the backend tokenizer' traceback
+        if key is None:
+            raise
+        raise ConfigError(f"{key}: no tokenizer can be read from '{path}' ({str(err).strip().splitlines()[0]}); save one "
+                          "beside the model (tokenizer.save_pretrained), or give model.tokenizer=<its tokenizer>") from None
+    try:
+        rows = AutoConfig.from_pretrained(source).get_text_config().vocab_size
+    except (OSError, ValueError):
+        rows = None
+    if key and rows and len(tokenizer) > rows:  # stage rm's IndexError ('index out of range in self'), after the run
+        raise ConfigError(f"{key}: its tokenizer has {len(tokenizer)} tokens and the model ({source}) {rows} embedding "
+                          "rows; give the tokenizer the model was trained with")
+    return tokenizer, fit_prompts(cfg, task, tokenizer)
+
+
+def fit_prompts(cfg: DictConfig, task, tokenizer) -> dict:
+    """task.setup(tokenizer) and the checks of what it kept; the counts it logs."""
+    model = cfg.model
     counts = task.setup(tokenizer)  # chat templates and prompt budgets need the tokenizer
     check_vocabulary(tokenizer, task.prompts("eval"),
                      next((f"model.{k}" for k in ("tokenizer", "sft_path") if model.get(k)), "model.name_or_path"))
     if task.num_train_prompts < cfg.rl.prompts_per_step:
         raise ConfigError(f"rl.prompts_per_step={cfg.rl.prompts_per_step}: only {task.num_train_prompts} training prompts "
                           "remain; lower it, or keep more prompts (task.max_prompt_tokens, task.overlong=truncate)")
-    return tokenizer, counts
+    return counts
 
 
 def step_budget(cfg: DictConfig, plan: Plan) -> int:
