@@ -106,6 +106,12 @@ BAD_VALUES = [
     ("experiment=sweep_optuna hydra.sweeper.storage=sqlite:///optuna.db", "hydra.sweeper.storage=sqlite:///optuna.db: Optuna"),
     ('experiment=sweep_optuna hydra.sweeper.params={algo.kl_coef:"tag(log,interval(0,0.1))"}',
      "hydra.sweeper.params.algo.kl_coef: tag(log,interval(0,0.1)) searches on a log scale from 0.0; give a low above 0"),
+    # n_jobs=0: a ZeroDivisionError; max_failure_rate=2: a bare AssertionError; two directions: every trial failed
+    ("experiment=sweep_optuna hydra.sweeper.n_jobs=0", "hydra.sweeper.n_jobs=0: a study needs a trial per batch"),
+    ("experiment=sweep_optuna hydra.sweeper.max_failure_rate=2", "hydra.sweeper.max_failure_rate=2.0: a share of the trials"),
+    ("experiment=sweep_optuna hydra.sweeper.direction=[maximize,minimize]", "hydra.sweeper.direction=['maximize', 'minimize']"),
+    # a choice() value no job can have: a trial trained, then Hydra's 'Could not find algo/rlooo' ended the sweep
+    ('experiment=sweep_optuna ++hydra.sweeper.params={algo:"choice(rloo,rlooo)"}', "algo=rlooo: no such option"),
     # the fix named None: the default was read from a job's config, which has no hydra node
     ("experiment=sweep_optuna hydra.sweeper.n_trials=abc", "hydra.sweeper.n_trials: 'abc' is not a whole number; give a "
                                                            "whole number, e.g. hydra.sweeper.n_trials=8"),

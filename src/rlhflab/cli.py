@@ -106,12 +106,25 @@ def grid_jobs(hydra, job: list[str]) -> list[list[str]]:
     """The jobs of a grid a preset (or hydra.sweeper.params.X=...) gives Hydra's basic sweeper, e.g.
     experiment=sweep_algos, each to be checked as the command line's own are: a typo in one of its values
     ('hydra.sweeper.params.algo="rloo,grop"') failed in Hydra's many lines after the sweep's MLflow parent was made."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
     from omegaconf import OmegaConf
 
-    if str(hydra.mode) != "RunMode.MULTIRUN" or not str(OmegaConf.select(hydra, "sweeper._target_") or "").endswith("BasicSweeper"):
-        return []
-    params = OmegaConf.to_container(OmegaConf.select(hydra, "sweeper.params") or {})
+    sweeper = str(OmegaConf.select(hydra, "sweeper._target_") or "")
+    params = OmegaConf.select(hydra, "sweeper.params")
+    params = OmegaConf.to_container(params) if params is not None else {}
     given = {o.partition("=")[0].lstrip("+~") for o in job}  # the command line's own values win, as in Hydra
+    if str(hydra.mode) == "RunMode.MULTIRUN" and sweeper.endswith("OptunaSweeper"):
+        # Optuna's choice(a,b): each value, as a job would get it (choice(rloo,rlooo) trained a trial, then ended the
+        # sweep in Hydra's 'Could not find algo/rlooo'); intervals are checked by check_optuna
+        jobs = []
+        for key, value in params.items():
+            parsed = OverridesParser.create().parse_overrides([f"{key}={value}"])[0].value()
+            if isinstance(parsed, ChoiceSweep) and key not in given:
+                jobs += [[*job, f"{key}={choice}"] for choice in parsed.list]
+        return jobs
+    if str(hydra.mode) != "RunMode.MULTIRUN" or not sweeper.endswith("BasicSweeper"):
+        return []
     extra = [f"{key}={value}" for key, value in params.items() if key not in given]
     return [j for j in sweep_jobs([*job, *extra], True) if j != job] if extra else []
 
@@ -153,10 +166,18 @@ def check_optuna(hydra) -> None:
     sweeper = hydra.get("sweeper")
     if sweeper is None or not str(sweeper.get("_target_", "")).endswith("OptunaSweeper"):
         return
-    trials = sweeper.get("n_trials")
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise ConfigError(f"hydra.sweeper.n_trials={trials}: a study needs a trial to run; give a whole number, 1 or more")
+    for name in ("n_trials", "n_jobs"):  # n_jobs=0: a ZeroDivisionError
+        count = sweeper.get(name)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError(f"hydra.sweeper.{name}={count}: a study needs {'a trial' if name == 'n_trials' else 'a trial per batch'}"
+                              " to run; give a whole number, 1 or more")
+    rate = sweeper.get("max_failure_rate")
+    if not isinstance(rate, (int, float)) or not 0 <= rate <= 1:  # Optuna's bare AssertionError
+        raise ConfigError(f"hydra.sweeper.max_failure_rate={rate}: a share of the trials; give a number from 0 to 1")
     direction = OmegaConf.to_container(sweeper, resolve=True).get("direction")
+    if isinstance(direction, list) and len(direction) != 1:  # every trial 'Failed experiment', the sweep exit 0
+        raise ConfigError(f"hydra.sweeper.direction={direction}: rlhflab's objective is one number (the gold reward, or "
+                          "its KL-penalised form); give one direction, maximize")
     for one in direction if isinstance(direction, list) else [direction]:
         name = getattr(one, "name", one)  # the schema's default is hydra-optuna-sweeper's Direction enum
         if name not in ("maximize", "minimize"):
