@@ -472,3 +472,18 @@ def test_the_debug_preset_fits_every_task(extra):
     python src/train.py --cfg job)', a key the user never set. It now sets only what every task has."""
     cfg = compose_cfg(["debug=default", *extra], shrink=False)
     assert cfg.task.num_eval_prompts == 8 and cfg.trainer.max_steps == 4
+
+
+@pytest.mark.parametrize("override, said", [
+    ("model.arch.num_attention_heads=3", "The hidden size (64) is not a multiple of the number of attention heads (3)"),
+    ("model.arch.hidden_size=abc", "Field 'hidden_size' expected int"),
+    ("+model.arch.rope_theta=abc", "TypeError: unsupported operand"),
+])
+def test_a_model_arch_transformers_refuses_is_one_line_before_the_run(make_cfg, tmp_path, override, said):
+    """Each was transformers' traceback when the base model was built, after the MLflow run was made."""
+    from rlhflab.train import train
+
+    with pytest.raises(ConfigError, match=r"^model.arch: transformers cannot build a model of it \(") as err:
+        train(make_cfg(override, f"cache_dir={tmp_path}/cache"))
+    assert said in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()

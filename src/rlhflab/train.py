@@ -33,7 +33,7 @@ from rlhflab.interrupts import STOP, as_interrupt
 from rlhflab.lit import checkpoint as ckpt
 from rlhflab.lit.progress import StageProgressBar
 from rlhflab.lit.rl_module import RLHFModule
-from rlhflab.models.build import check_vocabulary, ensure_base_model, load_tokenizer
+from rlhflab.models.build import check_arch, check_vocabulary, ensure_base_model, load_tokenizer
 from rlhflab.models.checks import check_hub, check_hub_dataset
 from rlhflab.naming import absolute_uri, redact
 from rlhflab.quiet import quiet_libraries
@@ -237,7 +237,9 @@ def fit_tokenizer(cfg: DictConfig, task, base_path: str | None = None) -> tuple 
     model = cfg.model
     source = model.get("sft_path") or model.get("name_or_path") or base_path
     if not source:  # a model not built yet: the task's own tokenizer judges the prompts now, the saved one in _run
-        fit_prompts(cfg, task, task.build_tokenizer())
+        own = task.build_tokenizer()
+        fit_prompts(cfg, task, own)
+        check_arch(OmegaConf.to_container(model.arch, resolve=True), own)
         return None
     key = next((f"model.{k}" for k in ("tokenizer", "sft_path", "name_or_path") if model.get(k)), None)
     path = model.get("tokenizer") or source

@@ -31,7 +31,7 @@ def ensure_base_model(model_cfg: dict, task, cache_dir: Path) -> Saved:
     """The base policy: a `from_pretrained` name, or the tiny one built from `model.arch` (cached)."""
     if model_cfg.get("name_or_path"):
         return Saved(model_cfg["name_or_path"], f"pretrained:{model_cfg['name_or_path']}")
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     tokenizer = task.build_tokenizer()
     arch = dict(model_cfg["arch"])
@@ -39,24 +39,40 @@ def ensure_base_model(model_cfg: dict, task, cache_dir: Path) -> Saved:
     key = config_key(arch, tokenizer.get_vocab(), seed)
 
     def build(tmp: Path) -> None:
-        model_type = arch.pop("model_type")
-        config = AutoConfig.for_model(
-            model_type,
-            vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            **arch,
-        )
+        config = arch_config(arch, tokenizer)
         with fixed_seed(seed):  # the weights depend on model.init_seed alone
             model = AutoModelForCausalLM.from_config(config)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         n = sum(p.numel() for p in model.parameters())
-        log.info("model: built %s (%s, %.2fM params, init seed %d)", model_cfg["name"], model_type, n / 1e6, seed)
+        log.info("model: built %s (%s, %.2fM params, init seed %d)", model_cfg["name"], config.model_type, n / 1e6, seed)
 
     path = cached(cache_dir, "models", model_cfg["name"], key, "model", build)
     return Saved(path, f"model:{path.name}")
+
+
+def arch_config(arch: dict, tokenizer):
+    """The transformers config of a model built from `model.arch`, for `tokenizer`'s vocabulary."""
+    from transformers import AutoConfig
+
+    arch = dict(arch)
+    return AutoConfig.for_model(arch.pop("model_type"), vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **arch)
+
+
+def check_arch(arch: dict, tokenizer) -> None:
+    """`model.arch` as transformers takes it, judged on the meta device (no weights) before the run is made:
+    model.arch.hidden_size=abc, num_attention_heads=3 (64 is no multiple of it) or +model.arch.rope_theta=abc were
+    transformers' tracebacks when the model was built, after the MLflow run was made."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(arch_config(arch, tokenizer))
+    except Exception as err:  # a config class's validation, a module's __init__: any of their errors
+        said = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ConfigError(f"model.arch: transformers cannot build a model of it ({type(err).__name__}: {said}); fix the "
+                          "setting it names (python src/train.py --cfg job shows model.arch)") from None
 
 
 def check_vocabulary(tokenizer, prompts: list, key: str, most: float = 0.2) -> None:
