@@ -78,6 +78,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -455,7 +456,10 @@ def child_failed(what: str, code: int, wall: float, log: Path, timeout: float) -
     its log, which main() keeps (it was deleted with the work directory, and the message pointed at it)."""
     why = f"killed at --timeout {timeout:g} s" if code == -signal.SIGKILL and wall >= timeout else f"exit {code}"
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.is_file() else []
-    said = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "(no output)")
+    lines = [line for line in lines if not line.startswith("Set the environment variable HYDRA_FULL_ERROR")]  # Hydra's tail
+    said = next((line for line in reversed(lines) if line.startswith("error:")), None)  # rlhflab's one line
+    said = said or next((line for line in reversed(lines) if re.match(r"[\w.]*(Error|Exception|Interrupt)\b", line)),
+                        lines[-1] if lines else "(no output)")  # else a traceback's last exception
     return SystemExit(f"{what} failed ({why}): {said}\n  its log: {log}")
 
 
@@ -626,7 +630,8 @@ def table(a, results: dict) -> str:
 
 def parse(argv=None):
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        pass
+        def _get_help_string(self, action):  # a help that says its default already is left as it is
+            return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=Formatter)
     p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset of rloo,grpo,online_dpo")
@@ -680,6 +685,13 @@ def parse(argv=None):
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: give {least} or more{why}")
     if a.timeout <= 0:
         p.error(f"--timeout {a.timeout:g}: give a number of seconds above 0")
+    if a.out is not None:  # found only when the table was written, after the whole benchmark (its JSON lost)
+        nearest = a.out.absolute().parent
+        while not nearest.exists():
+            nearest = nearest.parent
+        if a.out.is_dir() or not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
+            p.error(f"--out {a.out}: {'a directory' if a.out.is_dir() else f'{nearest} is not a writable directory'}; "
+                    "give a file path in a directory you can write")
     models = sorted(f.stem for f in (ROOT / "conf" / "model").glob("*.yaml"))
     if a.model not in models:
         p.error(f"--model {a.model}: not an rlhflab model preset; choose from {', '.join(models)}")
@@ -712,10 +724,11 @@ def main(argv=None) -> None:
     if argv[:1] == ["_eval"]:
         return eval_child(argv[1:])
     a = parse(argv)
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        raise SystemExit('TRL is not installed: pip install -e ".[bench]"') from None
+    if any(side in TRL_SIDE for side in a.sides):  # rlhflab's sides alone run without it
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            raise SystemExit('TRL is not installed: pip install -e ".[bench]" (or --sides with rlhflab\'s sides only)') from None
     check_commands(a)
     env = child_env()
     work = Path(tempfile.mkdtemp(prefix="vs_trl-"))

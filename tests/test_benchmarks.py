@@ -162,6 +162,21 @@ def test_a_failed_child_is_said_with_its_error_line_and_a_kept_log(tmp_path):
     assert said.endswith(f"its log: {log}")
     killed = str(vs_trl.child_failed("TRL rloo (trl) rep 1", -9, 4.2, log, 4).code)
     assert killed.startswith("TRL rloo (trl) rep 1 failed (killed at --timeout 4 s)")
+    # a traceback: its exception, not Hydra's closing advice
+    log.write_text("Traceback (most recent call last):\n  File \"x.py\", line 1\nFileNotFoundError: [Errno 2] No such "
+                   "file or directory: '/proc/nope'\n\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n")
+    said = str(vs_trl.child_failed("preparing the SFT policy", 1, 3.0, log, 1800).code)
+    assert said.startswith("preparing the SFT policy failed (exit 1): FileNotFoundError: [Errno 2]")
+
+
+def test_vs_trl_refuses_an_out_path_it_could_not_write_before_any_run(tmp_path, capsys):
+    """--out under a file was a FileExistsError after the whole benchmark, its JSON lost."""
+    vs_trl = load_vs_trl()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        vs_trl.parse(["--out", str(tmp_path / "file" / "x.md")])
+    assert "is not a writable directory" in capsys.readouterr().err
+    assert vs_trl.parse(["--out", str(tmp_path / "new" / "x.md")]).out == tmp_path / "new" / "x.md"
 
 
 def test_import_rss_help_and_bad_arguments():
