@@ -102,9 +102,9 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--top", type=int, default=20, help="packages to print (default 20)")
     p.add_argument("--json", type=Path, default=None, help="write every package's and module's MB here")
-    a = p.parse_args(argv[:cut])  # --help here: the whole docstring
-    if "--" not in argv:
+    if "--" not in argv and not {"-h", "--help"} & set(argv):  # argparse said only 'unrecognized arguments: ...'
         p.error("give the program after --, e.g. import_rss.py -- src/train.py reward=rule")
+    a = p.parse_args(argv[:cut])  # --help here: the whole docstring
     if a.top < 0:  # a negative count dropped the last rows without a word
         p.error(f"--top {a.top}: give 0 or more")
     script, *args = argv[cut + 1:] or [None]

@@ -184,6 +184,7 @@ def test_import_rss_help_and_bad_arguments():
     script = str(ROOT / "benchmarks" / "import_rss.py")
     shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "Where a Python program's peak RSS goes" in shown.stdout and "--top" in shown.stdout
-    for args, said in ((["--top", "-3", "--", script], "--top -3: give 0 or more"), ([], "give the program after --")):
+    for args, said in ((["--top", "-3", "--", script], "--top -3: give 0 or more"), ([], "give the program after --"),
+                       ([script, "reward=rule"], "give the program after --")):  # 'unrecognized arguments
         out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and said in out.stderr, out.stderr

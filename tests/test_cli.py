@@ -112,6 +112,9 @@ BAD_VALUES = [
     ("experiment=sweep_optuna hydra.sweeper.direction=[maximize,minimize]", "hydra.sweeper.direction=['maximize', 'minimize']"),
     # a choice() value no job can have: a trial trained, then Hydra's 'Could not find algo/rlooo' ended the sweep
     ('experiment=sweep_optuna ++hydra.sweeper.params={algo:"choice(rloo,rlooo)"}', "algo=rlooo: no such option"),
+    # a tag Optuna does not know: a linear search without a word
+    ('experiment=sweep_optuna ++hydra.sweeper.params={rl.lr:"tag(lg,interval(1e-4,1e-3))"}', "hydra.sweeper.params.rl.lr: "
+     "tag(lg,interval(1e-4,1e-3)) has the tag lg"),
     # the fix named None: the default was read from a job's config, which has no hydra node
     ("experiment=sweep_optuna hydra.sweeper.n_trials=abc", "hydra.sweeper.n_trials: 'abc' is not a whole number; give a "
                                                            "whole number, e.g. hydra.sweeper.n_trials=8"),

@@ -189,6 +189,10 @@ def check_optuna(hydra) -> None:
                           "numbers are in MLflow)")
     for key, value in (OmegaConf.to_container(sweeper.get("params") or {}, resolve=False) or {}).items():
         parsed = OverridesParser.create().parse_overrides([f"{key}={value}"])[0].value()
+        unknown = sorted(set(getattr(parsed, "tags", None) or ()) - {"log", "int"})  # hydra-optuna-sweeper's two
+        if unknown:  # tag(lg, ...) searched a linear scale without a word
+            raise ConfigError(f"hydra.sweeper.params.{key}: {value} has the tag {', '.join(unknown)}, which Optuna's sweeper "
+                              "does not know; give tag(log, ...) for a log scale, tag(int, ...) for whole numbers")
         if isinstance(parsed, IntervalSweep):
             if parsed.start >= parsed.end:
                 raise ConfigError(f"hydra.sweeper.params.{key}: {value} is empty; give interval(low, high) with low below high")

@@ -507,7 +507,7 @@ def cuda_index(device) -> int | None:
         return None
     index = device.partition(":")[2] or "0"
     if device.partition(":")[0] != "cuda" or not index.isdigit():
-        raise SettingError(f"mode.device={device}", "not a device; give cuda:N (N a visible GPU's index), or null (CPU)")
+        raise SettingError(f"mode.device={device}", "not a device; give cuda:N (N a visible GPU's index), cpu, or null (the CPU)")
     return int(index)
 
 
