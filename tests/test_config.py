@@ -487,3 +487,19 @@ def test_a_model_arch_transformers_refuses_is_one_line_before_the_run(make_cfg, 
         train(make_cfg(override, f"cache_dir={tmp_path}/cache"))
     assert said in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_model_arch_is_judged_under_a_given_sft_path_too(make_cfg, tmp_path):
+    """The base model is built from model.arch under model.sft_path too (its tokenizer's source when none is given)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhflab.tasks.sentiment import SentimentTask
+    from rlhflab.train import train
+
+    words = SentimentTask().build_tokenizer()
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, pad_token_id=words.pad_token_id)).save_pretrained(tmp_path / "sft")
+    words.save_pretrained(tmp_path / "sft")
+    with pytest.raises(ConfigError, match=r"^model.arch: transformers cannot build a model of it \(.*not a multiple"):
+        train(make_cfg(f"model.sft_path={tmp_path}/sft", "model.arch.num_attention_heads=3", f"cache_dir={tmp_path}/cache"))
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()

@@ -236,11 +236,12 @@ def fit_tokenizer(cfg: DictConfig, task, base_path: str | None = None) -> tuple 
 
     model = cfg.model
     source = model.get("sft_path") or model.get("name_or_path") or base_path
-    if not source:  # a model not built yet: the task's own tokenizer judges the prompts now, the saved one in _run
+    if base_path is None and not model.get("name_or_path"):  # a base model _run will build (under an sft_path too)
         own = task.build_tokenizer()
-        fit_prompts(cfg, task, own)
         check_arch(OmegaConf.to_container(model.arch, resolve=True), own)
-        return None
+        if not source:  # the task's own tokenizer judges the prompts now, its saved copy in _run
+            fit_prompts(cfg, task, own)
+            return None
     key = next((f"model.{k}" for k in ("tokenizer", "sft_path", "name_or_path") if model.get(k)), None)
     path = model.get("tokenizer") or source
     try:
