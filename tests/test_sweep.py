@@ -300,6 +300,16 @@ def test_sweep_against_a_tracking_server(tmp_path, stage_cache, monkeypatch):
     assert "Traceback" in sweep.output  # an unexpected error is shown in full, unlike a ConfigError
 
 
+def test_a_job_that_failed_before_its_run_is_named_as_its_run_would_have_been(tmp_path, stage_cache):
+    """A job that fails before its tracker made a run (here train()'s check of model.arch) gets a child made by the
+    callback: it was named 'rloo-full-sync', its siblings by their command lines."""
+    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", stage_cache, "model.arch.num_attention_heads=3,4")
+    parent, (failed, good) = sweep_runs(MlflowClient(sweep.uri))
+    assert failed.info.status == "FAILED" and good.info.status == "FINISHED"
+    assert failed.info.run_name.startswith("rloo num_attention_heads=3 ")
+    assert good.info.run_name == failed.info.run_name.replace("num_attention_heads=3", "num_attention_heads=4")
+
+
 def test_an_optuna_study_whose_every_trial_failed_ends_as_a_grid_sweep_does(tmp_path):
     """Optuna's study.best_trial raised 'ValueError: No trials are completed yet' after the last failed trial: exit 1,
     a traceback, and the parent FAILED with no summary and no list of the trials' errors."""

@@ -201,7 +201,11 @@ class MlflowSweepCallback(Callback):
             SWEEP_JOB_TAG: str(config.hydra.job.num),
             SWEEP_OVERRIDES_TAG: overrides[:MAX_TAG],
         }
-        name = default_run_name(tags) or f"job{config.hydra.job.num}"
+        # named as the job's own run would have been (MlflowTracker.start): 'rloo-full-sync' beside its siblings'
+        # 'rloo max_prompt_tokens=1 ...' said nothing of what the failed job was
+        task = list(OmegaConf.to_container(config.hydra.overrides.task))
+        name = (OmegaConf.select(config, "logger.run_name") or run_name(tags.get("algo", ""), task)
+                or default_run_name(tags) or f"job{config.hydra.job.num}")
         run = client.create_run(experiment_id, run_name=name, tags=tags)
         client.set_terminated(run.info.run_id, "FAILED")
         return client.get_run(run.info.run_id)
