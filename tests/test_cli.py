@@ -90,7 +90,8 @@ BAD_VALUES = [
     ("-m seed=0,1 output.dir=runs/a", "output.dir"),  # job 1 replaced job 0's policy/ without a word
     ("-m experiment=sweep_optuna output.dir=runs/a", "output.dir"),  # every trial into one directory
     # Hydra's 'Only one of --run, --multirun, --cfg, --info and --shell_completion can be specified' traceback
-    ("-m algo=online_dpo,rloo --cfg job", "--cfg: Hydra shows one job's config, not a sweep's; drop -m"),
+    ("-m algo=online_dpo,rloo --cfg job", "--cfg: Hydra shows one job's config, not a sweep's; drop -m and give one value "
+                                          "per key, e.g. python src/train.py algo=online_dpo --cfg job"),  # the user's own
     # one key of a search space: 'requires --multirun' (unquoted), then 'not a setting ... write +...' (quoted), then
     # 'Cannot convert dict to string' (with +): Hydra reads the dots of 'rl.lr' as nesting; '++' merges a dict in
     ('experiment=sweep_optuna hydra.sweeper.params.rl.max_grad_norm="interval(0.5,2)"',

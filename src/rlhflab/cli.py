@@ -209,10 +209,17 @@ def home_fix(key: str, value: str) -> str:
 def check_shell_completion(argv: list[str]) -> None:
     """`--shell-completion` (`-sc`) alone was Hydra's ValueError traceback ('Expecting one subcommand'), as was
     -m with --cfg or --info ('Only one of --run, --multirun, --cfg, --info and --shell_completion can be specified')."""
-    shown = next((a.split("=")[0] for a in argv if a.split("=")[0] in ("--cfg", "-c", "--info", "-i")), None)
-    if shown and any(a in ("-m", "--multirun") for a in argv):
-        fail(f"{shown}: Hydra shows one job's config, not a sweep's; drop -m and give one value per key, e.g. "
-             f"python src/train.py algo=rloo {shown}{' job' if shown in ('--cfg', '-c') else ''}")
+    at = next((i for i, a in enumerate(argv) if a.split("=")[0] in ("--cfg", "-c", "--info", "-i")), None)
+    if at is not None and any(a in ("-m", "--multirun") for a in argv):
+        shown = argv[at] + (f" {argv[at + 1]}" if at + 1 < len(argv) and not argv[at + 1].startswith("-")
+                            and "=" not in argv[at + 1] else "")
+        overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+        try:  # the sweep's first job, the user's own overrides (the example dropped them all for algo=rloo)
+            first = " ".join(sweep_jobs(overrides, True)[0]) if overrides else ""
+        except Exception:
+            first = ""
+        fail(f"{argv[at]}: Hydra shows one job's config, not a sweep's; drop -m and give one value per key, e.g. "
+             f"python src/train.py {first + ' ' if first else ''}{shown}")
     if not any(a in ("--shell-completion", "-sc") for a in argv):
         return
     if not any(a.split("=")[0] in ("install", "uninstall", "query") for a in argv):
