@@ -323,6 +323,7 @@ def test_an_optuna_study_whose_every_trial_failed_ends_as_a_grid_sweep_does(tmp_
     assert [r.info.status for r in children] == ["FAILED", "FAILED"]
     assert "no trial finished" in sweep.output and "2 job(s) failed" in sweep.output
     assert "No trials are completed yet" not in sweep.output
+    assert "float-castable" not in sweep.output  # Optuna's line for each failed trial, beside the job's real error
 
 
 @pytest.mark.slow

@@ -12,6 +12,14 @@ from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
 log = logging.getLogger(__name__)
 
 
+class _SaidByTheCallback(logging.Filter):
+    """A failed trial's job returns no objective, and hydra-optuna-sweeper logged 'Failed experiment: Return value
+    must be float-castable. Got 'None'.' for each, beside the callback's own line with the job's real error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Failed experiment: Return value must be float-castable. Got 'None'")
+
+
 class RlhflabOptunaSweeper(OptunaSweeper):
     """With every trial failed (rlhflab's preset lets a failed trial be recorded and the study go on,
     max_failure_rate=1.0), Optuna's `study.best_trial` raised 'ValueError: No trials are completed yet' after the
@@ -20,6 +28,7 @@ class RlhflabOptunaSweeper(OptunaSweeper):
     job's error listed by the MLflow callback."""
 
     def sweep(self, arguments):
+        logging.getLogger("hydra_plugins.hydra_optuna_sweeper._impl").addFilter(_SaidByTheCallback())
         try:
             return super().sweep(arguments)
         except ValueError as err:
