@@ -686,12 +686,15 @@ def parse(argv=None):
     if a.timeout <= 0:
         p.error(f"--timeout {a.timeout:g}: give a number of seconds above 0")
     if a.out is not None:  # found only when the table was written, after the whole benchmark (its JSON lost)
-        nearest = a.out.absolute().parent
-        while not nearest.exists():
-            nearest = nearest.parent
-        if a.out.is_dir() or not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
-            p.error(f"--out {a.out}: {'a directory' if a.out.is_dir() else f'{nearest} is not a writable directory'}; "
-                    "give a file path in a directory you can write")
+        from rlhflab.errors import ConfigError
+        from rlhflab.schema import writable_dir
+
+        if a.out.is_dir():
+            p.error(f"--out {a.out}: a directory; give a file path (the table, its JSON beside it)")
+        try:
+            writable_dir("--out", a.out.parent, make=False)
+        except ConfigError as err:
+            p.error(f"--out {a.out}: {a.out.parent} is not a writable directory ({str(err).removeprefix('--out: ')})")
     models = sorted(f.stem for f in (ROOT / "conf" / "model").glob("*.yaml"))
     if a.model not in models:
         p.error(f"--model {a.model}: not an rlhflab model preset; choose from {', '.join(models)}")

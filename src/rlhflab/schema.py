@@ -10,6 +10,7 @@ A test keeps every schema's fields equal to its `_target_`'s parameters.
 """
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -589,3 +590,24 @@ def check(cfg: DictConfig) -> None:
         if world > 1 and isinstance(size, int) and size % world:  # a global batch, split over the ranks
             raise SettingError(f"stages.{stage}.batch_size", f"{size} does not split evenly over {world} ranks "
                                f"(trainer.devices x trainer.num_nodes); make it a multiple of {world}")
+
+
+def writable_dir(key: str, path: Path, make: bool = True) -> Path:
+    """`path`, made if missing (with `make`; else only judged, so a bad run leaves nothing behind); a directory that
+    cannot be made or written is one line naming `key` before any run exists (output.dir=/mnt/ro/x, or a cache_dir
+    that is a file, stopped at a FileNotFoundError or NotADirectoryError traceback)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}: '{path}' is a file, not a directory; give a directory you can write")
+    if make:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"{key}: cannot make the directory '{path}' ({err.strerror}); give a directory you can write") from None
+    nearest = path.absolute()
+    while not nearest.exists():
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise ConfigError(f"{key}: '{nearest}' is a file, so '{path}' cannot be a directory; give a directory you can write")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: '{nearest}' is not writable; give a directory you can write")
+    return path

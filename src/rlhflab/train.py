@@ -38,7 +38,7 @@ from rlhflab.models.checks import check_hub, check_hub_dataset
 from rlhflab.naming import absolute_uri, redact
 from rlhflab.quiet import quiet_libraries
 from rlhflab.rng import fixed_seed
-from rlhflab.schema import ranks, trainer_devices
+from rlhflab.schema import ranks, trainer_devices, writable_dir
 from rlhflab.stages.pipeline import run_stages
 from rlhflab.tracking import MlflowTracker
 
@@ -103,27 +103,6 @@ def output_lock(out: Path, key: str):
         yield
     finally:
         handle.close()  # and with it the lock
-
-
-def writable_dir(key: str, path: Path, make: bool = True) -> Path:
-    """`path`, made if missing (with `make`; else only judged, so a bad run leaves nothing behind); a directory that
-    cannot be made or written is one line naming `key` before any run exists (output.dir=/mnt/ro/x, or a cache_dir
-    that is a file, stopped at a FileNotFoundError or NotADirectoryError traceback)."""
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{key}: '{path}' is a file, not a directory; give a directory you can write")
-    if make:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ConfigError(f"{key}: cannot make the directory '{path}' ({err.strerror}); give a directory you can write") from None
-    nearest = path.absolute()
-    while not nearest.exists():
-        nearest = nearest.parent
-    if not nearest.is_dir():
-        raise ConfigError(f"{key}: '{nearest}' is a file, so '{path}' cannot be a directory; give a directory you can write")
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}: '{nearest}' is not writable; give a directory you can write")
-    return path
 
 
 def relaunch_as_one_job(cfg: DictConfig, out: Path) -> None:
