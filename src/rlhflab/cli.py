@@ -106,25 +106,20 @@ def grid_jobs(hydra, job: list[str]) -> list[list[str]]:
     """The jobs of a grid a preset (or hydra.sweeper.params.X=...) gives Hydra's basic sweeper, e.g.
     experiment=sweep_algos, each to be checked as the command line's own are: a typo in one of its values
     ('hydra.sweeper.params.algo="rloo,grop"') failed in Hydra's many lines after the sweep's MLflow parent was made."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
     from omegaconf import OmegaConf
 
-    sweeper = str(OmegaConf.select(hydra, "sweeper._target_") or "")
-    params = OmegaConf.select(hydra, "sweeper.params")
-    params = OmegaConf.to_container(params) if params is not None else {}
-    given = {o.partition("=")[0].lstrip("+~") for o in job}  # the command line's own values win, as in Hydra
-    if str(hydra.mode) == "RunMode.MULTIRUN" and sweeper.endswith("OptunaSweeper"):
-        # Optuna's choice(a,b): each value, as a job would get it (choice(rloo,rlooo) trained a trial, then ended the
-        # sweep in Hydra's 'Could not find algo/rlooo'); intervals are checked by check_optuna
-        jobs = []
-        for key, value in params.items():
-            parsed = OverridesParser.create().parse_overrides([f"{key}={value}"])[0].value()
-            if isinstance(parsed, ChoiceSweep) and key not in given:
-                jobs += [[*job, f"{key}={choice}"] for choice in parsed.list]
-        return jobs
-    if str(hydra.mode) != "RunMode.MULTIRUN" or not sweeper.endswith("BasicSweeper"):
+    if str(hydra.mode) != "RunMode.MULTIRUN":
         return []
+    given = {o.partition("=")[0].lstrip("+~") for o in job}  # the command line's own values win, as in Hydra
+    space = optuna_space(hydra)
+    if space is not None:  # Optuna's choice(a,b): each value, as a job would get it (choice(rloo,rlooo) trained a
+        # trial, then ended the sweep in Hydra's 'Could not find algo/rlooo'); intervals are checked by check_optuna
+        return [[*job, f"{key}={choice}"] for key, parsed in space.items()
+                if isinstance(parsed, ChoiceSweep) and key not in given for choice in parsed.list]
+    if not str(OmegaConf.select(hydra, "sweeper._target_") or "").endswith("BasicSweeper"):
+        return []
+    params = OmegaConf.to_container(OmegaConf.select(hydra, "sweeper.params") or OmegaConf.create({}))
     extra = [f"{key}={value}" for key, value in params.items() if key not in given]
     return [j for j in sweep_jobs([*job, *extra], True) if j != job] if extra else []
 
@@ -143,6 +138,20 @@ def sweep_searches(cfg) -> dict:
     return searched
 
 
+def optuna_space(hydra) -> dict | None:
+    """{key: its parsed search (ChoiceSweep, IntervalSweep, ...)} of an Optuna sweeper's params; None for another
+    sweeper."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    sweeper = hydra.get("sweeper")
+    if sweeper is None or not str(sweeper.get("_target_", "")).endswith("OptunaSweeper"):
+        return None
+    params = OmegaConf.to_container(sweeper.get("params") or {}, resolve=False) or {}
+    parser = OverridesParser.create()
+    return {key: parser.parse_overrides([f"{key}={value}"])[0].value() for key, value in params.items()}
+
+
 def check_hydra_dirs(hydra) -> None:
     """Hydra makes its run (sweep) directory before rlhflab's code runs, and does not expand '~': quoted past the shell
     and Hydra's grammar ('hydra.run.dir="~/runs/a"') it made a directory named '~' in the working directory, where
@@ -159,13 +168,13 @@ def check_hydra_dirs(hydra) -> None:
 def check_optuna(hydra) -> None:
     """hydra-optuna-sweeper reads its settings only once the sweep's MLflow parent run is made: n_trials=0, a misspelt
     direction, a log interval from 0 or SQL storage each left an empty FAILED parent and 22-32 lines of traceback."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import IntervalSweep
     from omegaconf import OmegaConf
 
-    sweeper = hydra.get("sweeper")
-    if sweeper is None or not str(sweeper.get("_target_", "")).endswith("OptunaSweeper"):
+    space = optuna_space(hydra)
+    if space is None:
         return
+    sweeper = hydra.sweeper
     for name in ("n_trials", "n_jobs"):  # n_jobs=0: a ZeroDivisionError
         count = sweeper.get(name)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -187,8 +196,8 @@ def check_optuna(hydra) -> None:
         raise ConfigError(f"hydra.sweeper.storage={sweeper.storage}: Optuna 2.10's SQL storage fails with SQLAlchemy 2.1 "
                           "(an AssertionError once the sweep starts); leave it null (the study in memory; every trial's "
                           "numbers are in MLflow)")
-    for key, value in (OmegaConf.to_container(sweeper.get("params") or {}, resolve=False) or {}).items():
-        parsed = OverridesParser.create().parse_overrides([f"{key}={value}"])[0].value()
+    for key, parsed in space.items():
+        value = sweeper.params[key]
         unknown = sorted(set(getattr(parsed, "tags", None) or ()) - {"log", "int"})  # hydra-optuna-sweeper's two
         if unknown:  # tag(lg, ...) searched a linear scale without a word
             raise ConfigError(f"hydra.sweeper.params.{key}: {value} has the tag {', '.join(unknown)}, which Optuna's sweeper "
@@ -394,12 +403,13 @@ def searched_key_error(override: str, others: list[str]) -> str:
 
     key, _, value = override.lstrip("+~").partition("=")
     name = key.removeprefix("hydra.sweeper.params.")
+    composing = what_composes(others)
     try:
-        job = compose(what_composes(others))
+        job = compose(composing)
     except Exception:
         job = None
     if job is not None and OmegaConf.select(job, name, default=_ABSENT) is _ABSENT:
-        return f"hydra.sweeper.params.{not_a_setting(name, what_composes(others))}"
+        return f"hydra.sweeper.params.{not_a_setting(name, composing)}"
     return (f"{key}: Hydra reads a searched key's dots as nesting and its unquoted value as a sweep of the command line; "
             f"write '++hydra.sweeper.params={{{name}:\"{value.strip(chr(39) + chr(34))}\"}}' (it merges into the "
             "search space)")

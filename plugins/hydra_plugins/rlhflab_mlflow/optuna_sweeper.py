@@ -20,6 +20,9 @@ class _SaidByTheCallback(logging.Filter):
         return not record.getMessage().startswith("Failed experiment: Return value must be float-castable. Got 'None'")
 
 
+_SAID = _SaidByTheCallback()
+
+
 class RlhflabOptunaSweeper(OptunaSweeper):
     """With every trial failed (rlhflab's preset lets a failed trial be recorded and the study go on,
     max_failure_rate=1.0), Optuna's `study.best_trial` raised 'ValueError: No trials are completed yet' after the
@@ -28,7 +31,7 @@ class RlhflabOptunaSweeper(OptunaSweeper):
     job's error listed by the MLflow callback."""
 
     def sweep(self, arguments):
-        logging.getLogger("hydra_plugins.hydra_optuna_sweeper._impl").addFilter(_SaidByTheCallback())
+        logging.getLogger("hydra_plugins.hydra_optuna_sweeper._impl").addFilter(_SAID)  # once, however often it sweeps
         try:
             return super().sweep(arguments)
         except ValueError as err:
