@@ -407,7 +407,10 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
      "sweep_optuna kl_coef=log[0.005,0.5] lr=[1.0e-4,3.0e-3] remax kl_budget=1.5 2026-11-26_14-56-52-040795"),
     # a list of paths: each value by its last part ('sft_path=policy' lost the first path and the list)
     (None, None, ["model.sft_path=/runs/a/policy,/runs/b/step-3", "trainer.max_steps=10"],
-     "sweep sft_path=policy,step-3 max_steps=10 2026-11-26_14-56-52-040795"),
+     "sweep sft_path=a/policy,step-3 max_steps=10 2026-11-26_14-56-52-040795"),
+    # two saved policies ('sft_path=policy,policy'), and two paths alike but for a parent
+    (None, None, ["model.sft_path=/m/0/policy,/m/1/policy"], "sweep sft_path=0/policy,1/policy 2026-11-26_14-56-52-040795"),
+    (None, None, ["model.sft_path=/x/a/ckpt,/y/a/ckpt"], "sweep sft_path=x/a/ckpt,y/a/ckpt 2026-11-26_14-56-52-040795"),
 ])
 def test_a_sweeps_name_says_what_its_jobs_share_from_the_command_line(experiment, params, task, name):
     """`-m algo=rloo,online_dpo` and `-m algo=rloo,online_dpo mode=async staleness=1` were both named `sweep

@@ -48,17 +48,28 @@ MAX_RUN_NAME = 250
 
 def short_override(override: str, keys: int = 1) -> str:
     """A setting by its last key (`keys` last parts of it) and a path by its last part (the whole path is a param):
-    `algo.kl_coef=0.1` -> `kl_coef=0.1`, `model.sft_path=/runs/a/policy` -> `sft_path=policy`, a long decimal to 3
+    `algo.kl_coef=0.1` -> `kl_coef=0.1`, `model.sft_path=/runs/a/ckpt` -> `sft_path=ckpt` (a saved
+    policy with its run's directory: `/runs/a/policy` -> `a/policy`; sweep values apart: `/x/a/ckpt,/y/a/ckpt` ->
+    `x/a/ckpt,y/a/ckpt`), a long decimal to 3
     significant digits, `rl.lr=0.0006380556092044456` -> `lr=0.000638` (run names, sweep names, plot labels)."""
     key, _, value = override.partition("=")
     # a sweep's list, each value on its own (a,b: the path shortened across the comma lost one value and the list)
     values = value.split(",") if "(" not in value else [value]  # not range(1,3) / interval(0,1)
-    return f"{'.'.join(key.split('.')[-keys:])}={','.join(_short_value(v) for v in values)}"
+    parts = 1
+    while len({_short_value(v, parts) for v in values}) < len(set(values)) and parts < 8:
+        parts += 1  # /runs/a/policy,/runs/b/policy: a/policy,b/policy (both were named policy)
+    return f"{'.'.join(key.split('.')[-keys:])}={','.join(_short_value(v, parts) for v in values)}"
 
 
-def _short_value(value: str) -> str:
+# What rlhflab names every run's saved model (`<run dir>/policy`): named by it alone, every sft_path was `policy`
+SAVED_NAMES = ("policy",)
+
+
+def _short_value(value: str, parts: int = 1) -> str:
     if value.startswith(("/", "./", "../", "~")):
-        return value.rstrip("/").rpartition("/")[2] or value
+        path = value.rstrip("/").split("/")
+        keep = max(parts, 2 if path[-1] in SAVED_NAMES else 1)
+        return "/".join(p for p in path[-keep:] if p) or value
     if len(value) > 8 and re.fullmatch(r"-?\d*\.\d+(e-?\d+)?", value):  # an Optuna trial's 0.08025955666793813
         return f"{float(value):.3g}"
     return value
@@ -69,7 +80,7 @@ def run_name(algo: str, overrides: list[str]) -> str:
     a group choice by its option (`mode=async` -> async; an option named `default` by its group: `debug=default`
     -> debug) and a value by its last key (`rl.lr=3e-4` -> lr=3e-4), or its last two where two keys end alike
     (`stages.sft.epochs=2 stages.rm.epochs=4` -> sft.epochs=2 rm.epochs=4), a path by its last part
-    (`model.sft_path=/runs/a/policy` -> sft_path=policy). A key given twice is named once, with the value Hydra
+    (`model.sft_path=/runs/a/policy` -> sft_path=a/policy). A key given twice is named once, with the value Hydra
     keeps (the last).
 
     >>> run_name("online_dpo", ["algo=online_dpo", "mode=async", "staleness=2", "rl.lr=3e-4", "logger.run_name=x"])
