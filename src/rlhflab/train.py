@@ -209,8 +209,9 @@ def fit_tokenizer(cfg: DictConfig, task, base_path: str | None = None) -> tuple 
     prompt budgets), its vocabulary checked on them, and enough prompts left for a step. Where the model is given
     (model.sft_path or model.name_or_path), train() reads its tokenizer (or model.tokenizer) before the MLflow run is
     made: a tokenizer made for other text, or prompts past the budget, were one line after a run had been made and
-    ended FAILED. A model built from model.arch has the task's own tokenizer: train() judges the prompts with it
-    (None), and _run reads its saved copy once the model is built (`base_path`)."""
+    ended FAILED. A model built from model.arch has the task's own tokenizer: train() sets the prompts up with it
+    (tokenizer None), and _run reads its saved copy once the model is built (`base_path`), without setting them up
+    again (200,000 prompts: 4.4 s)."""
     from transformers import AutoConfig
 
     model = cfg.model
@@ -218,9 +219,8 @@ def fit_tokenizer(cfg: DictConfig, task, base_path: str | None = None) -> tuple 
     if base_path is None and not model.get("name_or_path"):  # a base model _run will build (under an sft_path too)
         own = task.build_tokenizer()
         check_arch(OmegaConf.to_container(model.arch, resolve=True), own)
-        if not source:  # the task's own tokenizer judges the prompts now, its saved copy in _run
-            fit_prompts(cfg, task, own)
-            return None
+        if not source:  # the task's own tokenizer judges the prompts now; _run reads its saved copy
+            return None, fit_prompts(cfg, task, own)
     key = next((f"model.{k}" for k in ("tokenizer", "sft_path", "name_or_path") if model.get(k)), None)
     path = model.get("tokenizer") or source
     try:
@@ -292,6 +292,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     # Stage 0: the base model (built from config for the tiny preset, cached).
     base = ensure_base_model(model_cfg, task, cache_dir)
     tokenizer, counts = plan.fitted or fit_tokenizer(cfg, task, base.path)  # read before the run where the model is given
+    if tokenizer is None:  # the task's own, which set the prompts up before the run: the copy saved with the model
+        tokenizer = load_tokenizer(base.path)
     if counts:
         tracker.log_metrics(counts, step=0)
     # The stages the memory strategy needs (sft and rm, or hydra_sft), each skipped when given or cached.

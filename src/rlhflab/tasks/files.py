@@ -194,6 +194,7 @@ class PromptsTask:
                            completion_field=completion_field, preferences_path=preferences_path, chosen_field=chosen_field,
                            rejected_field=rejected_field, seed=seed)
         self.tables = None
+        self._tokenizer = None  # build_tokenizer's, built once (train()'s checks and the base model both ask for it)
         self.num_train_prompts = 0  # known once loaded
         self.rendered: dict[str, list[str]] = {}
         # Local files are read now (a missing field fails before anything loads); hub datasets when the run
@@ -339,6 +340,11 @@ class PromptsTask:
 
     def build_tokenizer(self):
         """A tokenizer over the data's words (or characters), for a model built from config."""
+        if self._tokenizer is None:
+            self._tokenizer = self._word_tokenizer()
+        return self._tokenizer
+
+    def _word_tokenizer(self):
         self.load()
         from tokenizers import Tokenizer, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
