@@ -288,6 +288,12 @@ def test_a_function_returns_none_where_it_does_not_apply_as_in_trl(tmp_path, cap
     (lambda prompts, completions, **kw: [1.0, "high"], r"^reward function bad returned str 'high' for row 8 "
                                                        r"\(prompt '8=', completion 'y'\); return a finite number, or None"),
     (lambda prompts, completions, **kw: 2.0, r"^reward function bad returned float, not a list of numbers"),
+    # a float32 tensor's inf, blamed on the learning rate at the first update
+    (lambda prompts, completions, **kw: [1.0, 1e39], r"^reward function bad returned 1e\+39, past float32's 3.4e\+38 for row 8 "),
+    # read as one reward per character ('11' for two completions: 1.0 and 1.0), by its keys, or as a number from text
+    (lambda prompts, completions, **kw: "11", r"^reward function bad returned str, not a list of numbers"),
+    (lambda prompts, completions, **kw: {"a": 1, "b": 2}, r"^reward function bad returned dict, not a list of numbers"),
+    (lambda prompts, completions, **kw: [1.0, "0.5"], r"^reward function bad returned str '0.5' for row 8 "),
 ])
 def test_a_misbehaving_reward_function_is_one_line_naming_it_and_the_row(returned, message):
     with pytest.raises(RewardError, match=message) as err:
@@ -341,6 +347,19 @@ def test_a_reward_file_whose_own_import_fails_says_so_not_check_the_name(tmp_pat
     (tmp_path / "deps.py").write_text(source)
     with pytest.raises(ConfigError, match=rf"^reward.fn: '{tmp_path}/deps.py' was found, but " + message):
         FunctionReward(fn=f"{tmp_path}/deps.py:score")
+
+
+def test_a_reward_file_imports_the_files_beside_it_as_a_script_does(tmp_path, monkeypatch):
+    """`reward.fn=myr/r.py:score` whose r.py does `from helpers import bonus` (myr/helpers.py) said 'No module
+    named helpers ...; install that package'; `python myr/r.py` finds it, beside the file."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    folder = tmp_path / "myr"
+    folder.mkdir()
+    (folder / "helpers_beside_r.py").write_text("def bonus(c):\n    return 0.5 if c.endswith('1') else 0.0\n")
+    (folder / "r.py").write_text("from helpers_beside_r import bonus\n\n"
+                                 "def score(prompts, completions, **kw):\n    return [bonus(c) for c in completions]\n")
+    reward = FunctionReward(fn=f"{folder}/r.py:score")
+    assert call_reward(reward.functions[0][1], "score", ["1=", "2="], ["21", "12"], {}, None).tolist() == [0.5, 0.0]
 
 
 def test_a_reward_package_in_the_working_directory_imports_as_with_python_m(tmp_path, monkeypatch):

@@ -13,6 +13,9 @@ from pathlib import Path
 from rlhflab.errors import ConfigError, RewardError, no_such_file
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # rewards are float32 tensors
+
+
 def load_callable(spec: str, key: str) -> Callable:
     """The function `spec` names; one-line ConfigError naming `key` when it cannot be had."""
     module_name, sep, attr = str(spec).rpartition(":")
@@ -26,6 +29,9 @@ def load_callable(spec: str, key: str) -> Callable:
             name = f"rlhflab_user_{path.stem}_{abs(hash(str(path.resolve())))}"
             module = sys.modules.get(name)
             if module is None:
+                folder = str(path.resolve().parent)
+                if folder not in sys.path:  # its own imports of files beside it, as `python file.py` finds them;
+                    sys.path.append(folder)  # last, so it shadows nothing installed
                 loader_spec = importlib.util.spec_from_file_location(name, path)
                 module = importlib.util.module_from_spec(loader_spec)
                 sys.modules[name] = module  # before exec: pickling (a spawned generator) finds it again
@@ -78,6 +84,8 @@ def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwarg
     except Exception as err:
         raise RewardError(f"reward function {name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
                           f"(on {n} completions{of}; first prompt {str(prompts[0])[:60]!r})") from None
+    if isinstance(values, (str, bytes, dict)):  # a str was read as one reward per character, a dict by its keys
+        raise RewardError(f"reward function {name} returned {type(values).__name__}, not a list of numbers")
     try:
         values = list(values)
     except TypeError:
@@ -90,10 +98,14 @@ def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwarg
             out.append(math.nan)
             continue
         try:
+            if isinstance(v, (str, bytes)):  # '0.5' is text: a number the function meant, or a label it did not
+                raise TypeError
             v = float(v)
         except (TypeError, ValueError):
             v = f"{type(v).__name__} {str(v)[:40]!r}"
-        if isinstance(v, str) or not math.isfinite(v):
+        if isinstance(v, str) or not math.isfinite(v) or abs(v) > FLOAT32_MAX:  # 1e39 was inf in the float32 batch
+            if not isinstance(v, str) and math.isfinite(v):
+                v = f"{v:g}, past float32's {FLOAT32_MAX:.3g}"
             row = (f"row {rows[i]}" if rows is not None else f"completion {i}") + of
             raise RewardError(f"reward function {name} returned {v} for {row} (prompt {str(prompts[i])[:60]!r}, "
                               f"completion {str(completions[i])[:60]!r}); return a finite number, or None where it does not apply")
