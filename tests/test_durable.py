@@ -158,6 +158,36 @@ def test_resume_refuses_a_different_config_naming_the_keys(make_cfg, tmp_path):
         train(make_cfg("trainer.max_steps=4", f"resume={tmp_path}/run", f"output.dir={tmp_path}/other"))
 
 
+def test_resume_values_are_judged_before_the_directorys_checkpoints(make_cfg, tmp_path):
+    """In a directory that holds checkpoints, resume=latest (or the checkpoints/ folder, or the directory itself)
+    was refused as a new run that would mix with them: 'already holds another run's checkpoints'."""
+    run = tmp_path / "run"
+    train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={run}"))
+    for resume, message in [("latest", r"resume: no checkpoint directory 'latest'; give a checkpoints/step-\* directory, or resume=auto"),
+                            (f"{run}/checkpoints", rf"resume: '{run}/checkpoints' is a folder of checkpoints; name one of its "
+                                                   rf"step-\* directories \(the newest whole one: resume={run}/checkpoints/"
+                                                   rf"step-00000002\), or continue its run with resume=auto output.dir={run}"),
+                            (str(run), rf"resume: '{run}' is a run's output directory, not a checkpoint; continue that run")]:
+        with pytest.raises(ConfigError, match=f"^{message}"):
+            train(make_cfg("trainer.max_steps=4", f"resume={resume}", f"output.dir={run}"))
+
+
+def test_a_resume_does_not_replace_a_policy_trained_past_the_step_budget(make_cfg, tmp_path):
+    """A run stopped at step 2 (its checkpoint) and resumed to 4 without further checkpoints; resume=auto with
+    trainer.max_steps=3 went on from step 2 and replaced the step-4 policy with one of step 3, and exited 0."""
+    run = tmp_path / "run"
+    train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={run}"))
+    train(make_cfg("trainer.max_steps=4", "checkpoint.every_n_steps=null", "resume=auto", f"output.dir={run}"))
+    assert json.loads((run / "policy" / "rlhflab.json").read_text()) == {"rl_step": 4}
+    weights = (run / "policy" / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match=rf"^trainer.max_steps=3: the run in {run} went on to RL step 4 after step-00000002, "
+                                          rf"and its policy \({run}/policy\) would be replaced by one of step 3. Set "
+                                          r"trainer.max_steps=4 or more, or start from step-00000002 in another directory"):
+        train(make_cfg("trainer.max_steps=3", "resume=auto", f"output.dir={run}"))
+    assert (run / "policy" / "model.safetensors").read_bytes() == weights
+    assert train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={run}")).module.updates == 4  # the same budget: on
+
+
 def test_resume_refusal_says_which_settings_one_side_lacks():
     """A 2-rank DDP checkpoint resumed on one CPU: the strategy is a node on one side and a string on the other.
     The keys one side lacks read '(not set)'; they read 'None -> None' (flatten writes a null as 'None')."""

@@ -268,6 +268,13 @@ def check_budget_reaches(cfg: DictConfig, plan: Plan, resume: ckpt.Checkpoint | 
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps}: {resume.path} is at RL step {resume.updates}, "
                           f"past it, and training cannot go back; its policy would replace {out / 'policy'}. Set "
                           f"trainer.max_steps={resume.updates} or more, or resume=<an older checkpoint>")
+    # The run it continues may have trained past its newest checkpoint (one written by a stop, none at the end)
+    trained = saved_step(out / "policy") if resume is not None and not resume.forked else None
+    if trained is not None and trained > step_budget(cfg, plan):
+        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps}: the run in {out} went on to RL step {trained} after "
+                          f"{resume.path.name}, and its policy ({out / 'policy'}) would be replaced by one of step "
+                          f"{step_budget(cfg, plan)}. Set trainer.max_steps={trained} or more, or start from "
+                          f"{resume.path.name} in another directory: resume={resume.path} output.dir=<new dir>")
 
 
 def per_rank_stages(stages: dict, world: int) -> dict:
@@ -390,8 +397,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
 
 
 def save_policy(module: RLHFModule, tokenizer, path: Path, cfg: DictConfig, tracker: MlflowTracker) -> Path:
-    """The trained policy (with LoRA: the adapter, and a merged copy if output.merge_lora) and its tokenizer;
-    rank 0 writes (a sharded policy is gathered first, by every rank)."""
+    """The trained policy (with LoRA: the adapter, and a merged copy if output.merge_lora), its tokenizer and the RL
+    step it was trained to (POLICY_STEP_FILE); rank 0 writes (a sharded policy is gathered first, by every rank)."""
     state = None
     if module.sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -406,12 +413,24 @@ def save_policy(module: RLHFModule, tokenizer, path: Path, cfg: DictConfig, trac
             tokenizer.save_pretrained(path)
             if (path / "merged").is_dir():
                 tokenizer.save_pretrained(path / "merged")
+            (path / POLICY_STEP_FILE).write_text(json.dumps({"rl_step": module.updates}) + "\n")
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)  # half a policy loads as garbage or not at all
             raise
     if cfg.output.log_policy:
         tracker.log_artifacts(path, "policy")
     return path
+
+
+POLICY_STEP_FILE = "rlhflab.json"  # beside the saved policy: the RL step it was trained to
+
+
+def saved_step(policy: Path) -> int | None:
+    """The RL step of the policy saved in `policy` (None where none was, or one saved before the step was kept)."""
+    try:
+        return int(json.loads((policy / POLICY_STEP_FILE).read_text())["rl_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def browse_hint(tracker: MlflowTracker) -> str:

@@ -119,6 +119,8 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "outp
     of training (a new run, or a branch) is refused an output directory that holds another line's checkpoints:
     `checkpoint.keep` deleted its own as older than those, and resume=auto would then continue the other line.
     `key`: the setting that chose output_dir, for the message."""
+    if resume and resume != "auto":  # what it names, first: 'resume=latest' in a directory with checkpoints was
+        given_path(resume)             # refused as a new run that would mix with them
     held = sorted(directory(output_dir).glob("step-*"))
     if held and resume != "auto" and (not resume or Path(resume).expanduser().resolve().parent != directory(output_dir).resolve()):
         span = held[0].name + (f" .. {held[-1].name}" if len(held) > 1 else "")
@@ -135,14 +137,7 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "outp
             log.info("resume=auto: no checkpoint in %s; starting a new run", directory(output_dir))
             return None
     else:
-        path = Path(resume).expanduser()
-        if not path.is_dir():
-            raise ConfigError(f"resume: no checkpoint directory '{resume}'; give a checkpoints/step-* directory, or resume=auto")
-        if directory(path).is_dir():  # a run's output directory: 'not a whole checkpoint (no manifest ...)' said nothing of it
-            inside = newest(directory(path))
-            raise ConfigError(f"resume: '{resume}' is a run's output directory, not a checkpoint; continue that run with "
-                              f"resume=auto output.dir={resume}" + (f", or start from its newest checkpoint with resume={inside}"
-                                                                     " output.dir=<new dir>" if inside else ""))
+        path = given_path(resume)
         latest = newest(path.parent) or path
         if path.resolve().parent == directory(output_dir).resolve() and latest.resolve() != path.resolve():
             # its checkpoints would fall among the newer ones of the line it leaves
@@ -167,6 +162,24 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "outp
     else:
         log.info("resume: continuing from %s (RL step %d)", path, checkpoint.updates)
     return checkpoint
+
+
+def given_path(resume: str) -> Path:
+    """The checkpoint directory `resume` names, or a one-line ConfigError saying what it names instead."""
+    path = Path(resume).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"resume: no checkpoint directory '{resume}'; give a checkpoints/step-* directory, or resume=auto")
+    if directory(path).is_dir():  # a run's output directory: 'not a whole checkpoint (no manifest ...)' said nothing of it
+        inside = newest(directory(path))
+        raise ConfigError(f"resume: '{resume}' is a run's output directory, not a checkpoint; continue that run with "
+                          f"resume=auto output.dir={resume}" + (f", or start from its newest checkpoint with resume={inside}"
+                                                                 " output.dir=<new dir>" if inside else ""))
+    if path.name == directory(path).name and any(path.glob("step-*")):  # its checkpoints/ folder
+        inside = newest(path)
+        raise ConfigError(f"resume: '{resume}' is a folder of checkpoints; name one of its step-* directories"
+                          + (f" (the newest whole one: resume={inside})" if inside else "")
+                          + f", or continue its run with resume=auto output.dir={path.parent}")
+    return path
 
 
 class SignalsOurs(L.Callback):
