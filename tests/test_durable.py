@@ -188,6 +188,22 @@ def test_a_resume_does_not_replace_a_policy_trained_past_the_step_budget(make_cf
     assert train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={run}")).module.updates == 4  # the same budget: on
 
 
+def test_a_resume_under_another_experiment_name_goes_on_in_its_own_experiment(make_cfg, tmp_path, caplog):
+    """resume=auto logger.experiment_name=other continued the run in its experiment, but made an empty 'other',
+    wrote it into mlflow_run.json and linked the run under its id."""
+    run = tmp_path / "run"
+    first = train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={run}"))
+    with caplog.at_level(logging.WARNING, logger="rlhflab"):
+        cfg = make_cfg("trainer.max_steps=4", "resume=auto", "logger.experiment_name=other", f"output.dir={run}")
+        resumed = train(cfg)
+    client = MlflowClient(cfg.logger.tracking_uri)
+    held = client.get_run(first.run_id).info.experiment_id
+    assert resumed.run_id == first.run_id and client.get_experiment_by_name("other") is None
+    assert json.loads((run / "mlflow_run.json").read_text())["experiment"] == client.get_experiment(held).name
+    assert any(f"logger.experiment_name=other, but the run this resumes is in experiment '{client.get_experiment(held).name}'"
+               in r.getMessage() for r in caplog.records)
+
+
 def test_resume_refusal_says_which_settings_one_side_lacks():
     """A 2-rank DDP checkpoint resumed on one CPU: the strategy is a node on one side and a string on the other.
     The keys one side lacks read '(not set)'; they read 'None -> None' (flatten writes a null as 'None')."""

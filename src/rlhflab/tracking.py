@@ -241,9 +241,15 @@ class MlflowTracker:
         """Create the run (or reopen `resume_run_id`), with params, the config, lineage and a description."""
         from mlflow.tracking.context.registry import resolve_tags
 
-        experiment_id = self.experiment_id = ensure_experiment(self.tracking_uri, self.experiment_name)
         client = self.client
-        if resume_run_id:
+        if resume_run_id:  # in its own experiment: another logger.experiment_name made an empty one, and the link and
+            # mlflow_run.json named it
+            self.experiment_id = client.get_run(resume_run_id).info.experiment_id
+            held = client.get_experiment(self.experiment_id).name
+            if held != self.experiment_name:
+                log.warning("mlflow: logger.experiment_name=%s, but the run this resumes is in experiment '%s' and goes "
+                            "on there", self.experiment_name, held)
+                self.experiment_name = held
             client.update_run(resume_run_id, status="RUNNING")
             self.run_id = resume_run_id
             self.logged_steps = self._logged_steps()
@@ -251,6 +257,7 @@ class MlflowTracker:
             log.info("mlflow: resuming run %s at %s", self.run_id, redact(self.tracking_uri))
             self._start_system_metrics()
             return self.run_id
+        experiment_id = self.experiment_id = ensure_experiment(self.tracking_uri, self.experiment_name)
         tags = {k: redact(str(v)) for k, v in tags.items()}
         if os.environ.get(PARENT_RUN_ENV):
             tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_ENV]
