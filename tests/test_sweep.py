@@ -46,14 +46,14 @@ class Sweep:
     output: str
 
 
-def run_sweep(cwd: Path, uri: str, cache: Path, *overrides: str, home: Path | None = None) -> Sweep:
+def run_sweep(cwd: Path, uri: str, cache: Path, *overrides: str, home: Path | None = None, tiny=tuple(TINY)) -> Sweep:
     """`-m` with MLFLOW_TRACKING_URI=uri; `home` is its HOME, for a uri with `~` (Sweep.uri has it expanded)."""
     env = {k: v for k, v in os.environ.items() if k != "RLHFLAB_MLFLOW_PARENT_RUN_ID"}
     env |= {"MLFLOW_TRACKING_URI": uri, "RLHFLAB_CACHE": str(cache), "OMP_WAIT_POLICY": "PASSIVE"}
     if home:
         env["HOME"], uri = str(home), uri.replace("~", str(home))
     out = subprocess.run(
-        [sys.executable, str(ROOT / "src" / "train.py"), "-m", *overrides, *TINY],
+        [sys.executable, str(ROOT / "src" / "train.py"), "-m", *overrides, *tiny],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
@@ -149,6 +149,29 @@ def test_sweep_jobs_are_children_of_one_parent(sqlite_sweep):
     assert parent.data.metrics["sweep/jobs"] == 4 and parent.data.metrics["sweep/failed_jobs"] == 2
     best = max(r.data.metrics["eval/gold_reward"] for r in finished)
     assert parent.data.metrics["best/eval/gold_reward"] == pytest.approx(best)
+
+
+def test_a_sweep_of_a_task_without_gold_fn_is_judged_by_its_reward(tmp_path, stage_cache):
+    """Own prompts and reward without task.gold_fn: each run reports eval/reward (and a sweeper gets it), but the
+    parent had no best child and the report no quality column and no reward plots: both looked for eval/gold_reward."""
+    from rlhflab.report import main as report
+
+    ex = ROOT / "examples" / "reverse"
+    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/m.db", stage_cache, "algo=rloo,grpo", "task=prompts",
+                      f"task.path={ex}/train.jsonl", f"task.eval_path={ex}/eval.jsonl", f"task.demonstrations_path={ex}/demos.jsonl",
+                      "task.tokenizer=char", "task.max_new_tokens=4", "task.num_eval_prompts=8", "reward=function",
+                      f"reward.fn={ex}/reward.py:correct_digits", "stages.sft.epochs=1",
+                      tiny=("trainer.max_steps=2", "rl.prompts_per_step=4", "rl.eval_every=0", "trainer.enable_progress_bar=false"))
+    client = MlflowClient(sweep.uri)
+    parent, children = sweep_runs(client)
+    rewards = {r.info.run_id: r.data.metrics["eval/reward"] for r in children}
+    assert parent.data.metrics["best/eval/reward"] == max(rewards.values())
+    assert rewards[parent.data.tags["rlhflab.sweep.best_run_id"]] == max(rewards.values())
+    result = report([f"sweep={parent.info.run_id}", f"tracking_uri={sweep.uri}", f"out_dir={tmp_path}/report"])
+    assert {"gold_vs_step.png", "gold_vs_time.png", "gold_vs_kl.png"} <= {p.name for p in result.files}
+    summary = (tmp_path / "report" / "summary.md").read_text()
+    assert "- best eval/reward: " in summary and "| reward (eval; the task has no gold_fn) |" in summary
+    assert "reward (eval; the task has no gold_fn) at each evaluation against RL step" in summary
 
 
 @pytest.mark.slow

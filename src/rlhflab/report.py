@@ -42,6 +42,18 @@ DEFAULTS = {"sweep": None, "tracking_uri": None, "out_dir": None, "log_artifacts
 # Axis names. train/reward is what the run optimised: a reward model's standardised score (reward=model)
 # or the task rule's value (reward=rule); keyed by the run's `reward` tag.
 GOLD_AXIS, STEP_AXIS = "gold reward (eval)", "RL step (optimizer updates)"
+EVAL_REWARD = "eval/reward"  # what a run reports where its task has no gold_fn
+
+
+def quality_metric(runs) -> str:
+    """What the report judges runs by: eval/gold_reward, or where no run has it (a task without task.gold_fn)
+    eval/reward, as train.objective returns to a sweeper and the sweep's parent picks its best child by."""
+    has = lambda key: any(key in r.data.metrics for r in runs)  # noqa: E731
+    return EVAL_REWARD if not has(GOLD) and has(EVAL_REWARD) else GOLD
+
+
+def quality_words(key: str) -> str:
+    return "gold reward" if key == GOLD else "reward (eval; the task has no gold_fn)"
 TIME_AXIS = "wall-clock since the first evaluation (s)"
 REWARD_AXIS = {"model": "reward-model score (standardised)", "rule": "reward"}
 
@@ -53,6 +65,7 @@ class Report:
     captions: dict[str, str] = field(default_factory=dict)  # file name -> what the plot shows, for summary.md
     skipped: list[str] = field(default_factory=list)  # one line per plot left out, with the reason
     children: int = 0  # the sweep's own runs (the table also lists the baseline's)
+    quality: str = GOLD  # quality_metric of the runs
     baseline: list[str] = field(default_factory=list)  # the baseline sweep, then each run it could not be matched for
 
 
@@ -142,7 +155,7 @@ def varied_overrides(runs) -> dict[str, str]:
     return {run_id: " ".join(o for o in ov if o not in common) for run_id, ov in split.items()}
 
 
-def summary_rows(runs) -> list[dict]:
+def summary_rows(runs, key: str = GOLD) -> list[dict]:
     varied = varied_overrides(runs)
     rows = []
     for run in runs:
@@ -151,7 +164,7 @@ def summary_rows(runs) -> list[dict]:
             "run": _label(run),
             "status": run.info.status,
             **{k: tags.get(k, "") for k in ("algo", "memory", "mode", "staleness")},
-            "gold": metrics.get(GOLD),
+            "gold": metrics.get(key),
             "kl": metrics.get(EVAL_KL, metrics.get(TRAIN_KL)),
             "objective": metrics.get(OBJECTIVE),
             "samples_per_s": metrics.get(THROUGHPUT, metrics.get("perf/samples_per_s")),
@@ -184,9 +197,11 @@ def _cell(value, fmt: str | None) -> str:
     return text.replace("|", "\\|").replace("\n", " ")[:200]
 
 
-def markdown_table(rows: list[dict]) -> str:
+def markdown_table(rows: list[dict], key: str = GOLD) -> str:
     # Drop columns no row fills (e.g. peak memory before it is measured, errors in a clean sweep).
     cols = [c for c in COLUMNS if any(_cell(r[c[0]], c[2]) != "–" for r in rows)] or COLUMNS[:2]
+    cols = [(k, quality_words(key) if k == "gold" else h.replace("gold", quality_words(key).split(" (")[0]), f)
+            for k, h, f in cols]
     lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_cell(r[k], f) for k, _, f in cols) + " |" for r in rows]
     return "\n".join(lines)
@@ -196,9 +211,9 @@ def _by_time(client, run, key: str) -> list:
     return sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.timestamp, m.step))
 
 
-def rl_seconds_to_gold(client, run, target: float) -> float | None:
-    """Seconds from the first evaluation (the start of RL) until eval/gold_reward first reaches `target`."""
-    history = _by_time(client, run, GOLD)
+def rl_seconds_to_gold(client, run, target: float, key: str = GOLD) -> float | None:
+    """Seconds from the first evaluation (the start of RL) until `key` (eval/gold_reward) first reaches `target`."""
+    history = _by_time(client, run, key)
     for m in history:
         if m.value >= target:
             return (m.timestamp - history[0].timestamp) / 1000
@@ -209,7 +224,7 @@ def rl_seconds_to_gold(client, run, target: float) -> float | None:
 BASELINE_MATCH = ("algo", "memory", "model", "reward", "task")
 
 
-def compare_to_baseline(client, runs, rows, baseline_runs) -> list[str]:
+def compare_to_baseline(client, runs, rows, baseline_runs, quality: str = GOLD) -> list[str]:
     """Side by side with a baseline sweep (e.g. sync) of the same algorithms: RL speedup and time to reach the
     baseline's final gold reward, against the one finished baseline run of the same BASELINE_MATCH tags. Returns
     a line per finished run that has several (the baseline also varied e.g. rl.lr: none of them is picked) or none."""
@@ -229,7 +244,8 @@ def compare_to_baseline(client, runs, rows, baseline_runs) -> list[str]:
             continue
         b = same[0]
         row["speedup"] = b.data.metrics.get(RL_S, math.nan) / run.data.metrics.get(RL_S, math.nan)
-        row["t_target"] = rl_seconds_to_gold(client, run, b.data.metrics[GOLD])
+        target = b.data.metrics.get(quality)
+        row["t_target"] = rl_seconds_to_gold(client, run, target, quality) if target is not None else None
     return unmatched
 
 
@@ -274,22 +290,28 @@ def time_curves(client, runs, labels, key: str) -> list[Curve]:
     return curves
 
 
-def gold_vs_step(client, runs, labels, path: Path) -> str | None:
-    curves = step_curves(client, runs, labels, GOLD)
-    if not curves:
-        return None
-    fig = plots.lines([Panel(GOLD_AXIS, curves)], STEP_AXIS, "Gold reward vs RL step", list(labels.values()))
-    plots.save(fig, path)
-    return "gold reward at each evaluation against RL step (optimizer updates), one line per run"
+def _axis(key: str) -> str:
+    return GOLD_AXIS if key == GOLD else "reward (eval)"
 
 
-def gold_vs_time(client, runs, labels, path: Path) -> str | None:
-    curves = time_curves(client, runs, labels, GOLD)
+def gold_vs_step(client, runs, labels, path: Path, key: str = GOLD) -> str | None:
+    curves = step_curves(client, runs, labels, key)
     if not curves:
         return None
-    fig = plots.lines([Panel(GOLD_AXIS, curves)], TIME_AXIS, "Gold reward vs wall-clock", list(labels.values()))
+    fig = plots.lines([Panel(_axis(key), curves)], STEP_AXIS, f"{_axis(key).split(' (')[0].capitalize()} vs RL step",
+                      list(labels.values()))
     plots.save(fig, path)
-    return "gold reward at each evaluation against wall-clock seconds since the run's first evaluation " \
+    return f"{quality_words(key)} at each evaluation against RL step (optimizer updates), one line per run"
+
+
+def gold_vs_time(client, runs, labels, path: Path, key: str = GOLD) -> str | None:
+    curves = time_curves(client, runs, labels, key)
+    if not curves:
+        return None
+    fig = plots.lines([Panel(_axis(key), curves)], TIME_AXIS, f"{_axis(key).split(' (')[0].capitalize()} vs wall-clock",
+                      list(labels.values()))
+    plots.save(fig, path)
+    return f"{quality_words(key)} at each evaluation against wall-clock seconds since the run's first evaluation " \
            "(the start of RL; stages sft/rm left out), one line per run"
 
 
@@ -315,20 +337,21 @@ def training_curves(client, runs, labels, path: Path) -> str | None:
     return f"{' and '.join(shown)} against RL step, one line per run"
 
 
-def frontier(runs, labels, path: Path) -> str | None:
+def frontier(runs, labels, path: Path, key: str = GOLD) -> str | None:
     """Final gold reward vs final KL, one point per child coloured by algo: the reward/KL trade-off."""
     by_algo: dict[str, list[Point]] = defaultdict(list)
     for run in runs:
         m = run.data.metrics
-        if GOLD in m and EVAL_KL in m:
+        if key in m and EVAL_KL in m:
             # Name a point by what the sweep varied besides the algo (e.g. kl_coef=0.1), else by its run.
             note = _without(labels[run.info.run_id], "algo") or _label(run)
-            by_algo[run.data.tags.get("algo", "?")].append(Point(m[EVAL_KL], m[GOLD], note))
+            by_algo[run.data.tags.get("algo", "?")].append(Point(m[EVAL_KL], m[key], note))
     if not by_algo:
         return None
-    fig = plots.scatter(by_algo, "KL to reference (eval, nats)", GOLD_AXIS, "Gold reward vs KL", legend_title="algo")
+    fig = plots.scatter(by_algo, "KL to reference (eval, nats)", _axis(key), f"{_axis(key).split(' (')[0].capitalize()} vs KL",
+                        legend_title="algo")
     plots.save(fig, path)
-    return "final gold reward against final KL, one point per run, coloured by algo, labelled by its other overrides"
+    return f"final {quality_words(key)} against final KL, one point per run, coloured by algo, labelled by its other overrides"
 
 
 def _group(row: dict) -> str:
@@ -365,17 +388,17 @@ def gather(client, parent, baseline=None, report: Report | None = None) -> tuple
     """The children (then the baseline's), their table rows, their legend names; what the summary says of the
     baseline goes to `report`."""
     runs = _children(client, parent, "sweep")
-    rows = summary_rows(runs)
-    base_runs = []
+    base_runs = _children(client, baseline, "baseline") if baseline is not None else []
+    key = quality_metric(runs + base_runs)
+    rows = summary_rows(runs, key)
     if report is not None:
-        report.children = len(runs)
+        report.children, report.quality = len(runs), key
     if baseline is not None:
-        base_runs = _children(client, baseline, "baseline")
-        unmatched = compare_to_baseline(client, runs, rows, base_runs)
+        unmatched = compare_to_baseline(client, runs, rows, base_runs, key)
         if report is not None:
             report.baseline = [f"{baseline.info.run_name}, {len(base_runs)} runs (shown below the sweep's), matched on the "
                                f"{', '.join(BASELINE_MATCH[:-1])} and {BASELINE_MATCH[-1]} tags", *unmatched]
-        base_rows = summary_rows(base_runs)
+        base_rows = summary_rows(base_runs, key)
         for row in base_rows:
             row["run"] += " (baseline)"
         rows += base_rows
@@ -396,11 +419,12 @@ def write_report(client, parent, out_dir: Path, baseline=None) -> Report:
     report = Report(out_dir)
     runs, rows, labels = gather(client, parent, baseline, report)
     out_dir.mkdir(parents=True, exist_ok=True)
+    key = report.quality
     figures = [  # (file, what it needs, draw: returns its caption, or None where no run has what it needs)
-        ("gold_vs_step.png", GOLD, lambda p: gold_vs_step(client, runs, labels, p)),
-        ("gold_vs_time.png", GOLD, lambda p: gold_vs_time(client, runs, labels, p)),
+        ("gold_vs_step.png", key, lambda p: gold_vs_step(client, runs, labels, p, key)),
+        ("gold_vs_time.png", key, lambda p: gold_vs_time(client, runs, labels, p, key)),
         ("train_curves.png", f"{TRAIN_REWARD} or {TRAIN_KL}", lambda p: training_curves(client, runs, labels, p)),
-        ("gold_vs_kl.png", f"{GOLD} and {EVAL_KL}", lambda p: frontier(runs, labels, p)),
+        ("gold_vs_kl.png", f"{key} and {EVAL_KL}", lambda p: frontier(runs, labels, p, key)),
         ("peak_mem.png", PEAK_MEM, lambda p: bar_chart(runs, rows, labels, "peak_mem_mb", "peak memory (MB)", p)),
         ("samples_per_s.png", THROUGHPUT, lambda p: bar_chart(runs, rows, labels, "samples_per_s", "samples/s", p)),
     ]
@@ -438,7 +462,7 @@ def _markdown(client, parent, runs, rows, report: Report) -> str:
         best = parent.data.metrics.get(f"best/{metric}")
         what = f" ({tags[SWEEP_OBJECTIVE_TAG]})" if tags.get(SWEEP_OBJECTIVE_TAG) else ""
         lines.append(f"- best {metric}{what}: {_cell(best, '.4f')} ({tags[SWEEP_BEST_RUN_NAME_TAG]})")
-    lines += ["", "KL is the final eval/kl (train/kl where a run has no eval/kl).", "", markdown_table(rows), ""]
+    lines += ["", "KL is the final eval/kl (train/kl where a run has no eval/kl).", "", markdown_table(rows, report.quality), ""]
     lines += ["## Plots", ""] + [f"- `{name}`: {caption}" for name, caption in report.captions.items()]
     lines += [f"- {s}" for s in report.skipped] + [""]
     lines += [f"![{Path(name).stem}]({name})" for name in report.captions]

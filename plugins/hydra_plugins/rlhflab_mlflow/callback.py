@@ -218,7 +218,10 @@ class MlflowSweepCallback(Callback):
             [client.get_run(self.parent_run_id).info.experiment_id],
             f"tags.mlflow.parentRunId = '{self.parent_run_id}'",
         )
-        scored = [r for r in children if r.info.status == "FINISHED" and self.metric in r.data.metrics]
+        finished = [r for r in children if r.info.status == "FINISHED"]
+        if self.metric == "eval/gold_reward" and not any(self.metric in r.data.metrics for r in finished):
+            self.metric = "eval/reward"  # a task without task.gold_fn: what its runs report, and train.objective returns
+        scored = [r for r in finished if self.metric in r.data.metrics]
         sign = -1.0 if self.direction.lower().startswith("min") else 1.0
         best = max(scored, key=lambda r: sign * r.data.metrics[self.metric], default=None)
         now = int(time.time() * 1000)
