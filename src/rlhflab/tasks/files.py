@@ -98,7 +98,36 @@ def read_files(files: list[Path], key: str):
             raise ConfigError(f"{key}: '{f}' has no rows")
     suffix = files[0].suffix
     csv = {"converters": {c: str for f in files for c in csv_header(f)}} if suffix == ".csv" else {}
-    return datasets.load_dataset(DATA_BUILDERS[suffix], data_files=[str(f) for f in files], split="train", **csv)
+    table = datasets.load_dataset(DATA_BUILDERS[suffix], data_files=[str(f) for f in files], split="train", **csv)
+    for column, feature in table.features.items():
+        if isinstance(feature, datasets.Json):  # values of several types: datasets reads each as JSON, '019' as 19
+            raise ConfigError(f"{key}: the column '{column}' " + mixed_types(files, column)
+                              + "; give every row's value the same type (text in quotes for text)")
+    return table
+
+
+def mixed_types(files: list[Path], column: str) -> str:
+    """Where `column` of these JSON files first changes type: 'of 'x.jsonl' is str in row 0 and list in row 2'."""
+    import json
+
+    first = None
+    for f in files:
+        text = f.read_text(encoding="utf-8")
+        try:
+            rows = json.loads(text) if f.suffix == ".json" else [json.loads(line) for line in text.splitlines() if line.strip()]
+        except ValueError:
+            continue
+        for i, row in enumerate(rows if isinstance(rows, list) else []):
+            if not isinstance(row, dict) or row.get(column) is None:
+                continue
+            kind = type(row[column]).__name__
+            if first is None:
+                first = (f, i, kind)
+            elif kind != first[2] and f == first[0]:
+                return f"of '{f}' is {first[2]} in row {first[1]} and {kind} in row {i}"
+            elif kind != first[2]:
+                return f"is {first[2]} in row {first[1]} of '{first[0]}' and {kind} in row {i} of '{f}'"
+    return "holds values of several types"
 
 
 def folder_files(local: Path, path: str, split: str, key: str) -> list[Path]:
