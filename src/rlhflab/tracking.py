@@ -241,9 +241,9 @@ class MlflowTracker:
         """Create the run (or reopen `resume_run_id`), with params, the config, lineage and a description."""
         from mlflow.tracking.context.registry import resolve_tags
 
-        client = self.client
         if resume_run_id:  # in its own experiment: another logger.experiment_name made an empty one, and the link and
-            # mlflow_run.json named it
+            # mlflow_run.json named it. (The store holds the run: no first use to serialise, see ensure_experiment.)
+            client = self.client
             self.experiment_id = client.get_run(resume_run_id).info.experiment_id
             held = client.get_experiment(self.experiment_id).name
             if held != self.experiment_name:
@@ -258,6 +258,7 @@ class MlflowTracker:
             self._start_system_metrics()
             return self.run_id
         experiment_id = self.experiment_id = ensure_experiment(self.tracking_uri, self.experiment_name)
+        client = self.client  # after: a fresh SQLite store is made under ensure_experiment's lock
         tags = {k: redact(str(v)) for k, v in tags.items()}
         if os.environ.get(PARENT_RUN_ENV):
             tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_ENV]
