@@ -204,6 +204,29 @@ def test_a_resume_under_another_experiment_name_goes_on_in_its_own_experiment(ma
                in r.getMessage() for r in caplog.records)
 
 
+def test_a_resume_on_edited_data_files_is_refused_and_a_branch_is_warned(make_cfg, tmp_path, caplog):
+    """The prompts (or demonstrations) file cut from 900 to 600 rows between a stop and resume=auto: the run went on
+    in the same MLflow run with its held-out set redrawn and its SFT reference retrained on other data."""
+    example = Path(__file__).parents[1] / "examples" / "reverse"
+    data = tmp_path / "train.jsonl"
+    shutil.copy(example / "train.jsonl", data)
+    own = ["task=prompts", f"task.path={data}", f"task.demonstrations_path={example}/demos.jsonl", "task.tokenizer=char",
+           "task.max_new_tokens=4", "reward=function", f"reward.fn={example}/reward.py:correct_digits", "stages.sft.epochs=1",
+           "rl.prompts_per_step=8", "rl.eval_every=0", "trainer.enable_progress_bar=false"]
+    run = tmp_path / "run"
+    train(make_cfg(*own, "trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={run}", shrink=False))
+    data.write_text("".join(data.read_text().splitlines(keepends=True)[:600]))
+    with pytest.raises(ConfigError, match=rf"^resume: the data read from task.path differs from what {run}/checkpoints/"
+                                          r"step-00000002 was trained on \(the files were edited\); restore them to go on, "
+                                          rf"or start from it on the new data in another directory: resume={run}/checkpoints/step-00000002 "):
+        train(make_cfg(*own, "trainer.max_steps=4", "resume=auto", f"output.dir={run}", shrink=False))
+    with caplog.at_level(logging.WARNING, logger="rlhflab"):
+        branch = train(make_cfg(*own, "trainer.max_steps=3", f"resume={run}/checkpoints/step-00000002",
+                                f"output.dir={tmp_path}/branch", shrink=False))
+    assert branch.module.updates == 3
+    assert any("resume: the data of task.path differs from what" in r.getMessage() for r in caplog.records)
+
+
 def test_resume_refusal_says_which_settings_one_side_lacks():
     """A 2-rank DDP checkpoint resumed on one CPU: the strategy is a node on one side and a string on the other.
     The keys one side lacks read '(not set)'; they read 'None -> None' (flatten writes a null as 'None')."""

@@ -42,6 +42,7 @@ class Plan:
     tracker: MlflowTracker
     tags: dict[str, str]
     fitted: tuple | None = None  # (tokenizer, task counts) when train() read a given tokenizer before the run
+    data: dict | None = None  # the task's data_keys, which checkpoints keep
 
 
 def _instantiate(group: str, node: DictConfig, **kwargs):

@@ -157,6 +157,8 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     """train(cfg) from the checkpoint it resumes on: the MLflow run, the stages and RL, its end."""
     resume = ckpt.find(cfg.resume, out, cfg, key)
     check_budget_reaches(cfg, plan, resume, out)
+    plan.data = plan.task.data_keys() if hasattr(plan.task, "data_keys") else {}
+    ckpt.check_same_data(resume, plan.data)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
     with distributed.one_job(on_lost=lambda: tracker.finish("FAILED")), STOP.installed():
@@ -333,7 +335,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     module.run_id = tracker.run_id
     module.clock = (started, started + t_stages)
     saver = ckpt.Checkpointer(ckpt.directory(out), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep,
-                              OmegaConf.to_yaml(cfg, resolve=True))
+                              OmegaConf.to_yaml(cfg, resolve=True), plan.data)
     remaining = budget - done
     if remaining > 0:
         trainer = _make_trainer(cfg, logger, "rl", callbacks=[saver], max_steps=remaining)

@@ -182,6 +182,24 @@ def given_path(resume: str) -> Path:
     return path
 
 
+def check_same_data(checkpoint: Checkpoint | None, data: dict[str, str]) -> None:
+    """A run continued on data files edited since its checkpoint is refused (its held-out set redrawn, its SFT
+    reference retrained, in the same MLflow run); a branch into another directory is warned."""
+    saved = checkpoint.state.get("data") if checkpoint is not None else None
+    if saved is None:  # a checkpoint written before the data was kept
+        return
+    changed = sorted(k for k in saved.keys() | data.keys() if saved.get(k) != data.get(k))
+    if not changed:
+        return
+    what = ", ".join(changed)
+    if checkpoint.forked:
+        log.warning("resume: the data of %s differs from what %s was trained on; the new run goes on with today's", what, checkpoint.path)
+        return
+    raise ConfigError(f"resume: the data read from {what} differs from what {checkpoint.path} was trained on (the files "
+                      "were edited); restore them to go on, or start from it on the new data in another directory: "
+                      f"resume={checkpoint.path} output.dir=<new dir>")
+
+
 class SignalsOurs(L.Callback):
     """Every fit handles SIGINT and SIGTERM with rlhflab's handler. Lightning installs its own SIGTERM handler
     after on_fit_start and before on_train_start; under several ranks it broadcasts from inside the handler,
@@ -196,8 +214,9 @@ class Checkpointer(L.Callback):
     """Writes a checkpoint every `every_n_steps` optimizer updates (at the next batch boundary the
     rollout source can resume from exactly) and when a stop was asked for, then honours the stop."""
 
-    def __init__(self, root: Path, every_n_steps: int | None, keep: int, config_yaml: str) -> None:
+    def __init__(self, root: Path, every_n_steps: int | None, keep: int, config_yaml: str, data: dict | None = None) -> None:
         self.root = root
+        self.data = data or {}  # the task's data_keys: what the run read from its data files
         self.every = every_n_steps
         self.keep = keep
         self.config_yaml = config_yaml
@@ -233,6 +252,7 @@ class Checkpointer(L.Callback):
         """Every rank gives its state (collective); rank 0 writes the checkpoint, after the metrics of every step
         it holds (a resumed run re-runs only the steps after it, so buffered metrics up to here must be kept)."""
         tensors, optimizer, state = module.checkpoint_state()
+        state = {**state, "data": self.data}
         self.saved_at = module.updates
         if distributed.is_main():
             if hasattr(module.logger, "flush"):  # rlhflab's RunLogger: metrics up to this step, written now

@@ -106,6 +106,19 @@ def read_files(files: list[Path], key: str):
     return table
 
 
+def table_key(table) -> str:
+    """A short hash of a datasets table's rows as read (all of its file, whatever select() kept of it)."""
+    import hashlib
+
+    import pyarrow as pa
+
+    data = getattr(table.data, "table", table.data)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, data.schema) as writer:
+        writer.write_table(data)
+    return hashlib.sha256(sink.getvalue()).hexdigest()[:12]
+
+
 def mixed_types(files: list[Path], column: str) -> str:
     """Where `column` of these JSON files first changes type: 'of 'x.jsonl' is str in row 0 and list in row 2'."""
     import json
@@ -366,6 +379,20 @@ class PromptsTask:
         raw, completions, kwargs = self.reward_inputs(split, rows, prompts, responses)
         ids, source = self.row_source(split, rows) if rows is not None else (None, None)
         return call_reward(self.gold_fn, "task.gold_fn", raw, completions, kwargs, ids, source)
+
+    def data_keys(self) -> dict[str, str]:
+        """A hash of what was read from each data setting (every row and column): a checkpoint keeps them, so that
+        a resume on edited files is said rather than mixing two data sets in one run."""
+        from rlhflab.models.cache import config_key
+
+        self.load()
+        keys = {"task.path": table_key(self.tables["train"])}
+        if self.source["eval_path"]:
+            keys["task.eval_path"] = table_key(self.tables["eval"])
+        for key, pairs in (("task.demonstrations_path", self.raw_demos), ("task.preferences_path", self.raw_prefs)):
+            if pairs:
+                keys[key] = config_key(pairs)
+        return keys
 
     def build_tokenizer(self):
         """A tokenizer over the data's words (or characters), for a model built from config."""
