@@ -17,6 +17,7 @@ from rlhflab.callables import call_reward
 from rlhflab.errors import ConfigError, RewardError
 from rlhflab.rewards.functions import FunctionReward
 from rlhflab.rollout.batch import Rollout
+from rlhflab.models.checks import is_hub_dataset
 from rlhflab.tasks.files import PromptsTask
 from rlhflab.train import train
 
@@ -238,6 +239,16 @@ def test_a_file_of_another_suffix_is_one_line_not_a_hub_name(tmp_path, name):
     path.write_text((EXAMPLE / "train.jsonl").read_text())
     with pytest.raises(ConfigError, match=rf"^task.path: '{path}' is not a file rlhflab reads .*give a .jsonl, .json, .csv or .parquet file$"):
         PromptsTask(path=str(path))
+
+
+@pytest.mark.parametrize("name", ["x.tsv", "x.JSONL", "x.txt"])
+def test_a_missing_file_of_another_suffix_is_no_such_file(tmp_path, monkeypatch, name):
+    """A relative x.tsv or x.JSONL that is not there was looked up as a hub dataset: "'x.tsv' is not in the local
+    Hugging Face datasets cache and the hub cannot be reached"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"^task.path: no such file '{name}' \(relative to {tmp_path}\); give a .jsonl"):
+        PromptsTask(path=name)
+    assert not is_hub_dataset(name) and is_hub_dataset("org/data")
 
 
 # ---- reward functions --------------------------------------------------------------------------

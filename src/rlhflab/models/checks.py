@@ -111,11 +111,13 @@ def check_hub(key: str, name: str | None) -> None:
 # The data files task=prompts reads, by their suffix, and the `datasets` builder that reads each.
 DATA_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 DATA_SUFFIXES = tuple(DATA_BUILDERS)
+# Files rlhflab does not read, named as files: a missing one is 'no such file', not a hub name to look up
+OTHER_FILE_SUFFIXES = (".tsv", ".txt", ".gz", ".zip", ".xz", ".bz2", ".tar", ".arrow", ".xlsx", ".xls", ".yaml", ".yml")
 
 
 def is_hub_dataset(name: str) -> bool:
     """A `datasets.load_dataset` hub name ('org/name'), not a data file, directory or path on this machine."""
-    return not (is_local_path(name) or Path(name).suffix in DATA_SUFFIXES)
+    return not (is_local_path(name) or Path(name).suffix.lower() in DATA_SUFFIXES + OTHER_FILE_SUFFIXES)
 
 
 def check_hub_dataset(key: str, name: str | None) -> None:

@@ -20,7 +20,7 @@ import torch
 from rlhflab.callables import call_reward, load_callable
 from rlhflab.errors import ConfigError, no_such_file
 from rlhflab.models.build import leading_bos, prompt_ids
-from rlhflab.models.checks import DATA_BUILDERS
+from rlhflab.models.checks import DATA_BUILDERS, is_hub_dataset
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,7 @@ def saved_to_disk(path: Path) -> bool:
 def is_local(path: str) -> bool:
     """A table read from this machine (a file by its suffix, a folder), not the hub; also a file of another suffix,
     which load_table refuses (as a hub name, it cost datasets' retries)."""
-    local = Path(path).expanduser()
-    return local.suffix in DATA_BUILDERS or local.exists()
+    return not is_hub_dataset(path)
 
 
 def load_table(path: str, split: str, key: str):
@@ -50,6 +49,8 @@ def load_table(path: str, split: str, key: str):
     # Not even its errors: the one line below says what failed (its JSON reader logged it first, as a second line).
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     local = Path(path).expanduser()
+    if not local.exists() and not is_hub_dataset(path):  # x.tsv, x.JSONL: looked up on the hub, 'not in the cache'
+        raise ConfigError(f"{key}: {no_such_file(path)}; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
     try:
         if local.suffix in DATA_BUILDERS and not local.is_dir():
             if not local.is_file():
