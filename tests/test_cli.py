@@ -119,6 +119,9 @@ BAD_VALUES = [
     # the fix named None: the default was read from a job's config, which has no hydra node
     ("experiment=sweep_optuna hydra.sweeper.n_trials=abc", "hydra.sweeper.n_trials: 'abc' is not a whole number; give a "
                                                            "whole number, e.g. hydra.sweeper.n_trials=8"),
+    # a setting whose default is null was told 'e.g. checkpoint.every_n_steps=None'
+    ("checkpoint.every_n_steps=abc", "checkpoint.every_n_steps: 'abc' is not a whole number; give a whole number, e.g. "
+                                     "checkpoint.every_n_steps=10 (or null, its default)"),
     # distributed (issue 11)
     ("trainer=ddp rl.prompts_per_step=3", "rl.prompts_per_step"),
     # each rank splits its own share into mini-batches: two tracebacks after the stages ran

@@ -375,7 +375,10 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
         others = what_composes(others)
     if key and converted:
         value, kind = converted.groups()
-        return f"{key}: {value!r} is not {TYPE_WORDS.get(kind, kind)}; give {TYPE_WORDS.get(kind, kind)}, e.g. {key}={_default(key, others)}"
+        default = _default(key, others)
+        if default == "None":  # 'e.g. checkpoint.every_n_steps=None' suggested what the value was not
+            default = EXAMPLES.get(kind, "<value>") + " (or null, its default)"
+        return f"{key}: {value!r} is not {TYPE_WORDS.get(kind, kind)}; give {TYPE_WORDS.get(kind, kind)}, e.g. {key}={default}"
     if key and re.search(r"Key '\w+' not in '\w+'", message):
         clash = _preset_clash(key, overrides)
         if clash:
@@ -437,6 +440,9 @@ def _preset_clash(key: str, overrides: list[str]) -> str | None:
                 and list(d)[0] == f"override /{group}"), None) or _root_defaults().get(group, "its default")
     return (f"{key}: experiment={preset} sets it for {group}={own}, {_lacking(group, chosen)}; keep the preset's {group}, "
             f"or copy conf/experiment/{preset}.yaml to a preset of your own with {group}: {chosen}")
+
+
+EXAMPLES = {"Integer": "10", "Float": "0.1", "Boolean": "true"}  # a value of each kind, where a setting's default is null
 
 
 def _default(key: str, overrides: list[str]) -> str:
