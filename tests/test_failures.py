@@ -109,6 +109,23 @@ def test_a_stop_before_the_run_exists_says_so_in_one_line(tmp_path, answered):
                     "command again" if answered else "stopped: stopped by SIGINT while no run was training"), output[-3000:]
 
 
+def test_a_stop_before_the_first_checkpoint_does_not_promise_a_resume(tmp_path):
+    """Ctrl-C in stage sft said 'Continue with the same command and resume=auto', which started a new MLflow run
+    (there was no checkpoint) and left the KILLED one empty."""
+    out = tmp_path / "run"
+    log = out / "train.log"
+    env = {"RLHFLAB_CACHE": str(tmp_path / "cache"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    with cli_run([*SHRINK, "stages.sft.epochs=200", f"output.dir={out}", f"hydra.run.dir={out}"], tmp_path, env) as proc:
+        wait_for(lambda: log.exists() and "stage sft: training on" in log.read_text(), 300, "stage sft", proc)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+        output = proc.stdout.read()
+    assert rc == 130, output[-3000:]
+    assert output.strip().splitlines()[-1] == (
+        "stopped: stopped by SIGINT; the MLflow run is KILLED: it stopped before its first checkpoint, so there is "
+        "nothing to resume; the same command starts a new run (the stages that finished are cached)"), output[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code, group", [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, True)])
 def test_signal_under_load_stops_within_seconds_killed_with_checkpoint(tmp_path, stage_cache, sig, code, group):

@@ -461,6 +461,10 @@ def main(cfg: DictConfig) -> float | None:
             job = shlex.join(["python", "src/train.py", *HydraConfig.get().overrides.task, "hydra.mode=RUN", "resume=auto",
                               f"output.dir={out}"])
             how = f", and the sweep stops here. Continue this job alone: {job}"
+        elif STOP.run_made and out and ckpt.newest(ckpt.directory(Path(out))) is None:  # a stop in a stage, or RL's
+            # first step: resume=auto started a new run, and the KILLED one stayed empty
+            how = (": it stopped before its first checkpoint, so there is nothing to resume; the same command starts a "
+                   "new run (the stages that finished are cached)")
         elif STOP.run_made:
             how = f". Continue with the same command and resume=auto output.dir={out}"
         else:
