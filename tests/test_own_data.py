@@ -187,6 +187,7 @@ def test_conversational_prompts_use_the_chat_template(tmp_path):
     ("task.path", None, r"^task.path: no such file"),
     ("task.prompt_field", [{"question": "1=", "answer": "1"}], r"^task.prompt_field: no column 'prompt' in .*its columns are question, answer"),
     ("task.path", [], r"^task.path: '.*' has no rows"),
+    ("task.path", "\n\n  \n", r"^task.path: '.*' has no rows$"),  # blank lines: 'Instruction "train" corresponds to no data!'
     ("task.prompt_field", [{"prompt": "1="}, {"prompt": ""}], r"^task.prompt_field: row 1 of .* has no 'prompt'"),
     # a JSON number: the tokenizer's traceback ('int' object is not iterable) once the MLflow run was made
     ("task.prompt_field", [{"prompt": "1="}, {"prompt": 7}], r"^task.path: the column 'prompt' of '.*' is str in row 0 and "
@@ -199,7 +200,7 @@ def test_conversational_prompts_use_the_chat_template(tmp_path):
 def test_bad_data_is_one_line_naming_the_key(tmp_path, setting, data, message):
     path = tmp_path / "train.jsonl"
     if data is not None:
-        path.write_text("".join(json.dumps(r) + "\n" for r in data))
+        path.write_text(data if isinstance(data, str) else "".join(json.dumps(r) + "\n" for r in data))
     with pytest.raises(ConfigError, match=message) as err:
         PromptsTask(path=str(path))
     assert "\n" not in str(err.value)
@@ -295,6 +296,15 @@ def test_a_function_returns_none_where_it_does_not_apply_as_in_trl(tmp_path, cap
         assert "no function scored 1 of 4 completions (first: prompt" in caplog.text and "completion 'd'" in caplog.text
     finally:
         del sys.modules["none_rewards"]
+
+
+def test_an_async_reward_function_is_awaited_as_trl_does():
+    """`async def score(...)` returned a coroutine: 'returned coroutine, not a list of numbers', then Python's
+    'coroutine ... was never awaited' warning after the error line."""
+    async def score(prompts, completions, **kw):
+        return [float(len(c)) for c in completions]
+
+    assert call_reward(score, "score", ["1=", "2="], ["x", "yy"], {}, None).tolist() == [1.0, 2.0]
 
 
 @pytest.mark.parametrize("returned, message", [

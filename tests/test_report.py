@@ -317,3 +317,15 @@ def test_the_reports_own_settings_fail_in_one_line_naming_their_key(tmp_path, mo
     with pytest.raises(SystemExit) as stop:
         main(["sweep=latest", "sweep=other"])
     assert stop.value.code == 2
+
+
+def test_python_m_runs_the_report_and_points_train_at_its_entry_point(tmp_path):
+    """`python -m rlhflab.report sweep=latest` and `python -m rlhflab.train` did nothing and exited 0."""
+    import subprocess
+    import sys
+
+    report = subprocess.run([sys.executable, "-m", "rlhflab.report"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert report.returncode == 2 and "sweep=<parent run id | run name | latest> is required" in report.stderr
+    train = subprocess.run([sys.executable, "-m", "rlhflab.train"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert train.returncode == 2 and train.stderr.strip().splitlines()[-1].startswith(
+        "error: rlhflab.train is the library src/train.py runs; run python src/train.py")

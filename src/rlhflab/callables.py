@@ -3,8 +3,10 @@ and calling them the way TRL calls reward functions."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
+import inspect
 import math
 import sys
 from collections.abc import Callable
@@ -72,6 +74,10 @@ def _where(err: BaseException) -> str:
     return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
+async def _awaited(awaitable):
+    return await awaitable
+
+
 def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwargs: dict, rows: list[int] | None,
                 source: str | None = None) -> "torch.Tensor":
     """fn's values as an (n,) float tensor (NaN where it returned None: it does not apply there, as in TRL), or a
@@ -81,6 +87,8 @@ def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwarg
     of = f" of {source}" if source else ""
     try:
         values = fn(prompts=prompts, completions=completions, **kwargs)
+        if inspect.isawaitable(values):  # an `async def` function, as TRL takes them: its coroutine, run to its end
+            values = asyncio.run(_awaited(values))
     except Exception as err:
         raise RewardError(f"reward function {name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
                           f"(on {n} completions{of}; first prompt {str(prompts[0])[:60]!r})") from None

@@ -530,3 +530,7 @@ def main(argv: list[str]) -> Report:
     for line in report.skipped:
         print(line)
     return report
+
+
+if __name__ == "__main__":  # python -m rlhflab.report: as python src/report.py (it did nothing and exited 0)
+    main(sys.argv[1:])

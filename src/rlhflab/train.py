@@ -508,3 +508,9 @@ def objective(metrics: dict[str, float], cfg: DictConfig) -> float | None:
     if value is None or budget is None:
         return value
     return value - cfg.get("kl_penalty", 1.0) * max(0.0, metrics["eval/kl"] - budget)
+
+
+if __name__ == "__main__":  # python -m rlhflab.train did nothing and exited 0: the command line is Hydra's, in src/train.py
+    print("error: rlhflab.train is the library src/train.py runs; run python src/train.py [group=option ...] [key=value ...] "
+          "(--help for the groups)", file=sys.stderr)
+    sys.exit(2)

@@ -80,6 +80,8 @@ def load_table(path: str, split: str, key: str):
     except ConfigError:
         raise
     except Exception as err:
+        if "corresponds to no data" in str(err):  # datasets' 'Instruction "train" corresponds to no data!'
+            raise ConfigError(f"{key}: '{path}' has no rows") from None  # (a JSON Lines file of blank lines)
         if type(err).__name__ == "DatasetGenerationError" and err.__cause__ is not None:
             err = err.__cause__  # the parser's own words (JSON parse error ... in row 1), not 'An error occurred'
         reason = (str(err).splitlines() or [""])[0][:160]
