@@ -420,8 +420,11 @@ def test_the_example_learns_and_logs_each_function(make_cfg):
 @pytest.mark.parametrize("extra", [["mode=async"], ["memory=lora"], ["memory=hydra"], ["mode=async", "memory=hydra"]])
 def test_own_data_and_reward_run_in_every_mode_and_memory(make_cfg, tmp_path, extra, caplog):
     with caplog.at_level(logging.INFO, logger="rlhflab"):
-        result = train(make_cfg(*own_task(tmp_path, *extra), "trainer.max_steps=3", shrink=False))
+        cfg = make_cfg(*own_task(tmp_path, *extra), "trainer.max_steps=3", shrink=False)
+        result = train(cfg)
     assert result.module.updates == 3
+    rows = json.loads((Path(cfg.output.dir) / "generations.json").read_text())  # its 'gold_reward' was the reward again
+    assert rows and all(set(r) == {"rl_step", "prompt", "response", "reward"} for r in rows)
     assert "eval/reward" in result.metrics and "eval/gold_reward" not in result.metrics  # no gold_fn: the reward, said so
     # in the same words on the eval lines and the closing line (which said 'reward (no task.gold_fn)')
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("eval after", "done: "))]

@@ -582,6 +582,6 @@ class RLHFModule(L.LightningModule):
         for i in range(min(self.cfg.log_generations, rollout.num_samples) if distributed.is_main() else 0):
             self.generation_rows.append(
                 {"rl_step": self.updates, "prompt": rollout.prompts[i], "response": rollout.texts[i],
-                 "reward": float(scores[i]), "gold_reward": float(gold[i])}
-            )
+                 "reward": float(scores[i]), **({"gold_reward": float(gold[i])} if self.task.has_gold else {})}
+            )  # without a gold_fn, 'gold_reward' was the reward again, as if a judge had agreed
         return metrics
