@@ -429,6 +429,17 @@ def test_run_names_give_a_long_decimal_three_significant_digits():
         == "rloo lr=3e-4 kl_coef=0.05 seed=12345678901 gold_fn=a.py:f"  # short values and non-decimals as given
 
 
+def test_run_names_show_a_sweep_jobs_values_as_typed_and_are_cut_between_settings():
+    """A sweep job's overrides come escaped by Hydra's sweeper: its run was named 'rloo fn=reward.py\\:score'.
+    A name past its limit was cut mid-value ('... fn=reward.py:')."""
+    from rlhflab.naming import MAX_RUN_NAME, run_name
+
+    assert run_name("rloo", ["reward.fn=reward.py\\:score", "task.path=a\\,b.jsonl"]) == "rloo fn=reward.py:score path=a,b.jsonl"
+    long = run_name("rloo", [f"+x.k{i}=value{i}" for i in range(40)])
+    assert len(long) <= MAX_RUN_NAME and long.endswith(" ...") and long[:-4].split()[-1].startswith("k")
+    assert all("=value" in part for part in long[:-4].split()[1:])
+
+
 def test_a_path_given_with_a_tilde_is_under_the_home_directory(tmp_path, monkeypatch):
     """Quoted past the shell and Hydra ('output.dir="~/runs/a"'), '~' was a directory named '~' in the working
     directory for output.dir, and for a sqlite tracking URI the database went to ./~/m.db while its lock went to

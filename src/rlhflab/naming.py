@@ -46,6 +46,16 @@ GROUP_NAMES = ("task", "model", "algo", "reward", "memory", "mode", "off_policy"
 MAX_RUN_NAME = 250
 
 
+HYDRA_ESCAPE = re.compile(r"\\(.)")  # Hydra's sweepers escape : , = ( ) [ ] { } and spaces in a job's values
+
+
+def clipped(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters at a space, with '...' where it was cut (not mid-value: 'fn=reward.py:')."""
+    if len(text) <= limit:
+        return text
+    return (text[: limit - 4].rpartition(" ")[0] or text[: limit - 4]) + " ..."
+
+
 def short_override(override: str, keys: int = 1) -> str:
     """A setting by its last key (`keys` last parts of it) and a path by its last part (the whole path is a param):
     `algo.kl_coef=0.1` -> `kl_coef=0.1`, `model.sft_path=/runs/a/ckpt` -> `sft_path=ckpt` (a saved
@@ -54,7 +64,8 @@ def short_override(override: str, keys: int = 1) -> str:
     significant digits, `rl.lr=0.0006380556092044456` -> `lr=0.000638` (run names, sweep names, plot labels)."""
     key, _, value = override.partition("=")
     # a sweep's list, each value on its own (a,b: the path shortened across the comma lost one value and the list)
-    values = value.split(",") if "(" not in value else [value]  # not range(1,3) / interval(0,1)
+    # not range(1,3) / interval(0,1); a sweep job's escaped comma (a\,b) is one value
+    values = [HYDRA_ESCAPE.sub(r"\1", v) for v in re.split(r"(?<!\\),", value)] if "(" not in value else [value]
     parts = 1
     while len({_short_value(v, parts) for v in values}) < len(set(values)) and parts < 8:
         parts += 1  # /runs/a/policy,/runs/b/policy: a/policy,b/policy (both were named policy)
@@ -91,6 +102,7 @@ def run_name(algo: str, overrides: list[str]) -> str:
     chosen: dict[str, str] = {}  # key -> value, in the order keys first appear
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
+        value = HYDRA_ESCAPE.sub(r"\1", value)  # a sweep job's reward.py\:score, as Hydra's sweeper writes it
         if not key.startswith(NOT_IN_NAMES) and key != "algo":
             chosen[key] = value
     ends = Counter(key.rpartition(".")[2] for key in chosen if key not in GROUP_NAMES)
@@ -100,7 +112,7 @@ def run_name(algo: str, overrides: list[str]) -> str:
             parts.append(key if value == "default" else value)
         else:
             parts.append(short_override(f"{key}={value}", keys=1 if ends[key.rpartition('.')[2]] == 1 else 2))
-    return " ".join(parts)[:MAX_RUN_NAME]
+    return clipped(" ".join(parts), MAX_RUN_NAME)
 
 
 def home_expanded(value: str) -> str:

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
     OBJECTIVE, PARENT_RUN_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OBJECTIVE_TAG,
-    SWEEP_OVERRIDES_TAG, SWEEP_TAG, default_run_name, run_name, home_expanded, model_tag, short_override,
+    SWEEP_OVERRIDES_TAG, SWEEP_TAG, clipped, default_run_name, run_name, home_expanded, model_tag, short_override,
 )
 
 log = logging.getLogger("rlhflab.sweep")
@@ -277,7 +277,7 @@ def sweep_name(config: DictConfig, swept: dict[str, str]) -> str:
               if o.partition("=")[0].lstrip("+~") not in (*swept, "experiment")]
     algo = next((o.partition("=")[2] for o in shared if o.lstrip("+~").startswith("algo=")), "")
     when = "_".join(Path(str(config.hydra.sweep.dir)).parts[-2:])
-    return " ".join(part for part in (prefix, what[:200], run_name(algo, shared).strip()[:100], when) if part)
+    return " ".join(part for part in (prefix, clipped(what, 200), clipped(run_name(algo, shared).strip(), 100), when) if part)
 
 
 def compact_search(value: str) -> str:
