@@ -188,14 +188,16 @@ def test_conversational_prompts_use_the_chat_template(tmp_path):
     ("task.prompt_field", [{"question": "1=", "answer": "1"}], r"^task.prompt_field: no column 'prompt' in .*its columns are question, answer"),
     ("task.path", [], r"^task.path: '.*' has no rows"),
     ("task.path", "\n\n  \n", r"^task.path: '.*' has no rows$"),  # blank lines: 'Instruction "train" corresponds to no data!'
-    ("task.prompt_field", [{"prompt": "1="}, {"prompt": ""}], r"^task.prompt_field: row 1 of .* has no 'prompt'"),
+    ("task.prompt_field", [{"prompt": "1="}, {"prompt": ""}], r"^task.prompt_field: row 1 \(line 2\) of .* has an empty 'prompt'"),
+    # blank lines are not rows: 'row 2' was line 5 of the file, and an empty prompt was 'has no'
+    ("task.prompt_field", '{"prompt": "1="}\n\n{"prompt": "2="}\n\n{"x": 1}\n', r"^task.prompt_field: row 2 \(line 5\) of .* has no 'prompt'"),
     # a JSON number: the tokenizer's traceback ('int' object is not iterable) once the MLflow run was made
-    ("task.prompt_field", [{"prompt": "1="}, {"prompt": 7}], r"^task.path: the column 'prompt' of '.*' is str in row 0 and "
-                                                             r"int in row 1; give every row's value the same type"),
+    ("task.prompt_field", [{"prompt": "1="}, {"prompt": 7}], r"^task.path: the column 'prompt' of '.*' is str in row 0 \(line 1\) "
+                                                             r"and int in row 1 \(line 2\); give every row's value the same type"),
     # one list among text answers: datasets read the column as JSON values, so the answer '019' reached the reward
     # function as the number 19, without a word
     ("task.path", [{"prompt": "1=", "answer": "019"}, {"prompt": "2=", "answer": "020"}, {"prompt": "3=", "answer": ["814", "x"]}],
-     r"^task.path: the column 'answer' of '.*train.jsonl' is str in row 0 and list in row 2; give every row's value the same type"),
+     r"^task.path: the column 'answer' of '.*train.jsonl' is str in row 0 \(line 1\) and list in row 2 \(line 3\); give every row's value the same type"),
 ])
 def test_bad_data_is_one_line_naming_the_key(tmp_path, setting, data, message):
     path = tmp_path / "train.jsonl"

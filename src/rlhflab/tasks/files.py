@@ -140,9 +140,10 @@ def mixed_types(files: list[Path], column: str) -> str:
             if first is None:
                 first = (f, i, kind)
             elif kind != first[2] and f == first[0]:
-                return f"of '{f}' is {first[2]} in row {first[1]} and {kind} in row {i}"
+                return f"of '{f}' is {first[2]} in row {first[1]}{_line(str(f), first[1])} and {kind} in row {i}{_line(str(f), i)}"
             elif kind != first[2]:
-                return f"is {first[2]} in row {first[1]} of '{first[0]}' and {kind} in row {i} of '{f}'"
+                return (f"is {first[2]} in row {first[1]}{_line(str(first[0]), first[1])} of '{first[0]}' and {kind} in row "
+                        f"{i}{_line(str(f), i)} of '{f}'")
     return "holds values of several types"
 
 
@@ -189,11 +190,26 @@ def _column(table, field: str, key: str, path: str) -> list:
     values = list(table[field])
     for i, v in enumerate(values):
         if v is None or (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
-            raise ConfigError(f"{key}: row {i} of '{path}' has no '{field}'; fill it or remove the row")
+            what = f"no '{field}'" if v is None else f"an empty '{field}'"
+            raise ConfigError(f"{key}: row {i}{_line(path, i)} of '{path}' has {what}; fill it or remove the row")
         if not (isinstance(v, str) or is_conversation(v)):  # a JSON number: the tokenizer's traceback, after the run began
-            raise ConfigError(f"{key}: row {i} of '{path}' has {field} {v!r} ({type(v).__name__}), not text or a list of "
-                              "{role, content} messages; write it as a string")
+            raise ConfigError(f"{key}: row {i}{_line(path, i)} of '{path}' has {field} {v!r} ({type(v).__name__}), not text "
+                              "or a list of {role, content} messages; write it as a string")
     return values
+
+
+def _line(path: str, row: int) -> str:
+    """' (line N)': where data row `row` (from 0, blank lines skipped) is in a JSON Lines file, for an editor."""
+    local = Path(path).expanduser()
+    if local.suffix != ".jsonl" or not local.is_file():
+        return ""
+    with open(local, encoding="utf-8", errors="replace") as f:
+        seen = -1
+        for number, text in enumerate(f, start=1):
+            seen += bool(text.strip())
+            if seen == row:
+                return f" (line {number})"
+    return ""
 
 
 def is_conversation(value) -> bool:
