@@ -183,6 +183,25 @@ def test_conversational_prompts_use_the_chat_template(tmp_path):
     assert raw[0][0]["role"] == "user" and completions == [[{"role": "assistant", "content": "21"}]]  # TRL's shapes
 
 
+def test_mixed_types_are_named_after_a_blank_line_and_across_a_folders_files_and_dicts_pass(tmp_path):
+    """After a blank line the clash was pandas' 'Expected object or value'; across a folder's files datasets cast
+    one file's '011' to the other's number 11 without a word; a column of dicts whose keys differ was refused."""
+    (tmp_path / "blank.jsonl").write_text('{"prompt": "1=", "answer": "019"}\n\n{"prompt": "2=", "answer": 19}\n')
+    with pytest.raises(ConfigError, match=r"^task.path: the column 'answer' of '.*blank.jsonl' is str in row 0 \(line 1\) "
+                                          r"and number in row 1 \(line 3\); give every row's value the same type"):
+        PromptsTask(path=str(tmp_path / "blank.jsonl"))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"prompt": "1=", "answer": 22}\n')
+    (folder / "b.jsonl").write_text('{"prompt": "2=", "answer": "011"}\n')
+    with pytest.raises(ConfigError, match=rf"^task.path: the column 'answer' is number in row 0 \(line 1\) of '{folder}/a.jsonl' "
+                                          rf"and str in row 0 \(line 1\) of '{folder}/b.jsonl'; give every row's value"):
+        PromptsTask(path=str(folder), eval_fraction=0.5)
+    (tmp_path / "meta.jsonl").write_text("".join(json.dumps({"prompt": f"{i}=", "meta": {"id": i} if i % 2 else {"src": "a"}}) + "\n"
+                                                 for i in range(20)))
+    assert PromptsTask(path=str(tmp_path / "meta.jsonl")).num_train_prompts == 18  # read, not refused (2 held out)
+
+
 @pytest.mark.parametrize("setting, data, message", [
     ("task.path", None, r"^task.path: no such file"),
     ("task.prompt_field", [{"question": "1=", "answer": "1"}], r"^task.prompt_field: no column 'prompt' in .*its columns are question, answer"),
@@ -193,7 +212,7 @@ def test_conversational_prompts_use_the_chat_template(tmp_path):
     ("task.prompt_field", '{"prompt": "1="}\n\n{"prompt": "2="}\n\n{"x": 1}\n', r"^task.prompt_field: row 2 \(line 5\) of .* has no 'prompt'"),
     # a JSON number: the tokenizer's traceback ('int' object is not iterable) once the MLflow run was made
     ("task.prompt_field", [{"prompt": "1="}, {"prompt": 7}], r"^task.path: the column 'prompt' of '.*' is str in row 0 \(line 1\) "
-                                                             r"and int in row 1 \(line 2\); give every row's value the same type"),
+                                                             r"and number in row 1 \(line 2\); give every row's value the same type"),
     # one list among text answers: datasets read the column as JSON values, so the answer '019' reached the reward
     # function as the number 19, without a word
     ("task.path", [{"prompt": "1=", "answer": "019"}, {"prompt": "2=", "answer": "020"}, {"prompt": "3=", "answer": ["814", "x"]}],

@@ -100,12 +100,25 @@ def read_files(files: list[Path], key: str):
         if f.stat().st_size == 0:  # datasets' StopIteration
             raise ConfigError(f"{key}: '{f}' has no rows")
     suffix = files[0].suffix
+    json_files = suffix in (".jsonl", ".json")
+    fix = "; give every row's value the same type (text in quotes for text)"
+    # Values of one column in several types: datasets reads the column as JSON values ('019' became 19), casts one
+    # file's to another's (a folder: '011' became 11), or fails in pandas' words ('Expected object or value').
+    clash = type_clash(files) if json_files and len(files) > 1 else None
+    if clash:
+        raise ConfigError(f"{key}: {clash}{fix}")
     csv = {"converters": {c: str for f in files for c in csv_header(f)}} if suffix == ".csv" else {}
-    table = datasets.load_dataset(DATA_BUILDERS[suffix], data_files=[str(f) for f in files], split="train", **csv)
-    for column, feature in table.features.items():
-        if isinstance(feature, datasets.Json):  # values of several types: datasets reads each as JSON, '019' as 19
-            raise ConfigError(f"{key}: the column '{column}' " + mixed_types(files, column)
-                              + "; give every row's value the same type (text in quotes for text)")
+    try:
+        table = datasets.load_dataset(DATA_BUILDERS[suffix], data_files=[str(f) for f in files], split="train", **csv)
+    except Exception:
+        clash = type_clash(files) if json_files else None
+        if clash:
+            raise ConfigError(f"{key}: {clash}{fix}") from None
+        raise
+    json_columns = [c for c, feature in table.features.items() if isinstance(feature, datasets.Json)]
+    clash = type_clash(files, json_columns) if json_columns and json_files else None
+    if clash:  # (a column of dicts whose keys differ is Json too, and fine)
+        raise ConfigError(f"{key}: {clash}{fix}")
     return table
 
 
@@ -122,29 +135,32 @@ def table_key(table) -> str:
     return hashlib.sha256(sink.getvalue()).hexdigest()[:12]
 
 
-def mixed_types(files: list[Path], column: str) -> str:
-    """Where `column` of these JSON files first changes type: 'of 'x.jsonl' is str in row 0 and list in row 2'."""
+def type_clash(files: list[Path], columns: list[str] | None = None) -> str | None:
+    """Where a column of these JSON files first changes type ("the column 'answer' of 'x.jsonl' is str in row 0
+    (line 1) and list in row 2 (line 3)"), or None. Whole numbers and decimals are one type (numbers); a dict is a
+    dict whatever its keys."""
     import json
 
-    first = None
+    first: dict[str, tuple] = {}
     for f in files:
-        text = f.read_text(encoding="utf-8")
+        text = f.read_text(encoding="utf-8", errors="replace")
         try:
             rows = json.loads(text) if f.suffix == ".json" else [json.loads(line) for line in text.splitlines() if line.strip()]
         except ValueError:
-            continue
+            return None  # the parser's own error says what is wrong with the file
         for i, row in enumerate(rows if isinstance(rows, list) else []):
-            if not isinstance(row, dict) or row.get(column) is None:
-                continue
-            kind = type(row[column]).__name__
-            if first is None:
-                first = (f, i, kind)
-            elif kind != first[2] and f == first[0]:
-                return f"of '{f}' is {first[2]} in row {first[1]}{_line(str(f), first[1])} and {kind} in row {i}{_line(str(f), i)}"
-            elif kind != first[2]:
-                return (f"is {first[2]} in row {first[1]}{_line(str(first[0]), first[1])} of '{first[0]}' and {kind} in row "
-                        f"{i}{_line(str(f), i)} of '{f}'")
-    return "holds values of several types"
+            for column in (columns or (row if isinstance(row, dict) else ())):
+                value = row.get(column) if isinstance(row, dict) else None
+                if value is None:
+                    continue
+                kind = "number" if type(value) in (int, float) else type(value).__name__
+                seen = first.setdefault(column, (f, i, kind))
+                if kind == seen[2]:
+                    continue
+                at = lambda g, j: f"row {j}{_line(str(g), j)}" + ("" if g == f == seen[0] else f" of '{g}'")  # noqa: E731
+                where = f" of '{f}'" if f == seen[0] else ""
+                return f"the column '{column}'{where} is {seen[2]} in {at(seen[0], seen[1])} and {kind} in {at(f, i)}"
+    return None
 
 
 def folder_files(local: Path, path: str, split: str, key: str) -> list[Path]:
