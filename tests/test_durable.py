@@ -178,7 +178,7 @@ def test_a_resume_does_not_replace_a_policy_trained_past_the_step_budget(make_cf
     run = tmp_path / "run"
     train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={run}"))
     train(make_cfg("trainer.max_steps=4", "checkpoint.every_n_steps=null", "resume=auto", f"output.dir={run}"))
-    assert json.loads((run / "policy" / "rlhflab.json").read_text()) == {"rl_step": 4}
+    assert json.loads((run / "policy" / "rlhflab.json").read_text()) == {"rl_step": 4, "run_id": run_id_of(run)}
     weights = (run / "policy" / "model.safetensors").read_bytes()
     with pytest.raises(ConfigError, match=rf"^trainer.max_steps=3: the run in {run} went on to RL step 4 after step-00000002, "
                                           rf"and its policy \({run}/policy\) would be replaced by one of step 3. Set "
@@ -186,6 +186,25 @@ def test_a_resume_does_not_replace_a_policy_trained_past_the_step_budget(make_cf
         train(make_cfg("trainer.max_steps=3", "resume=auto", f"output.dir={run}"))
     assert (run / "policy" / "model.safetensors").read_bytes() == weights
     assert train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={run}")).module.updates == 4  # the same budget: on
+
+
+def test_a_policy_an_earlier_run_left_in_the_directory_does_not_bound_a_resume(make_cfg, tmp_path):
+    """A run to step 4 then a new run in the same directory (another seed) stopped at step 2: resume=auto
+    trainer.max_steps=3 was refused 'went on to RL step 4', the step of the earlier run's policy."""
+    run = tmp_path / "run"
+    train(make_cfg("trainer.max_steps=4", f"output.dir={run}"))
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    train(make_cfg("trainer.max_steps=2", "seed=3", "checkpoint.every_n_steps=2", f"output.dir={run}"))
+    (run / "policy" / "rlhflab.json").write_text(json.dumps({"rl_step": 4, "run_id": "an-earlier-run"}))  # as if it had stopped
+    assert train(make_cfg("trainer.max_steps=3", "seed=3", "resume=auto", f"output.dir={run}")).module.updates == 3
+
+
+def test_resume_of_a_finished_run_without_checkpoints_says_there_is_nothing_to_resume(make_cfg, tmp_path):
+    train(make_cfg("trainer.max_steps=2", f"output.dir={tmp_path}/b"))
+    with pytest.raises(ConfigError, match=rf"^resume: '{tmp_path}/b' is a run's output directory with no checkpoints, so "
+                                          rf"there is nothing to resume; start from its trained policy as a new run with "
+                                          rf"model.sft_path={tmp_path}/b/policy"):
+        train(make_cfg("trainer.max_steps=4", f"resume={tmp_path}/b", f"output.dir={tmp_path}/a"))
 
 
 def test_a_resume_under_another_experiment_name_goes_on_in_its_own_experiment(make_cfg, tmp_path, caplog):
@@ -215,6 +234,9 @@ def test_a_resume_on_edited_data_files_is_refused_and_a_branch_is_warned(make_cf
            "rl.prompts_per_step=8", "rl.eval_every=0", "trainer.enable_progress_bar=false"]
     run = tmp_path / "run"
     train(make_cfg(*own, "trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={run}", shrink=False))
+    rows = [json.loads(line) for line in data.read_text().splitlines()]  # the same rows, keys in another order
+    data.write_text("".join(json.dumps(dict(reversed(r.items()))) + "\n" for r in rows))
+    assert train(make_cfg(*own, "trainer.max_steps=2", "resume=auto", f"output.dir={run}", shrink=False)).module.updates == 2
     data.write_text("".join(data.read_text().splitlines(keepends=True)[:600]))
     with pytest.raises(ConfigError, match=rf"^resume: the data read from task.path differs from what {run}/checkpoints/"
                                           r"step-00000002 was trained on \(the files were edited\); restore them to go on, "

@@ -271,7 +271,7 @@ def check_budget_reaches(cfg: DictConfig, plan: Plan, resume: ckpt.Checkpoint | 
                           f"past it, and training cannot go back; its policy would replace {out / 'policy'}. Set "
                           f"trainer.max_steps={resume.updates} or more, or resume=<an older checkpoint>")
     # The run it continues may have trained past its newest checkpoint (one written by a stop, none at the end)
-    trained = saved_step(out / "policy") if resume is not None and not resume.forked else None
+    trained = saved_step(out / "policy", resume.state.get("run_id")) if resume is not None and not resume.forked else None
     if trained is not None and trained > step_budget(cfg, plan):
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps}: the run in {out} went on to RL step {trained} after "
                           f"{resume.path.name}, and its policy ({out / 'policy'}) would be replaced by one of step "
@@ -415,7 +415,7 @@ def save_policy(module: RLHFModule, tokenizer, path: Path, cfg: DictConfig, trac
             tokenizer.save_pretrained(path)
             if (path / "merged").is_dir():
                 tokenizer.save_pretrained(path / "merged")
-            (path / POLICY_STEP_FILE).write_text(json.dumps({"rl_step": module.updates}) + "\n")
+            (path / POLICY_STEP_FILE).write_text(json.dumps({"rl_step": module.updates, "run_id": module.run_id}) + "\n")
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)  # half a policy loads as garbage or not at all
             raise
@@ -427,11 +427,13 @@ def save_policy(module: RLHFModule, tokenizer, path: Path, cfg: DictConfig, trac
 POLICY_STEP_FILE = "rlhflab.json"  # beside the saved policy: the RL step it was trained to
 
 
-def saved_step(policy: Path) -> int | None:
-    """The RL step of the policy saved in `policy` (None where none was, or one saved before the step was kept)."""
+def saved_step(policy: Path, run_id: str | None) -> int | None:
+    """The RL step of the policy saved in `policy` by the MLflow run `run_id` (None where none was, or another run
+    left it: an earlier run in the same directory, which a new run there replaces)."""
     try:
-        return int(json.loads((policy / POLICY_STEP_FILE).read_text())["rl_step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = json.loads((policy / POLICY_STEP_FILE).read_text())
+        return int(saved["rl_step"]) if saved.get("run_id") == run_id else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

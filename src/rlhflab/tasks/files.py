@@ -129,6 +129,8 @@ def table_key(table) -> str:
     import pyarrow as pa
 
     data = getattr(table.data, "table", table.data)
+    # keys in another order within a row are the same data (the columns, and datasets' features in the schema)
+    data = data.select(sorted(data.column_names)).replace_schema_metadata(None)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, data.schema) as writer:
         writer.write_table(data)
