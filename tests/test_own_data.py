@@ -409,6 +409,23 @@ def test_a_reward_file_imports_the_files_beside_it_as_a_script_does(tmp_path, mo
     assert call_reward(reward.functions[0][1], "score", ["1=", "2="], ["21", "12"], {}, None).tolist() == [0.5, 0.0]
 
 
+def test_two_reward_files_importing_helpers_of_one_name_is_one_line(tmp_path, monkeypatch):
+    """a/r.py and b/r2.py each import their own helpers_same.py: the second silently got the first's (a module
+    name is imported once per process), and scored with the wrong function."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    for folder, value in (("a", 0.0), ("b", 100.0)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "helpers_same.py").write_text(f"def bonus(c):\n    return {value}\n")
+        (tmp_path / folder / f"r{folder}.py").write_text("from helpers_same import bonus\n\n"
+                                                          "def score(prompts, completions, **kw):\n    return [bonus(c) for c in completions]\n")
+    FunctionReward(fn=f"{tmp_path}/a/ra.py:score")
+    with pytest.raises(ConfigError, match=rf"^reward.fn: '{tmp_path}/b/rb.py' imports 'helpers_same', which is beside it, but "
+                                          rf"this process already has a 'helpers_same' from {tmp_path}/a/helpers_same.py .*; "
+                                          "rename one of them$"):
+        FunctionReward(fn=f"{tmp_path}/b/rb.py:score")
+
+
 def test_a_reward_package_in_the_working_directory_imports_as_with_python_m(tmp_path, monkeypatch):
     """`reward.fn=my_pkg.rewards:score` with my_pkg beside you: `python src/train.py` puts src/ first on sys.path,
     not the working directory, so the documented module form failed unless the package was installed."""

@@ -38,6 +38,10 @@ def load_callable(spec: str, key: str) -> Callable:
                 module = importlib.util.module_from_spec(loader_spec)
                 sys.modules[name] = module  # before exec: pickling (a spawned generator) finds it again
                 loader_spec.loader.exec_module(module)
+                for imported, origin in imported_elsewhere(path):
+                    raise ConfigError(f"{key}: '{path}' imports '{imported}', which is beside it, but this process already "
+                                      f"has a '{imported}' from {origin} (a module name is imported once per process, e.g. "
+                                      "by another reward file); rename one of them")
         else:
             here = str(Path.cwd())
             if "" not in sys.path and here not in sys.path:  # a package beside you, as `python -m` would find it;
@@ -61,6 +65,28 @@ def load_callable(spec: str, key: str) -> Callable:
         raise ConfigError(f"{key}: {module_name!r} has no function {attr!r}; "
                           + (f"its functions are {', '.join(functions)}" if functions else "it defines no functions"))
     return fn
+
+
+def imported_elsewhere(path: Path) -> list[tuple[str, str]]:
+    """(name, its file) for each module `path` imports whose file is beside it, but which the process holds from
+    another place: two reward files in two folders, each importing its own helpers.py, both got the first's."""
+    import ast
+
+    folder = path.resolve().parent
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except (SyntaxError, ValueError):
+        return []
+    names = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    names |= {node.module.split(".")[0] for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module}
+    clashes = []
+    for name in sorted(names):
+        beside = (folder / f"{name}.py").is_file() or (folder / name / "__init__.py").is_file()
+        origin = getattr(sys.modules.get(name), "__file__", None)
+        if beside and origin and not Path(origin).resolve().is_relative_to(folder):
+            clashes.append((name, origin))
+    return clashes
 
 
 def _where(err: BaseException) -> str:
