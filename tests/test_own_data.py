@@ -336,7 +336,8 @@ def test_an_async_reward_function_is_awaited_as_trl_does():
                                                        r"\(prompt '8=', completion 'y'\); return a finite number, or None"),
     (lambda prompts, completions, **kw: 2.0, r"^reward function bad returned float, not a list of numbers"),
     # a float32 tensor's inf, blamed on the learning rate at the first update
-    (lambda prompts, completions, **kw: [1.0, 1e39], r"^reward function bad returned 1e\+39, past float32's 3.4e\+38 for row 8 "),
+    (lambda prompts, completions, **kw: [1.0, 1e39], r"^reward function bad returned 1e\+39, past float32's 3.4e\+38, for row 8 .*"
+                                                        r"; return a finite number float32 holds, or None"),
     # read as one reward per character ('11' for two completions: 1.0 and 1.0), by its keys, or as a number from text
     (lambda prompts, completions, **kw: "11", r"^reward function bad returned str, not a list of numbers"),
     (lambda prompts, completions, **kw: {"a": 1, "b": 2}, r"^reward function bad returned dict, not a list of numbers"),

@@ -71,6 +71,14 @@ def test_runs_are_named_by_what_the_sweep_varied_with_short_keys():
     assert len(set(labels.values())) == len(labels)
 
 
+def test_a_sweep_jobs_escaped_values_show_as_typed_in_the_table_and_legends():
+    """Hydra's sweeper escapes ':' in a job's values: the table showed 'task.gold_fn=reward.py\\:exact'."""
+    runs = [fake_run(j, f"algo=rloo task.gold_fn={fn}", {"algo": "rloo"}, gold=0.5, kl=1.0)
+            for j, fn in enumerate(("reward.py\\:exact", "reward.py\\:close"))]
+    assert [r["varied"] for r in summary_rows(runs)] == ["task.gold_fn=reward.py:exact", "task.gold_fn=reward.py:close"]
+    assert list(run_labels(runs).values()) == ["gold_fn=reward.py:exact", "gold_fn=reward.py:close"]
+
+
 def test_several_runs_per_bar_group_get_one_labelled_bar_each_never_a_mean():
     runs = staleness_sweep(lrs=("0.001", "0.01"))
     rows = summary_rows(runs)

@@ -433,6 +433,7 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
      "sweep sft_path=a/policy,step-3 max_steps=10 2026-11-26_14-56-52-040795"),
     # two saved policies ('sft_path=policy,policy'), and two paths alike but for a parent
     (None, None, ["model.sft_path=/m/0/policy,/m/1/policy"], "sweep sft_path=0/policy,1/policy 2026-11-26_14-56-52-040795"),
+    (None, None, ["model.sft_path=/m/0/policy/merged"], "sweep sft_path=policy/merged 2026-11-26_14-56-52-040795"),
     (None, None, ["model.sft_path=/x/a/ckpt,/y/a/ckpt"], "sweep sft_path=x/a/ckpt,y/a/ckpt 2026-11-26_14-56-52-040795"),
     # what the jobs share, past 100 characters: cut between settings, not mid-value ('fn=reward.py:')
     (None, None, ["algo=rloo,grpo", "task=prompts", "task.path=examples/reverse/train.jsonl", "task.tokenizer=char",

@@ -119,7 +119,8 @@ def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwarg
         raise RewardError(f"reward function {name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
                           f"(on {n} completions{of}; first prompt {str(prompts[0])[:60]!r})") from None
     if isinstance(values, (str, bytes, dict)):  # a str was read as one reward per character, a dict by its keys
-        raise RewardError(f"reward function {name} returned {type(values).__name__}, not a list of numbers")
+        raise RewardError(f"reward function {name} returned {type(values).__name__}, not a list of numbers (on {n} "
+                          f"completions{of}; first prompt {str(prompts[0])[:60]!r})")
     try:
         values = list(values)
     except TypeError:
@@ -138,11 +139,13 @@ def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwarg
         except (TypeError, ValueError):
             v = f"{type(v).__name__} {str(v)[:40]!r}"
         if isinstance(v, str) or not math.isfinite(v) or abs(v) > FLOAT32_MAX:  # 1e39 was inf in the float32 batch
-            if not isinstance(v, str) and math.isfinite(v):
-                v = f"{v:g}, past float32's {FLOAT32_MAX:.3g}"
+            past = not isinstance(v, str) and math.isfinite(v)
+            if past:
+                v = f"{v:g}, past float32's {FLOAT32_MAX:.3g},"
             row = (f"row {rows[i]}" if rows is not None else f"completion {i}") + of
             raise RewardError(f"reward function {name} returned {v} for {row} (prompt {str(prompts[i])[:60]!r}, "
-                              f"completion {str(completions[i])[:60]!r}); return a finite number, or None where it does not apply")
+                              f"completion {str(completions[i])[:60]!r}); return a finite number"
+                              + (" float32 holds" if past else "") + ", or None where it does not apply")
         out.append(v)
     import torch
 

@@ -73,7 +73,7 @@ def short_override(override: str, keys: int = 1) -> str:
 
 
 # What rlhflab names every run's saved model (`<run dir>/policy`): named by it alone, every sft_path was `policy`
-SAVED_NAMES = ("policy",)
+SAVED_NAMES = ("policy", "merged")  # (merged: policy/merged, a LoRA policy merged into its base)
 
 
 def _short_value(value: str, parts: int = 1) -> str:

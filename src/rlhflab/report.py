@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rlhflab import report_plots as plots
 from rlhflab.naming import (
+    HYDRA_ESCAPE,
     NOT_IN_NAMES,
     OBJECTIVE,
     SWEEP_BEST_RUN_NAME_TAG,
@@ -174,7 +175,7 @@ def summary_rows(runs, key: str = GOLD) -> list[dict]:
             "total_s": metrics.get(TOTAL_S),
             "speedup": None,
             "t_target": None,
-            "varied": varied[run.info.run_id],
+            "varied": HYDRA_ESCAPE.sub(r"\1", varied[run.info.run_id]),  # as typed: reward.py:exact, not reward.py\:exact
             "error": tags.get("rlhflab.error", ""),
         })
     return rows
