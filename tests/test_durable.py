@@ -238,10 +238,12 @@ def test_a_resume_on_edited_data_files_is_refused_and_a_branch_is_warned(make_cf
     data.write_text("".join(json.dumps(dict(reversed(r.items()))) + "\n" for r in rows))
     assert train(make_cfg(*own, "trainer.max_steps=2", "resume=auto", f"output.dir={run}", shrink=False)).module.updates == 2
     data.write_text("".join(data.read_text().splitlines(keepends=True)[:600]))
-    with pytest.raises(ConfigError, match=rf"^resume: the data read from task.path differs from what {run}/checkpoints/"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rlhflab"), pytest.raises(ConfigError, match=rf"^resume: the data read from task.path differs from what {run}/checkpoints/"
                                           r"step-00000002 was trained on \(the files were edited\); restore them to go on, "
                                           rf"or start from it on the new data in another directory: resume={run}/checkpoints/step-00000002 "):
         train(make_cfg(*own, "trainer.max_steps=4", "resume=auto", f"output.dir={run}", shrink=False))
+    assert not any("resume: continuing from" in r.getMessage() for r in caplog.records)  # said just before the refusal
     with caplog.at_level(logging.WARNING, logger="rlhflab"):
         branch = train(make_cfg(*own, "trainer.max_steps=3", f"resume={run}/checkpoints/step-00000002",
                                 f"output.dir={tmp_path}/branch", shrink=False))

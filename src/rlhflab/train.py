@@ -159,6 +159,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     check_budget_reaches(cfg, plan, resume, out)
     plan.data = plan.task.data_keys() if hasattr(plan.task, "data_keys") else {}
     ckpt.check_same_data(resume, plan.data)
+    ckpt.announce(resume)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
     with distributed.one_job(on_lost=lambda: tracker.finish("FAILED")), STOP.installed():

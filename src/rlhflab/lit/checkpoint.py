@@ -46,6 +46,7 @@ class Checkpoint:
     state: dict
     config: str
     forked: bool = False  # resumed outside the line it was written in: a new MLflow run (see find)
+    why: str | None = None  # why it is forked, for the line that says where the run goes on from
 
     @property
     def updates(self) -> int:
@@ -155,13 +156,19 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "outp
     why = None
     if resume != "auto" and path.resolve().parent != directory(output_dir).resolve():
         why = f"it is not in this run's directory {output_dir}"
-    checkpoint.forked = why is not None
+    checkpoint.forked, checkpoint.why = why is not None, why
+    return checkpoint
+
+
+def announce(checkpoint: Checkpoint | None) -> None:
+    """Where the run goes on from, once every check of it passed (it was said just before a refusal)."""
+    if checkpoint is None:
+        return
     if checkpoint.forked:
         log.info("resume: starting from %s (RL step %d) in a new MLflow run, tagged rlhflab.resumed_from_run=%s: %s",
-                 path, checkpoint.updates, checkpoint.state.get("run_id"), why)
+                 checkpoint.path, checkpoint.updates, checkpoint.state.get("run_id"), checkpoint.why)
     else:
-        log.info("resume: continuing from %s (RL step %d)", path, checkpoint.updates)
-    return checkpoint
+        log.info("resume: continuing from %s (RL step %d)", checkpoint.path, checkpoint.updates)
 
 
 def given_path(resume: str) -> Path:
