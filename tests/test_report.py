@@ -79,6 +79,18 @@ def test_a_sweep_jobs_escaped_values_show_as_typed_in_the_table_and_legends():
     assert list(run_labels(runs).values()) == ["gold_fn=reward.py:exact", "gold_fn=reward.py:close"]
 
 
+def test_the_tables_headers_name_the_metric_the_runs_are_judged_by():
+    """Without a gold_fn the quality column is the runs' eval/reward; with one, the headers stay as they were
+    (the change made 'RL s to baseline's final gold' into '... final gold reward')."""
+    from rlhflab.report import EVAL_REWARD, markdown_table
+
+    rows = summary_rows(staleness_sweep(lrs=("0.001",)))
+    rows[0]["t_target"] = 1.0
+    assert "| gold reward |" in markdown_table(rows) and "| RL s to baseline's final gold |" in markdown_table(rows)
+    header = markdown_table(rows, EVAL_REWARD).splitlines()[0]
+    assert "| reward (eval; the task has no gold_fn) |" in header and "| RL s to baseline's final reward |" in header
+
+
 def test_several_runs_per_bar_group_get_one_labelled_bar_each_never_a_mean():
     runs = staleness_sweep(lrs=("0.001", "0.01"))
     rows = summary_rows(runs)

@@ -201,8 +201,8 @@ def _cell(value, fmt: str | None) -> str:
 def markdown_table(rows: list[dict], key: str = GOLD) -> str:
     # Drop columns no row fills (e.g. peak memory before it is measured, errors in a clean sweep).
     cols = [c for c in COLUMNS if any(_cell(r[c[0]], c[2]) != "–" for r in rows)] or COLUMNS[:2]
-    cols = [(k, quality_words(key) if k == "gold" else h.replace("gold", quality_words(key).split(" (")[0]), f)
-            for k, h, f in cols]
+    if key != GOLD:  # the runs' eval/reward: 'gold reward' and 'final gold' say what they are not
+        cols = [(k, quality_words(key) if k == "gold" else h.replace("gold", "reward"), f) for k, h, f in cols]
     lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_cell(r[k], f) for k, _, f in cols) + " |" for r in rows]
     return "\n".join(lines)
