@@ -101,24 +101,25 @@ def read_files(files: list[Path], key: str):
             raise ConfigError(f"{key}: '{f}' has no rows")
     suffix = files[0].suffix
     json_files = suffix in (".jsonl", ".json")
-    fix = "; give every row's value the same type (text in quotes for text)"
-    # Values of one column in several types: datasets reads the column as JSON values ('019' became 19), casts one
-    # file's to another's (a folder: '011' became 11), or fails in pandas' words ('Expected object or value').
-    clash = type_clash(files) if json_files and len(files) > 1 else None
-    if clash:
-        raise ConfigError(f"{key}: {clash}{fix}")
+
+    def refuse_clash(columns: list[str] | None = None) -> None:
+        # Values of one column in several types: datasets reads the column as JSON values ('019' became 19), casts
+        # one file's to another's (a folder: '011' became 11), or fails in pandas' words ('Expected object or value').
+        clash = type_clash(files, columns) if json_files else None
+        if clash:
+            raise ConfigError(f"{key}: {clash}; give every row's value the same type (text in quotes for text)") from None
+
+    if len(files) > 1:  # a folder: datasets casts one file's column to another's without a word
+        refuse_clash()
     csv = {"converters": {c: str for f in files for c in csv_header(f)}} if suffix == ".csv" else {}
     try:
         table = datasets.load_dataset(DATA_BUILDERS[suffix], data_files=[str(f) for f in files], split="train", **csv)
     except Exception:
-        clash = type_clash(files) if json_files else None
-        if clash:
-            raise ConfigError(f"{key}: {clash}{fix}") from None
+        refuse_clash()
         raise
     json_columns = [c for c, feature in table.features.items() if isinstance(feature, datasets.Json)]
-    clash = type_clash(files, json_columns) if json_columns and json_files else None
-    if clash:  # (a column of dicts whose keys differ is Json too, and fine)
-        raise ConfigError(f"{key}: {clash}{fix}")
+    if json_columns:  # (a column of dicts whose keys differ is Json too, and fine)
+        refuse_clash(json_columns)
     return table
 
 
