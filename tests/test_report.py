@@ -346,6 +346,7 @@ def test_python_m_runs_the_report_and_points_train_at_its_entry_point(tmp_path):
 
     report = subprocess.run([sys.executable, "-m", "rlhflab.report"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert report.returncode == 2 and "sweep=<parent run id | run name | latest> is required" in report.stderr
+    assert report.stderr.startswith("usage: python -m rlhflab.report ")  # not the other entry point's usage
     train = subprocess.run([sys.executable, "-m", "rlhflab.train"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert train.returncode == 2 and train.stderr.strip().splitlines()[-1].startswith(
         "error: rlhflab.train is the library src/train.py runs; run python src/train.py")

@@ -470,9 +470,9 @@ def _markdown(client, parent, runs, rows, report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: list[str]) -> dict[str, str | None]:
+def parse_args(argv: list[str], prog: str = "python src/report.py") -> dict[str, str | None]:
     parser = argparse.ArgumentParser(
-        prog="python src/report.py",
+        prog=prog,
         description="Plots and a Markdown table for a sweep's child runs; logged to the parent run.",
         epilog="keys: sweep (required: parent run id or its first characters, run name, or 'latest'), tracking_uri "
                "(default MLFLOW_TRACKING_URI or sqlite:///mlflow.db), out_dir (default reports/<sweep name>), "
@@ -498,10 +498,10 @@ def parse_args(argv: list[str]) -> dict[str, str | None]:
 BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
-def main(argv: list[str]) -> Report:
+def main(argv: list[str], prog: str = "python src/report.py") -> Report:
     from mlflow.tracking import MlflowClient
 
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     uri = home_expanded(args["tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
     db = sqlite_path(uri)
     if db is not None and not db.is_file():
@@ -534,4 +534,4 @@ def main(argv: list[str]) -> Report:
 
 
 if __name__ == "__main__":  # python -m rlhflab.report: as python src/report.py (it did nothing and exited 0)
-    main(sys.argv[1:])
+    main(sys.argv[1:], prog="python -m rlhflab.report")
