@@ -438,6 +438,8 @@ def test_run_names_show_a_sweep_jobs_values_as_typed_and_are_cut_between_setting
     long = run_name("rloo", [f"+x.k{i}=value{i}" for i in range(40)])
     assert len(long) <= MAX_RUN_NAME and long.endswith(" ...") and long[:-4].split()[-1].startswith("k")
     assert all("=value" in part for part in long[:-4].split()[1:])
+    one = run_name("rloo", ["task.system_prompt=" + "x" * 300])  # one value past the limit was named 'rloo ...'
+    assert len(one) <= MAX_RUN_NAME and one.startswith("rloo system_prompt=xxx") and one.endswith("x ...")
 
 
 def test_a_path_given_with_a_tilde_is_under_the_home_directory(tmp_path, monkeypatch):

@@ -50,10 +50,13 @@ HYDRA_ESCAPE = re.compile(r"\\(.)")  # Hydra's sweepers escape : , = ( ) [ ] { }
 
 
 def clipped(text: str, limit: int) -> str:
-    """`text` cut to `limit` characters at a space, with '...' where it was cut (not mid-value: 'fn=reward.py:')."""
+    """`text` cut to `limit` characters at a space, with '...' where it was cut (not mid-value: 'fn=reward.py:'),
+    unless that leaves less than half of it: one long value named a run 'rloo ...'."""
     if len(text) <= limit:
         return text
-    return (text[: limit - 4].rpartition(" ")[0] or text[: limit - 4]) + " ..."
+    head = text[: limit - 4]
+    at_space = head.rpartition(" ")[0]
+    return (at_space if len(at_space) >= limit // 2 else head) + " ..."
 
 
 def short_override(override: str, keys: int = 1) -> str:
