@@ -91,6 +91,20 @@ def test_the_tables_headers_name_the_metric_the_runs_are_judged_by():
     assert "| reward (eval; the task has no gold_fn) |" in header and "| RL s to baseline's final reward |" in header
 
 
+def test_a_run_without_gold_in_a_sweep_judged_by_gold_shows_its_eval_reward():
+    """In a sweep where one job's task has a gold_fn and another's not, the second's eval/reward showed nowhere."""
+    from rlhflab.report import markdown_table
+
+    runs = staleness_sweep(lrs=("0.001",))[:2]
+    del runs[1].data.metrics["eval/gold_reward"]
+    runs[1].data.metrics["eval/reward"] = 0.625
+    runs[0].data.metrics["eval/reward"] = 0.125  # beside its gold: not shown twice
+    table = markdown_table(summary_rows(runs)).splitlines()
+    assert "| gold reward | reward (eval; runs without a gold_fn) |" in table[0]
+    assert "| 0.300 | – |" in table[2] and "| – | 0.625 |" in table[3]
+    assert "runs without a gold_fn" not in markdown_table(summary_rows(staleness_sweep()))  # all with gold: no column
+
+
 def test_several_runs_per_bar_group_get_one_labelled_bar_each_never_a_mean():
     runs = staleness_sweep(lrs=("0.001", "0.01"))
     rows = summary_rows(runs)

@@ -166,6 +166,8 @@ def summary_rows(runs, key: str = GOLD) -> list[dict]:
             "status": run.info.status,
             **{k: tags.get(k, "") for k in ("algo", "memory", "mode", "staleness")},
             "gold": metrics.get(key),
+            # a run of a sweep judged by gold whose own task has no gold_fn: its reward showed nowhere
+            "eval_reward": metrics.get(EVAL_REWARD) if key == GOLD and metrics.get(GOLD) is None else None,
             "kl": metrics.get(EVAL_KL, metrics.get(TRAIN_KL)),
             "objective": metrics.get(OBJECTIVE),
             "samples_per_s": metrics.get(THROUGHPUT, metrics.get("perf/samples_per_s")),
@@ -184,6 +186,7 @@ def summary_rows(runs, key: str = GOLD) -> list[dict]:
 COLUMNS = [  # (row key, header, number format)
     ("run", "run", None), ("status", "status", None), ("algo", "algo", None), ("memory", "memory", None),
     ("mode", "mode", None), ("staleness", "staleness", None), ("gold", "gold reward", ".3f"),
+    ("eval_reward", "reward (eval; runs without a gold_fn)", ".3f"),
     ("kl", "KL", ".3f"), ("objective", "objective", ".3f"), ("samples_per_s", "samples/s", ".1f"), ("overlap", "overlap eff", ".2f"),
     ("peak_mem_mb", "peak mem MB", ".1f"), ("rl_s", "RL s", ".1f"), ("total_s", "wall-clock s", ".1f"),
     ("speedup", "RL speedup vs baseline", ".2f"), ("t_target", "RL s to baseline's final gold", ".1f"),
