@@ -419,6 +419,17 @@ def test_run_names_carry_each_setting_once_and_tell_like_keys_apart():
         == "rloo sft_path=sft-f354fe44e62a name_or_path=EleutherAI/pythia-1b"
 
 
+def test_a_sweep_jobs_path_is_named_apart_from_the_sweeps_other_paths():
+    """Each job of `model.sft_path=/x/a/policy,/y/a/policy` knew only its own value: both runs were 'sft_path=a/policy'."""
+    from rlhflab.naming import run_name
+
+    swept = {"model.sft_path": "/x/a/policy,/y/a/policy", "rl.lr": "1e-3,1e-4"}
+    assert [run_name("rloo", [f"model.sft_path={p}", "rl.lr=1e-3"], swept) for p in ("/x/a/policy", "/y/a/policy")] \
+        == ["rloo sft_path=x/a/policy lr=1e-3", "rloo sft_path=y/a/policy lr=1e-3"]
+    assert run_name("rloo", ["model.sft_path=/x/a/policy"]) == "rloo sft_path=a/policy"  # a single run: as before
+    assert run_name("rloo", ["model.sft_path=/x/a/policy"], {"algo": "rloo,ppo"}) == "rloo sft_path=a/policy"
+
+
 def test_run_names_give_a_long_decimal_three_significant_digits():
     """An Optuna trial's values named its runs 'rloo kl_coef=0.08025955666793813 lr=0.0006380556092044456 ...'."""
     from rlhflab.naming import run_name

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -172,6 +173,25 @@ def test_a_sweep_of_a_task_without_gold_fn_is_judged_by_its_reward(tmp_path, sta
     summary = (tmp_path / "report" / "summary.md").read_text()
     assert "- best eval/reward: " in summary and "| reward (eval; the task has no gold_fn) |" in summary
     assert "reward (eval; the task has no gold_fn) at each evaluation against RL step" in summary
+
+
+def test_a_sweep_jobs_run_is_named_by_its_path_as_apart_from_the_other_jobs(tmp_path, stage_cache):
+    """`reward.fn=/x/a/reward.py:f,/y/a/reward.py:f`: each job knew only its own value, and both runs were named
+    'rloo fn=reward.py:correct_digits'. The sweep tells each job what it varies."""
+    ex = ROOT / "examples" / "reverse"
+    for where in ("x", "y"):
+        (tmp_path / where / "a").mkdir(parents=True)
+        shutil.copy(ex / "reward.py", tmp_path / where / "a" / "reward.py")
+    fns = ",".join(f"{tmp_path}/{where}/a/reward.py:correct_digits" for where in ("x", "y"))
+    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/m.db", stage_cache, f"reward.fn={fns}", "task=prompts",
+                      f"task.path={ex}/train.jsonl", f"task.eval_path={ex}/eval.jsonl", f"task.demonstrations_path={ex}/demos.jsonl",
+                      "task.tokenizer=char", "task.max_new_tokens=4", "task.num_eval_prompts=4", "reward=function",
+                      "stages.sft.epochs=1",
+                      tiny=("trainer.max_steps=1", "rl.prompts_per_step=4", "rl.eval_every=0", "trainer.enable_progress_bar=false"))
+    parent, children = sweep_runs(MlflowClient(sweep.uri))
+    assert [next(p for p in r.info.run_name.split() if p.startswith("fn=")) for r in children] == \
+        ["fn=x/a/reward.py:correct_digits", "fn=y/a/reward.py:correct_digits"]
+    assert parent.info.run_name.startswith("sweep fn=x/a/reward.py:correct_digits,y/a/reward.py:correct_digits ")
 
 
 @pytest.mark.slow

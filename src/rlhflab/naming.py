@@ -10,6 +10,9 @@ from collections import Counter
 
 # Set by the sweep callback so that each job's run becomes a child of the sweep's parent run.
 PARENT_RUN_ENV = "RLHFLAB_MLFLOW_PARENT_RUN_ID"
+# Set by it too: what the sweep varies (JSON {key: values as typed}), so that a job names its value as apart from
+# its siblings' (/x/a/policy beside /y/a/policy is x/a/policy, not a/policy as each job alone would say).
+SWEPT_ENV = "RLHFLAB_SWEPT_PARAMS"
 # Tag on a sweep's parent run.
 SWEEP_TAG = "rlhflab.sweep"
 # Config groups whose choice every run carries as a tag of the same name.
@@ -59,20 +62,25 @@ def clipped(text: str, limit: int) -> str:
     return (at_space if len(at_space) >= limit // 2 else head) + " ..."
 
 
-def short_override(override: str, keys: int = 1) -> str:
+def short_override(override: str, keys: int = 1, among: str | None = None) -> str:
     """A setting by its last key (`keys` last parts of it) and a path by its last part (the whole path is a param):
     `algo.kl_coef=0.1` -> `kl_coef=0.1`, `model.sft_path=/runs/a/ckpt` -> `sft_path=ckpt` (a saved
     policy with its run's directory: `/runs/a/policy` -> `a/policy`; sweep values apart: `/x/a/ckpt,/y/a/ckpt` ->
-    `x/a/ckpt,y/a/ckpt`), a long decimal to 3
+    `x/a/ckpt,y/a/ckpt`; a sweep job's own value as apart from the sweep's values `among`), a long decimal to 3
     significant digits, `rl.lr=0.0006380556092044456` -> `lr=0.000638` (run names, sweep names, plot labels)."""
     key, _, value = override.partition("=")
-    # a sweep's list, each value on its own (a,b: the path shortened across the comma lost one value and the list)
-    # not range(1,3) / interval(0,1); a sweep job's escaped comma (a\,b) is one value
-    values = [HYDRA_ESCAPE.sub(r"\1", v) for v in re.split(r"(?<!\\),", value)] if "(" not in value else [value]
+    values = _values(value)
+    apart = set(values) | set(_values(among) if among else ())
     parts = 1
-    while len({_short_value(v, parts) for v in values}) < len(set(values)) and parts < 8:
+    while len({_short_value(v, parts) for v in apart}) < len(apart) and parts < 8:
         parts += 1  # /runs/a/policy,/runs/b/policy: a/policy,b/policy (both were named policy)
     return f"{'.'.join(key.split('.')[-keys:])}={','.join(_short_value(v, parts) for v in values)}"
+
+
+def _values(value: str) -> list[str]:
+    """A sweep's list, each value on its own (a,b: the path shortened across the comma lost one value and the list),
+    not range(1,3) / interval(0,1); a sweep job's escaped comma (a\\,b) is one value."""
+    return [HYDRA_ESCAPE.sub(r"\1", v) for v in re.split(r"(?<!\\),", value)] if "(" not in value else [value]
 
 
 # What rlhflab names every run's saved model (`<run dir>/policy`): named by it alone, every sft_path was `policy`
@@ -89,13 +97,13 @@ def _short_value(value: str, parts: int = 1) -> str:
     return value
 
 
-def run_name(algo: str, overrides: list[str]) -> str:
+def run_name(algo: str, overrides: list[str], swept: dict[str, str] | None = None) -> str:
     """A run name that carries what this run changed: the algorithm, then each command-line override,
     a group choice by its option (`mode=async` -> async; an option named `default` by its group: `debug=default`
     -> debug) and a value by its last key (`rl.lr=3e-4` -> lr=3e-4), or its last two where two keys end alike
     (`stages.sft.epochs=2 stages.rm.epochs=4` -> sft.epochs=2 rm.epochs=4), a path by its last part
     (`model.sft_path=/runs/a/policy` -> sft_path=a/policy). A key given twice is named once, with the value Hydra
-    keeps (the last).
+    keeps (the last). In a sweep, a path is named as apart from the other values of its key there (`swept`).
 
     >>> run_name("online_dpo", ["algo=online_dpo", "mode=async", "staleness=2", "rl.lr=3e-4", "logger.run_name=x"])
     'online_dpo async staleness=2 lr=3e-4'
@@ -114,7 +122,8 @@ def run_name(algo: str, overrides: list[str]) -> str:
         if key in GROUP_NAMES:
             parts.append(key if value == "default" else value)
         else:
-            parts.append(short_override(f"{key}={value}", keys=1 if ends[key.rpartition('.')[2]] == 1 else 2))
+            parts.append(short_override(f"{key}={value}", keys=1 if ends[key.rpartition('.')[2]] == 1 else 2,
+                                        among=(swept or {}).get(key)))
     return clipped(" ".join(parts), MAX_RUN_NAME)
 
 

@@ -34,7 +34,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
-    OBJECTIVE, PARENT_RUN_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OBJECTIVE_TAG,
+    OBJECTIVE, PARENT_RUN_ENV, SWEPT_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OBJECTIVE_TAG,
     SWEEP_OVERRIDES_TAG, SWEEP_TAG, clipped, default_run_name, run_name, home_expanded, model_tag, short_override,
 )
 
@@ -67,6 +67,7 @@ class MlflowSweepCallback(Callback):
         self._job_started_ms = 0
         self._job: DictConfig | None = None  # the running job's config (between on_job_start and on_job_end)
         self._claimed: set[str] = set()
+        self.swept: dict[str, str] = {}  # what the sweep varies (swept_params), for its jobs' run names
         self.objective: str | None = None  # OBJECTIVE in words, where jobs return a KL-penalised metric
 
     # ---- Hydra hooks --------------------------------------------------------------------
@@ -95,7 +96,7 @@ class MlflowSweepCallback(Callback):
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
         client = self._client()
-        swept = swept_params(config)
+        swept = self.swept = swept_params(config)
         run = client.create_run(experiment_id, run_name=sweep_name(config, swept), tags=resolve_tags(_sweep_tags(config, swept)))
         self.parent_run_id = run.info.run_id
         client.log_text(self.parent_run_id, OmegaConf.to_yaml(config), "sweep_config.yaml")
@@ -106,6 +107,7 @@ class MlflowSweepCallback(Callback):
         if self.parent_run_id is None:
             return  # a single run (RUN mode) or a sweep without tracking
         os.environ[PARENT_RUN_ENV] = self.parent_run_id
+        os.environ[SWEPT_ENV] = json.dumps(self.swept)
         self._job_started_ms = int(time.time() * 1000)
         self._job = config
         job_uri = tracking_uri(config)
@@ -116,6 +118,7 @@ class MlflowSweepCallback(Callback):
         if self.parent_run_id is None:
             return
         os.environ.pop(PARENT_RUN_ENV, None)
+        os.environ.pop(SWEPT_ENV, None)
         self._job = None
         client = self._client()
         child, overrides = self._tag_child(client, config)
@@ -204,7 +207,7 @@ class MlflowSweepCallback(Callback):
         # named as the job's own run would have been (MlflowTracker.start): 'rloo-full-sync' beside its siblings'
         # 'rloo max_prompt_tokens=1 ...' said nothing of what the failed job was
         task = list(OmegaConf.to_container(config.hydra.overrides.task))
-        name = (OmegaConf.select(config, "logger.run_name") or run_name(tags.get("algo", ""), task)
+        name = (OmegaConf.select(config, "logger.run_name") or run_name(tags.get("algo", ""), task, self.swept)
                 or default_run_name(tags) or f"job{config.hydra.job.num}")
         run = client.create_run(experiment_id, run_name=name, tags=tags)
         client.set_terminated(run.info.run_id, "FAILED")
