@@ -489,6 +489,24 @@ def test_stage_batches_are_per_optimizer_step_over_all_ranks_and_their_cache_key
     assert two["hydra_sft"] == stages["hydra_sft"]  # it trains with sft's and rm's batch sizes
 
 
+def test_stage_cache_keys_name_the_trainer_settings_that_change_what_a_stage_learns():
+    """A run with trainer.precision=bf16-mixed cached its SFT and reward models under the keys of a 32-true run:
+    the later 32-true run read them as its own ('stage sft: cached'), its held-out accuracy 0.961 not 0.966."""
+    from rlhflab.train import with_trainer_settings
+
+    def keys(*overrides):
+        cfg = compose_cfg(list(overrides), shrink=False)
+        stages = with_trainer_settings(OmegaConf.to_container(cfg.stages, resolve=True),
+                                       OmegaConf.to_container(cfg.trainer, resolve=True))
+        return [config_key(stages[name]) for name in ("sft", "rm")]
+
+    plain = keys()
+    assert keys("trainer.precision=32") == keys("trainer.enable_progress_bar=false") == keys("trainer.max_steps=7") == plain
+    assert keys("trainer=ddp") == plain  # its ranks are in stages.<stage>.ranks (above)
+    bf16, accumulate = keys("trainer.precision=bf16-mixed"), keys("+trainer.accumulate_grad_batches=2")
+    assert all(len({a, b, c}) == 3 for a, b, c in zip(plain, bf16, accumulate))
+
+
 @pytest.mark.parametrize("extra", [["experiment=reverse"], ["task=tldr"], ["task=prompts", "task.path=data.jsonl"], []])
 def test_the_debug_preset_fits_every_task(extra):
     """`debug=default` set the sentiment task's demonstration and pair counts, so with any other task (the --help

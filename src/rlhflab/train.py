@@ -291,11 +291,28 @@ def per_rank_stages(stages: dict, world: int) -> dict:
                          for name in ("sft", "rm")}}
 
 
+# Trainer settings that do not change what a stage learns (the ranks are stages.<stage>.ranks; the device is left
+# out: accelerator=auto and cpu train the same model here)
+NOT_IN_STAGE_KEYS = ("_target_", "accelerator", "devices", "num_nodes", "strategy", "max_steps", "log_every_n_steps",
+                     "enable_checkpointing", "enable_model_summary", "enable_progress_bar", "num_sanity_val_steps")
+
+
+def with_trainer_settings(stages: dict, trainer: dict) -> dict:
+    """The trainer settings that change what stages sft and rm learn (trainer.precision other than 32-true; a
+    `+trainer.accumulate_grad_batches`) in their settings, so in their cache keys: a bf16-mixed run's SFT and reward
+    models were read by a later 32-true run as its own. Where there are none, the keys are as before."""
+    math = {k: v for k, v in trainer.items() if k not in NOT_IN_STAGE_KEYS and not (k == "precision" and str(v) in ("32-true", "32"))}
+    if not math:
+        return stages
+    return {**stages, **{name: {**stages[name], "trainer": math} for name in ("sft", "rm")}}
+
+
 def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume: ckpt.Checkpoint | None) -> Result:
     started = time.perf_counter()
     cache_dir = Path(cfg.cache_dir)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    stages = per_rank_stages(OmegaConf.to_container(cfg.stages, resolve=True), ranks(cfg.trainer))
+    stages = per_rank_stages(with_trainer_settings(OmegaConf.to_container(cfg.stages, resolve=True),
+                                                   OmegaConf.to_container(cfg.trainer, resolve=True)), ranks(cfg.trainer))
     logger = tracker.lightning_logger()
     task = plan.task
 
