@@ -77,6 +77,7 @@ BAD_VALUES = [
     ("algo.loss_agg=token-sum", "algo.loss_agg"),
     ("mode=async staleness=-1", "staleness"),
     ("staleness=2", "staleness"),
+    ("mode=async mode.staleness=2", "mode.staleness"),  # it ran at 2; its tag, param and the report said 1
     ("mode=async mode.start_method=thread", "mode.start_method"),
     ("mode=async mode.sync_every=0", "mode.sync_every"),
     ("off_policy=tis off_policy.cap=0.5", "off_policy.cap"),

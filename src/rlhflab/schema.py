@@ -555,6 +555,9 @@ def check(cfg: DictConfig) -> None:
     mode = OmegaConf.get_type(cfg.mode)
     if mode is SyncMode and cfg.staleness != 0:
         raise SettingError("staleness", f"{cfg.staleness}: mode=sync runs with staleness 0; use mode=async for staleness > 0 (or staleness=0)")
+    if mode is AsyncMode and cfg.mode.staleness != cfg.staleness:  # it ran at 2, its tag, param and report said 1
+        raise SettingError("mode.staleness", f"{cfg.mode.staleness}: give staleness={cfg.mode.staleness} instead (the top-level key; "
+                           "mode.staleness follows it, and the run's tag and sweeps read it)")
     if mode is AsyncMode and cfg.mode.reference in ("generator", "balance") and cfg.mode.start_method == "spawn":
         raise SettingError("mode.reference", f"{cfg.mode.reference} needs mode.start_method=fork (the forked generator shares the learner's "
                            "reference model); set mode.start_method=fork (CPU) or mode.reference=learner")
