@@ -520,12 +520,16 @@ def test_the_debug_preset_fits_every_task(extra):
     ("model.arch.num_attention_heads=3", "The hidden size (64) is not a multiple of the number of attention heads (3)"),
     ("model.arch.hidden_size=abc", "Field 'hidden_size' expected int"),
     ("+model.arch.rope_theta=abc", "TypeError: unsupported operand"),
+    # built, and failed in stage sft's first step (a 160-line traceback; the broken model cached)
+    ("model.arch.num_key_value_heads=3", "cannot run a model of it (RuntimeError: The size of tensor a (4) must match"),
+    # built, trained and cached without layers; stage rm then blamed its learning rate
+    ("model.arch.num_hidden_layers=0", "model.arch.num_hidden_layers=0: a model needs at least one layer; give"),
 ])
 def test_a_model_arch_transformers_refuses_is_one_line_before_the_run(make_cfg, tmp_path, override, said):
     """Each was transformers' traceback when the base model was built, after the MLflow run was made."""
     from rlhflab.train import train
 
-    with pytest.raises(ConfigError, match=r"^model.arch: transformers cannot build a model of it \(") as err:
+    with pytest.raises(ConfigError, match=r"^model.arch") as err:
         train(make_cfg(override, f"cache_dir={tmp_path}/cache"))
     assert said in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()

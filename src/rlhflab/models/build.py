@@ -63,16 +63,32 @@ def arch_config(arch: dict, tokenizer):
 def check_arch(arch: dict, tokenizer) -> None:
     """`model.arch` as transformers takes it, judged on the meta device (no weights) before the run is made:
     model.arch.hidden_size=abc, num_attention_heads=3 (64 is no multiple of it) or +model.arch.rope_theta=abc were
-    transformers' tracebacks when the model was built, after the MLflow run was made."""
+    transformers' tracebacks when the model was built, after the MLflow run was made. A forward of two tokens, on
+    the meta device too: num_key_value_heads=3 beside 4 attention heads built, and failed in stage sft's first step
+    (a 160-line traceback, the broken model cached). num_hidden_layers=0 built and trained a model without layers."""
     from transformers import AutoModelForCausalLM
 
+    def refused(what: str, err: Exception) -> ConfigError:
+        said = " ".join(str(err).split())[:300] or type(err).__name__
+        return ConfigError(f"model.arch: transformers cannot {what} a model of it ({type(err).__name__}: {said}); fix "
+                           "the setting it names, or the one that does not fit the others (python src/train.py --cfg "
+                           "job shows model.arch)")
+
+    try:
+        config = arch_config(arch, tokenizer)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as err:  # a config class's validation, a module's __init__: any of their errors
+        raise refused("build", err) from None
+    layers = getattr(config, "num_hidden_layers", 1)
+    if isinstance(layers, int) and layers < 1:
+        raise ConfigError(f"model.arch.num_hidden_layers={layers}: a model needs at least one layer; give "
+                          "model.arch.num_hidden_layers=1 or more")
     try:
         with torch.device("meta"):
-            AutoModelForCausalLM.from_config(arch_config(arch, tokenizer))
-    except Exception as err:  # a config class's validation, a module's __init__: any of their errors
-        said = " ".join(str(err).split())[:300] or type(err).__name__
-        raise ConfigError(f"model.arch: transformers cannot build a model of it ({type(err).__name__}: {said}); fix the "
-                          "setting it names (python src/train.py --cfg job shows model.arch)") from None
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long))
+    except Exception as err:  # shapes that do not fit one another
+        raise refused("run", err) from None
 
 
 def check_vocabulary(tokenizer, prompts: list, key: str, most: float = 0.2) -> None:
