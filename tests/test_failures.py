@@ -204,7 +204,10 @@ def test_nan_reward_stops_naming_step_and_quantity_and_keeps_the_checkpoint(make
     assert message.startswith("the rewards (train/reward) not finite at RL step 4") and "\n" not in message
     assert "the last good checkpoint is" in message and message.endswith("step-00000002")
     client = MlflowClient(cfg.logger.tracking_uri)
-    assert client.search_runs([client.get_experiment_by_name("rlhflab").experiment_id])[0].info.status == "FAILED"
+    run = client.search_runs([client.get_experiment_by_name("rlhflab").experiment_id])[0]
+    assert run.info.status == "FAILED"
+    # what ended it, as a sweep's failed child has it (the UI said FAILED, not why)
+    assert run.data.tags["rlhflab.error"] == f"NonFiniteError: {message}"
 
 
 @pytest.mark.parametrize("mode", ["mode=sync", "mode=async staleness=1", "mode=async staleness=0"])

@@ -41,6 +41,8 @@ SWEEP_OVERRIDES_TAG = f"{SWEEP_TAG}.overrides"  # on a child: its overrides; on 
 SWEEP_METRIC_TAG = f"{SWEEP_TAG}.metric"  # on the parent: the metric that picks the best child
 SWEEP_BEST_RUN_NAME_TAG = f"{SWEEP_TAG}.best_run_name"
 SWEEP_OBJECTIVE_TAG = f"{SWEEP_TAG}.objective"  # on the parent: what OBJECTIVE is, in words
+ERROR_TAG = "rlhflab.error"  # on a FAILED run: what ended it, in one line (`<type>: <message>`)
+MAX_TAG = 5000  # MLflow caps tag values (8000 chars); error messages are kept below it
 OBJECTIVE = "sweep/objective"  # on each job's run, with a KL budget (kl_budget): the value its sweeper was told
 
 # Overrides that change where things are logged or shown, not what is trained: left out of run names.

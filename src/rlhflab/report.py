@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rlhflab import report_plots as plots
 from rlhflab.naming import (
+    ERROR_TAG,
     HYDRA_ESCAPE,
     NOT_IN_NAMES,
     OBJECTIVE,
@@ -178,7 +179,7 @@ def summary_rows(runs, key: str = GOLD) -> list[dict]:
             "speedup": None,
             "t_target": None,
             "varied": HYDRA_ESCAPE.sub(r"\1", varied[run.info.run_id]),  # as typed: reward.py:exact, not reward.py\:exact
-            "error": tags.get("rlhflab.error", ""),
+            "error": tags.get(ERROR_TAG, ""),
         })
     return rows
 

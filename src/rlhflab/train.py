@@ -35,7 +35,7 @@ from rlhflab.lit.progress import StageProgressBar
 from rlhflab.lit.rl_module import RLHFModule
 from rlhflab.models.build import check_arch, check_vocabulary, ensure_base_model, load_tokenizer
 from rlhflab.models.checks import check_hub, check_hub_dataset
-from rlhflab.naming import absolute_uri, redact
+from rlhflab.naming import ERROR_TAG, MAX_TAG, absolute_uri, redact
 from rlhflab.quiet import quiet_libraries
 from rlhflab.rng import fixed_seed
 from rlhflab.schema import ranks, trainer_devices, writable_dir
@@ -188,6 +188,8 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
             interrupted = as_interrupt(err)
             if interrupted is None:
                 said = distributed.as_rank_error(err)  # which rank says it; a lost rank in one line
+                # as a sweep's failed child has it: a single run showed FAILED in the UI and not why
+                tracker.set_tag(ERROR_TAG, f"{type(said).__name__}: {said}"[:MAX_TAG])
                 if said is err:
                     raise
                 raise said from None

@@ -34,13 +34,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
-    OBJECTIVE, PARENT_RUN_ENV, SWEPT_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OBJECTIVE_TAG,
+    ERROR_TAG, MAX_TAG, OBJECTIVE, PARENT_RUN_ENV, SWEPT_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OBJECTIVE_TAG,
     SWEEP_OVERRIDES_TAG, SWEEP_TAG, clipped, default_run_name, run_name, home_expanded, model_tag, short_override,
 )
 
 log = logging.getLogger("rlhflab.sweep")
 
-MAX_TAG = 5000  # MLflow caps tag values (8000 chars); keep error messages below it
 
 
 def tracking_uri(config: DictConfig) -> str | None:
@@ -184,7 +183,7 @@ class MlflowSweepCallback(Callback):
             child = self._create_failed_child(client, config, overrides)
         elif child.info.status == "RUNNING":
             client.set_terminated(child.info.run_id, "FAILED")
-        client.set_tag(child.info.run_id, "rlhflab.error", message[:MAX_TAG])
+        client.set_tag(child.info.run_id, ERROR_TAG, message[:MAX_TAG])
         self.failed.append(f"#{config.hydra.job.num} {overrides}: {message.splitlines()[0] if message else ''}")
         # Let the sweep go on: sweepers re-raise a FAILED job's exception when they read its result.
         # Optuna's sweeper tells a None result as a FAILED trial (NaN would crash its tell());
