@@ -216,6 +216,8 @@ def test_debug_preset_runs_the_whole_pipeline_into_its_own_experiment(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("rlhflab-debug").experiment_id])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/gold_reward")] == [0, 2, 4]
+    # MLflow's system metrics, though the run is shorter than their 10 s interval (it had none)
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(run.data.metrics)
     assert len(list((tmp_path / "outputs" / "debug").glob("*/*/policy/model.safetensors"))) == 1
     assert "viewStateShareKey=rlhflab-gold" in out.stderr + out.stdout
     # Piped (as in a cluster job's log), each log line is one line: the policy's path and the run's URL whole.

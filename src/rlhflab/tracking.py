@@ -482,8 +482,14 @@ class MlflowTracker:
         if self.run_id is None:
             return
         if self._system is not None:
-            self._system.finish()
-            self._system = None
+            system, self._system = self._system, None
+            system.finish()
+            try:  # one more sample at the end: a run shorter than the 10 s interval had no system metrics at all
+                system.collect_metrics()
+                system.publish_metrics(system.aggregate_metrics())
+                system.mlflow_logger.flush()
+            except Exception as err:  # noqa: BLE001 - the store not answering: its metrics below say so
+                log.warning("mlflow: the last system metrics were not logged (%s)", err)
         self.flush(again=True)  # every buffered metric lands before the run ends (a store that stopped answering: one more try)
         if self.pending:
             return  # not taken: the run stays RUNNING, and what is buffered goes to a checkpoint or a file (train)
