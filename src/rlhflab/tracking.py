@@ -481,16 +481,17 @@ class MlflowTracker:
         """End the run with `status` (FINISHED, FAILED, KILLED); safe to call twice."""
         if self.run_id is None:
             return
-        if self._system is not None:
-            system, self._system = self._system, None
+        system, self._system = self._system, None
+        if system is not None:
             system.finish()
+        self.flush(again=True)  # every buffered metric lands before the run ends (a store that stopped answering: one more try)
+        if system is not None and not self.lost:  # (each try at a store that stopped answering costs MLflow's retries)
             try:  # one more sample at the end: a run shorter than the 10 s interval had no system metrics at all
                 system.collect_metrics()
                 system.publish_metrics(system.aggregate_metrics())
                 system.mlflow_logger.flush()
-            except Exception as err:  # noqa: BLE001 - the store not answering: its metrics below say so
+            except Exception as err:  # noqa: BLE001 - a warning: the run's own metrics are written
                 log.warning("mlflow: the last system metrics were not logged (%s)", err)
-        self.flush(again=True)  # every buffered metric lands before the run ends (a store that stopped answering: one more try)
         if self.pending:
             return  # not taken: the run stays RUNNING, and what is buffered goes to a checkpoint or a file (train)
         with self.writing(f"end ({status})"):
