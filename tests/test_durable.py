@@ -145,6 +145,31 @@ def test_async_resume_loses_and_repeats_no_batch_and_keeps_staleness_exact(make_
     assert MlflowClient(uri).get_run(resumed.run_id).info.status == "FINISHED"
 
 
+def test_a_stop_between_weight_pushes_trains_on_to_the_next_and_checkpoints_there(make_cfg, tmp_path, monkeypatch, caplog):
+    """mode.sync_every=3, SIGINT after step 4: a resume starts only where the generator's weights were pushed, so the
+    stop wrote no checkpoint and said the run stopped before its first (under DDP: 29 steps lost). It now trains on
+    to step 6, checkpoints and stops there, and the resume continues it."""
+    from rlhflab.lit import rl_module
+
+    args = ["mode=async", "staleness=1", "mode.sync_every=3", "trainer.max_steps=9", "rl.prompts_per_step=8",
+            f"output.dir={tmp_path}/cut"]
+    stop, original = StopAt(4), rl_module.RLHFModule._log_step
+
+    def log_and_maybe_stop(self, metrics):
+        original(self, metrics)
+        stop(self)
+
+    monkeypatch.setattr(rl_module.RLHFModule, "_log_step", log_and_maybe_stop)
+    with pytest.raises(RunInterrupted):
+        train(make_cfg(*args))
+    monkeypatch.setattr(rl_module.RLHFModule, "_log_step", original)
+    assert [p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()] == ["step-00000006"]
+    assert "SIGINT: RL step 4 is not one a resume can start from (the generator has only every mode.sync_every=3th " \
+           "update's weights); training on to the next that is" in caplog.text
+    resumed = train(make_cfg(*args, "resume=auto"))
+    assert [s for s, _ in history(make_cfg().logger.tracking_uri, resumed.run_id, "train/reward")] == list(range(1, 10))
+
+
 def test_resume_refuses_a_different_config_naming_the_keys(make_cfg, tmp_path):
     train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={tmp_path}/run"))
     with pytest.raises(ConfigError, match=r"^resume: .*\(rl.lr: 0.001 -> 0.0003\)"):

@@ -26,6 +26,9 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.polling = False
+        # Set while the loop trains on to a step it can checkpoint (the first signal landed on one it cannot):
+        # check() lets it go on; a second signal still stops at once.
+        self.finishing = False
         # Whether this job's MLflow run exists (train() sets it; main() clears it per job): a stop before it
         # has no run to mark KILLED or resume. Here, not on the exception: a repeated signal raises a new one.
         self.run_made = False
@@ -48,14 +51,14 @@ class StopRequest:
         return self.signum is not None
 
     def check(self) -> None:
-        """Raise RunInterrupted if a stop was asked for."""
-        if self.signum is not None:
+        """Raise RunInterrupted if a stop was asked for (and the loop is not training on to a checkpoint)."""
+        if self.signum is not None and not self.finishing:
             raise RunInterrupted(self.signum)
 
     @contextmanager
     def installed(self):
         """Handle SIGINT and SIGTERM for the block (the main thread only), then restore the old handlers."""
-        self.signum, self.polling = None, False
+        self.signum, self.polling, self.finishing = None, False, False
         previous = {s: signal.getsignal(s) for s in SIGNALS}
         for s in SIGNALS:
             signal.signal(s, self._handle)

@@ -14,6 +14,7 @@ written to a temporary directory and renamed, and only the newest `checkpoint.ke
 from __future__ import annotations
 
 import logging
+import signal
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -244,8 +245,16 @@ class Checkpointer(L.Callback):
         tracker = getattr(module.logger, "tracker", None)  # rank 0's; the others have no run
         # one decision for every rank, whichever got the signal (a store that stopped answering: at a checkpointable step)
         stop, lost = STOP.agreed(bool(tracker and tracker.lost))
-        lost = lost and module.can_checkpoint()
-        if (due or stop or lost) and module.can_checkpoint():
+        ready = module.can_checkpoint()
+        lost = lost and ready
+        if stop and not ready:  # stopping here lost every step since the last checkpoint (mode.sync_every=4: up to 3)
+            if not STOP.finishing:
+                STOP.finishing = True
+                log.warning("%s: RL step %d is not one a resume can start from (%s); training on to the next that is, "
+                            "to stop there with a checkpoint (send it again to stop at once, without one)",
+                            signal.Signals(stop).name, module.updates, module.why_no_checkpoint())
+            return
+        if (due or stop or lost) and ready:
             self.save(module)
             if due:
                 self.next_at = (module.updates // self.every + 1) * self.every

@@ -141,6 +141,12 @@ class RLHFModule(L.LightningModule):
     def can_checkpoint(self) -> bool:
         return self.consistent and self.source.can_checkpoint(self.policy_version)
 
+    def why_no_checkpoint(self) -> str:
+        """Why can_checkpoint() is False, in words."""
+        if not self.consistent:
+            return "its rollout batch's updates are not all done"
+        return f"the generator has only every mode.sync_every={getattr(self.source, 'sync_every', '?')}th update's weights"
+
     def checkpoint_state(self) -> tuple[dict, dict, dict]:
         """(trainable tensors, optimizer state, everything else) to continue exactly from here."""
         self._step_end = None  # the next step's time does not hold the checkpoint's
