@@ -27,5 +27,6 @@ if __name__ == "__main__":
         preflight(sys.argv[1:])  # --help, and one-line errors before anything heavy loads
         main()
     except KeyboardInterrupt:  # Ctrl-C outside rlhflab's handlers (while loading, or between a sweep's jobs)
-        print("stopped: stopped by SIGINT while no run was training", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # rank 0 speaks for the ranks it launched
+            print("stopped: stopped by SIGINT while no run was training", file=sys.stderr)
         sys.exit(130)

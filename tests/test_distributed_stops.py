@@ -81,6 +81,30 @@ def test_a_rank_that_fails_while_rank_0_is_busy_ends_the_run_failed_in_one_line(
     assert MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).info.status == "FAILED"
 
 
+@pytest.mark.slow
+def test_a_rank_stopped_by_a_signal_outside_the_rl_loop_ends_the_run_killed_not_failed(tmp_path, stage_cache):
+    """Ctrl-C to the process group while the ranks start up: rank 1, still importing, exits 130; rank 0 waits in the
+    process group's set-up, where no Python handler runs. Its watch marked the run FAILED and exited 1, after rank 1's
+    'stopped: ... while no run was training'. Rank 1 exits 130 here while rank 0 is busy, as there."""
+    (tmp_path / "rank_reward.py").write_text(
+        "import os, time\n"
+        "def score(prompts, completions, **columns):\n"
+        "    if os.environ.get('LOCAL_RANK') == '1':\n"
+        "        os._exit(130)  # as a rank stopped by SIGINT before rlhflab's handlers\n"
+        "    time.sleep(600)\n")
+    out = tmp_path / "run"
+    args = ["trainer=ddp", *SHORT, "reward=function", "reward.fn=rank_reward.py:score", f"output.dir={out}"]
+    with cli_run(args, tmp_path, clean_env(tmp_path, stage_cache)) as proc:
+        rc = proc.wait(timeout=300)
+        output = proc.stdout.read()
+    assert rc == 130, output[-4000:]
+    assert output.strip().splitlines()[-1] == (
+        "stopped: rank 1 of 2 was stopped by SIGINT (exit code 130); rank 0 stopped the run; the MLflow run is KILLED "
+        "(resume=auto continues it from its newest checkpoint, if it wrote one)"), output[-2000:]
+    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
+    assert MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).info.status == "KILLED"
+
+
 def _rank(rank: int, store: str, results) -> None:
     """One of two forked ranks over gloo: a shared error, then rank 1 leaves and rank 0's collective fails."""
     import torch

@@ -52,11 +52,12 @@ def claim_end(owner: str) -> bool:
 
 
 @contextmanager
-def one_job(on_lost: Callable[[], None] = lambda: None):
+def one_job(on_lost: Callable[[str], None] = lambda status: None):
     """A job that may start ranks (every `train(cfg)`): afterwards its process group is gone and the
     launcher's variables are as before, so the next job of a sweep in this process starts its own ranks
     (Lightning launches none while LOCAL_RANK is set, and would reuse a group whose peers have exited).
-    `on_lost()` (mark the MLflow run FAILED) runs if a launched rank fails while this rank does not end."""
+    `on_lost(status)` (mark the MLflow run FAILED, or KILLED where the ranks were stopped by a signal) runs if a
+    launched rank fails while this rank does not end."""
     global _end_owner, _launched, _job
     from lightning.pytorch.strategies.launchers import subprocess_script as launcher
 
@@ -82,18 +83,20 @@ def one_job(on_lost: Callable[[], None] = lambda: None):
 _launched: list | None = None  # the rank processes this one launched (Lightning's launcher's list)
 
 
-def _start_watch(procs: list, on_lost: Callable[[], None]) -> None:
+def _start_watch(procs: list, on_lost: Callable[[str], None]) -> None:
     """Instead of Lightning's observer: a thread of rank 0 that watches the ranks it launched."""
     global _launched
     _launched = procs
     threading.Thread(target=_watch, args=(procs, on_lost, _job), daemon=True, name="rlhflab-rank-watch").start()
 
 
-def _watch(procs: list, on_lost: Callable[[], None], job: int) -> None:
+def _watch(procs: list, on_lost: Callable[[str], None], job: int) -> None:
     """Until every launched rank exits 0. When one exits otherwise, this rank usually ends the run itself: its
     next collective fails at once (gloo; as_rank_error), or the exit was an agreed stop it is acting on too
     (writing the checkpoint). If it has not begun to end within GRACE_S (busy in a long forward, or waiting in an
-    NCCL collective that never returns), the watch ends it: the run FAILED, one line, the other ranks killed."""
+    NCCL collective that never returns), the watch ends it: the run FAILED, one line, the other ranks killed. Ranks
+    stopped by SIGINT/SIGTERM outside the RL loop (Ctrl-C to the process group while they start up: rank 0 waits in
+    the process group's set-up, where no Python handler runs) are a stop: the run KILLED, exit 130/143, as one rank's."""
     while True:
         time.sleep(WATCH_EVERY_S)
         codes = [p.poll() for p in procs]
@@ -107,16 +110,32 @@ def _watch(procs: list, on_lost: Callable[[], None], job: int) -> None:
     if job != _job or not claim_end("watch"):
         return  # this rank is ending the run itself
     lost = _lost(procs)  # before the kills below, which would read as more failures
+    codes = [p.poll() for p in procs]
+    stops = {_stopped_by(code) for code in codes if code}
+    signum = stops.pop() if len(stops) == 1 and None not in stops else None  # every failed rank stopped by one signal
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)  # as Lightning: a rank stuck in a collective does not answer SIGTERM
+    status = "KILLED" if signum else "FAILED"
     try:
-        on_lost()
-        said = "; the MLflow run is FAILED"
+        on_lost(status)
+        said = f"; the MLflow run is {status}"
     except Exception as err:  # the tracking store gone too: still say what happened, and end
-        said = f"; the MLflow run could not be marked FAILED ({type(err).__name__}: {err})"
+        said = f"; the MLflow run could not be marked {status} ({type(err).__name__}: {err})"
+    if signum:
+        print(f"stopped: {lost}; rank 0 stopped the run{said} (resume=auto continues it from its newest checkpoint, "
+              "if it wrote one)", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
     print(f"error: {lost}; rank 0 stopped the run{said}", file=sys.stderr, flush=True)
     os._exit(1)
+
+
+def _stopped_by(code: int) -> int | None:
+    """The signal (SIGINT, SIGTERM) that stopped a rank exiting with `code`, or None."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if code in (-signum, 128 + signum):
+            return int(signum)
+    return None
 
 
 def _lost(procs: list, wait_s: float = 0.0) -> str | None:

@@ -162,7 +162,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     ckpt.announce(resume)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
-    with distributed.one_job(on_lost=lambda: tracker.finish("FAILED")), STOP.installed():
+    with distributed.one_job(on_lost=tracker.finish), STOP.installed():
         status = "FAILED"
         try:  # from the run's start: a signal that lands while it logs its params still ends it KILLED
             if distributed.is_main():  # the other ranks log nothing to MLflow (their tracker has no run)
