@@ -194,6 +194,20 @@ def test_a_sweep_jobs_run_is_named_by_its_path_as_apart_from_the_other_jobs(tmp_
     assert parent.info.run_name.startswith("sweep fn=x/a/reward.py:correct_digits,y/a/reward.py:correct_digits ")
 
 
+def test_an_optimized_metric_no_run_logs_fails_each_job_in_words_and_the_parent_says_why_it_has_no_best(tmp_path,
+                                                                                                          stage_cache):
+    """optimized_metric=eval/gld: Optuna said 'no trial finished ... each trial's error is listed below' and listed
+    none; the parent said '1 jobs, 0 failed' with no best run, and a callback metric typo ended the same, silently."""
+    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/m.db", stage_cache, "seed=0", "optimized_metric=eval/gld")
+    parent, (child,) = sweep_runs(MlflowClient(sweep.uri))
+    assert child.data.tags["rlhflab.error"].startswith("ConfigError: optimized_metric=eval/gld: the run logs no such "
+                                                       "value at its end; give one of ")
+    assert "eval/gold_reward" in child.data.tags["rlhflab.error"]
+    assert parent.data.metrics["sweep/failed_jobs"] == 1
+    assert "mlflow sweep: no finished job logged eval/gld, so the parent has no best run" in sweep.output
+    assert "rlhflab.sweep.best_run_id" not in parent.data.tags
+
+
 @pytest.mark.slow
 def test_report_writes_plots_and_table_and_logs_them_to_the_parent(sqlite_sweep, tmp_path):
     from rlhflab.report import main as report

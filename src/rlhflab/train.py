@@ -503,7 +503,13 @@ def main(cfg: DictConfig) -> float | None:
             rank = getattr(err, "rank", None)
             print(f"error: {rank + ': ' if rank else ''}{err}{resume_hint(err, cfg)}", file=sys.stderr)
         sys.exit(2 if isinstance(err, ConfigError) else 1)
-    return objective(result.metrics, cfg)
+    try:
+        return objective(result.metrics, cfg)
+    except ConfigError as err:  # a name no run logs: a sweep's every trial failed without a word
+        if sweeping:
+            raise  # the job's error: the sweep lists it, and its sweeper is told the trial failed
+        log.warning("%s", err)
+        return None
 
 
 def resume_hint(err: Exception, cfg: DictConfig) -> str:
@@ -525,7 +531,11 @@ def resume_hint(err: Exception, cfg: DictConfig) -> str:
 def objective(metrics: dict[str, float], cfg: DictConfig) -> float | None:
     """What a sweeper optimises: `optimized_metric`, less `kl_penalty` per nat of final eval/kl
     above `kl_budget` when a budget is set (Optuna has no constraints, so the budget is a penalty)."""
-    value = metrics.get(cfg.get("optimized_metric") or "eval/gold_reward", metrics.get("eval/reward"))
+    name = cfg.get("optimized_metric") or "eval/gold_reward"
+    if name not in metrics and not (name == "eval/gold_reward" and "eval/reward" in metrics):  # (no gold_fn: eval/reward)
+        raise ConfigError(f"optimized_metric={name}: the run logs no such value at its end; give one of "
+                          f"{', '.join(sorted(metrics))}")
+    value = metrics.get(name, metrics.get("eval/reward"))
     budget = cfg.get("kl_budget")
     if value is None or budget is None:
         return value

@@ -226,6 +226,11 @@ class MlflowSweepCallback(Callback):
         scored = [r for r in finished if self.metric in r.data.metrics]
         sign = -1.0 if self.direction.lower().startswith("min") else 1.0
         best = max(scored, key=lambda r: sign * r.data.metrics[self.metric], default=None)
+        if finished and not scored:  # a typo (metric=eval/gold): no best run, and not a word said
+            logged = sorted(set().union(*(r.data.metrics for r in finished)))
+            log.warning("mlflow sweep: no finished job logged %s, so the parent has no best run; the metric is "
+                        "hydra.callbacks.mlflow_sweep.metric (or optimized_metric), e.g. one of %s", self.metric,
+                        ", ".join(k for k in logged if k.startswith("eval/")) or ", ".join(logged[:10]))
         now = int(time.time() * 1000)
         metrics = [Metric("sweep/jobs", len(children), now, 0), Metric("sweep/failed_jobs", len(self.failed), now, 0)]
         tags = {SWEEP_METRIC_TAG: self.metric, "rlhflab.sweep.direction": self.direction}
