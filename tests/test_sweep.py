@@ -208,6 +208,26 @@ def test_an_optimized_metric_no_run_logs_fails_each_job_in_words_and_the_parent_
     assert "rlhflab.sweep.best_run_id" not in parent.data.tags
 
 
+def test_of_children_tied_on_the_metric_the_parent_names_the_first_job_as_optuna_does(tmp_path):
+    """Two trials at gold 0.03125 (gold moves in steps of 1/256): Optuna printed job 1, the parent named job 2 (the
+    newest first, as search_runs gives them)."""
+    from hydra_plugins.rlhflab_mlflow.callback import MlflowSweepCallback
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/m.db")
+    experiment = client.create_experiment("x")
+    parent = client.create_run(experiment).info.run_id
+    for job, gold in enumerate((0.01, 0.03125, 0.03125)):
+        child = client.create_run(experiment, start_time=1_000 + job,  # the jobs one after another
+                                  tags={"mlflow.parentRunId": parent, "rlhflab.sweep.job": str(job)})
+        client.log_metric(child.info.run_id, "eval/gold_reward", gold)
+        client.set_terminated(child.info.run_id, "FINISHED")
+    callback = MlflowSweepCallback(metric="eval/gold_reward", direction="maximize")
+    callback.parent_run_id = parent
+    callback._summarise(client)
+    best = client.get_run(client.get_run(parent).data.tags["rlhflab.sweep.best_run_id"])
+    assert best.data.tags["rlhflab.sweep.job"] == "1"
+
+
 @pytest.mark.slow
 def test_report_writes_plots_and_table_and_logs_them_to_the_parent(sqlite_sweep, tmp_path):
     from rlhflab.report import main as report

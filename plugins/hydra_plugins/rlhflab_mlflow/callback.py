@@ -220,7 +220,9 @@ class MlflowSweepCallback(Callback):
             [client.get_run(self.parent_run_id).info.experiment_id],
             f"tags.mlflow.parentRunId = '{self.parent_run_id}'",
         )
-        finished = [r for r in children if r.info.status == "FINISHED"]
+        # in job order: of runs tied on the metric (gold moves in steps of 1/256) the first is best, as Optuna's
+        # best trial is; search_runs gives the newest first, and the parent named a later job than Optuna printed
+        finished = sorted((r for r in children if r.info.status == "FINISHED"), key=_job_number)
         if self.metric == "eval/gold_reward" and not any(self.metric in r.data.metrics for r in finished):
             self.metric = "eval/reward"  # a task without task.gold_fn: what its runs report, and train.objective returns
         scored = [r for r in finished if self.metric in r.data.metrics]
@@ -259,6 +261,11 @@ class MlflowSweepCallback(Callback):
         child = self._tag_child(client, self._job)[0] if self._job is not None else None
         stopped = child is not None and client.get_run(child.info.run_id).info.status == "KILLED"
         client.set_terminated(self.parent_run_id, "KILLED" if stopped else "FAILED")
+
+
+def _job_number(run) -> int:
+    job = run.data.tags.get(SWEEP_JOB_TAG, "")
+    return int(job) if job.isdigit() else 1 << 30
 
 
 def swept_params(config: DictConfig) -> dict[str, str]:
