@@ -77,7 +77,9 @@ BAD_VALUES = [
     ("algo.loss_agg=token-sum", "algo.loss_agg"),
     ("mode=async staleness=-1", "staleness"),
     ("staleness=2", "staleness"),
-    ("mode=async mode.staleness=2", "mode.staleness"),  # it ran at 2; its tag, param and the report said 1
+    ("mode=async mode.staleness=2", "mode.staleness"),
+    ("hydra.run.dir=/dev/null/x", "hydra.run.dir"),  # under a file: Hydra's NotADirectoryError traceback
+    ("-m seed=0,1 hydra.sweep.dir=/dev/null/x", "hydra.sweep.dir"),  # and an empty FAILED parent run  # it ran at 2; its tag, param and the report said 1
     ("mode=async mode.start_method=thread", "mode.start_method"),
     ("mode=async mode.sync_every=0", "mode.sync_every"),
     ("off_policy=tis off_policy.cap=0.5", "off_policy.cap"),

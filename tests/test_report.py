@@ -341,6 +341,8 @@ def test_the_reports_own_settings_fail_in_one_line_naming_their_key(tmp_path, mo
     assert error("tracking_uri=mlflow.db") == ("error: tracking_uri: 'mlflow.db' is a path, not an MLflow store URI; for a "
                                                 "SQLite database give tracking_uri=sqlite:///mlflow.db")
     assert error("out_dir=notes.md").startswith("error: out_dir: notes.md is a file; give a directory")
+    assert error("out_dir=notes.md/x").startswith(  # a NotADirectoryError traceback
+        f"error: out_dir: '{tmp_path}/notes.md' is a file, so 'notes.md/x' cannot be a directory; give a directory")
     # A sweep stopped before its first job wrote an empty report and exited 0.
     assert error() == (f"error: sweep: sweep 'sweep a' ({parent.info.run_id}, RUNNING) has no child runs: no job of it "
                        "began, so there is nothing to report")

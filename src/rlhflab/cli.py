@@ -163,6 +163,13 @@ def check_hydra_dirs(hydra) -> None:
         if isinstance(value, str) and value.startswith("~"):
             raise ConfigError(f"hydra.{kind}.dir: '{value}' would be a directory named '~' in the working directory (Hydra "
                               f"does not expand '~'); {home_fix(f'hydra.{kind}.dir', value)}")
+        fixed = value.split("${")[0] if isinstance(value, str) else ""  # up to its first interpolation (the time)
+        if fixed:  # under a file: Hydra's NotADirectoryError traceback (a sweep's left an empty FAILED parent run)
+            from pathlib import Path
+
+            from rlhflab.schema import writable_dir
+
+            writable_dir(f"hydra.{kind}.dir", Path(fixed), make=False)
 
 
 def check_optuna(hydra) -> None:

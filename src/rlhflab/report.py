@@ -523,6 +523,13 @@ def main(argv: list[str], prog: str = "python src/report.py") -> Report:
     if out_dir.exists() and not out_dir.is_dir():
         raise SystemExit(f"error: out_dir: {out_dir} is a file; give a directory (made if missing), or leave out_dir "
                          "out for reports/<sweep name>")
+    from rlhflab.errors import ConfigError
+    from rlhflab.schema import writable_dir
+
+    try:  # under a file (out_dir=<file>/x): a NotADirectoryError traceback; a directory it cannot write
+        writable_dir("out_dir", out_dir, make=False)
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
     baseline = find_sweep(client, args["baseline"], "baseline") if args["baseline"] else None
     if baseline is not None and baseline.info.run_id == parent.info.run_id:  # every speedup 1.00
         raise SystemExit(f"error: baseline={args['baseline']}: is the sweep itself; give another sweep to compare with "
