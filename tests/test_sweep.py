@@ -493,6 +493,11 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
     (None, None, ["algo=rloo,grpo", "task=prompts", "task.path=examples/reverse/train.jsonl", "task.tokenizer=char",
                   "reward=function", "reward.fn=examples/reverse/reward.py:correct_digits"],
      "sweep algo=rloo,grpo prompts path=examples/reverse/train.jsonl tokenizer=char function ... 2026-11-26_14-56-52-040795"),
+    # a preset's grid narrowed on the command line: the 1-job sweep was named for the preset's 15 jobs
+    ("sweep_memory", {"algo": "ppo,rloo,remax,online_dpo,grpo", "memory": "full,lora,hydra"},
+     ["experiment=sweep_memory", "memory=lora", "algo=rloo"], "sweep_memory rloo lora 2026-11-26_14-56-52-040795"),
+    ("sweep_memory", {"algo": "ppo,rloo,remax,online_dpo,grpo", "memory": "full,lora,hydra"},
+     ["experiment=sweep_memory", "memory=lora"], "sweep_memory algo=ppo,rloo,remax,online_dpo,grpo lora 2026-11-26_14-56-52-040795"),
 ])
 def test_a_sweeps_name_says_what_its_jobs_share_from_the_command_line(experiment, params, task, name):
     """`-m algo=rloo,online_dpo` and `-m algo=rloo,online_dpo mode=async staleness=1` were both named `sweep

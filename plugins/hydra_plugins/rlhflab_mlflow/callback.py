@@ -276,8 +276,11 @@ def swept_params(config: DictConfig) -> dict[str, str]:
     swept = {str(k): str(v) for k, v in (OmegaConf.to_container(params) if params is not None else {}).items()}
     overrides = OverridesParser.create().parse_overrides(list(OmegaConf.to_container(config.hydra.overrides.task)))
     for override in overrides:
+        key = override.get_key_element().lstrip("+~")
         if override.is_sweep_override():
-            swept[override.get_key_element().lstrip("+~")] = str(override.input_line).partition("=")[2]  # as typed: a,b / range(1,3)
+            swept[key] = str(override.input_line).partition("=")[2]  # as typed: a,b / range(1,3)
+        else:  # one value on the command line fixes a key the preset sweeps (experiment=sweep_memory memory=lora)
+            swept.pop(key, None)
     return swept
 
 
