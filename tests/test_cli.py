@@ -78,6 +78,9 @@ BAD_VALUES = [
     ("mode=async staleness=-1", "staleness"),
     ("staleness=2", "staleness"),
     ("mode=async mode.staleness=2", "mode.staleness"),
+    ("+rl.lr=0.002", "+rl.lr: 'rl.lr' is a setting already; drop the '+' (rl.lr=0.002)"),  # Hydra's 'Could not append'
+    ("~rl.lr", "rl.lr: a setting of the schema cannot be removed"),  # '... does not support deletion'
+    ("rl.lr=null", "rl.lr: null is not allowed here; give a value, e.g. rl.lr="),  # "field 'rl.lr' is not Optional"
     ("hydra.run.dir=/dev/null/x", "hydra.run.dir"),  # under a file: Hydra's NotADirectoryError traceback
     ("-m seed=0,1 hydra.sweep.dir=/dev/null/x", "hydra.sweep.dir"),  # and an empty FAILED parent run  # it ran at 2; its tag, param and the report said 1
     ("mode=async mode.start_method=thread", "mode.start_method"),

@@ -394,8 +394,16 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
     if key and re.search(r"Key '\w+' is not in struct", message):  # a free mapping (model.arch): any key may be added
         bad = next((o for o in overrides if o.split("=")[0].lstrip("~") == key), f"{key}=<value>")
         return f"{not_a_setting(key, others)}; to add it, write +{bad}"
+    if key and "does not support deletion" in message:  # a schema's setting: '~' would leave it missing
+        return f"{key}: a setting of the schema cannot be removed with '~'; give it a value, e.g. {key}={_default(key, others)}"
+    if key and re.search(r"is not Optional", message):
+        return f"{key}: null is not allowed here; give a value, e.g. {key}={_default(key, others)}"
     if key:
         return f"{key}: {message}; see python src/train.py --help"
+    appended = re.search(r"Could not append to config. An item is already at '([^']+)'", message)
+    if appended:
+        return (f"+{appended[1]}: '{appended[1]}' is a setting already; drop the '+' "
+                f"({next((o.lstrip('+') for o in overrides if o.lstrip('+').startswith(appended[1] + '=')), appended[1] + '=<value>')})")
     bad = next((o for o in overrides if o.split("=")[0].lstrip("+~") in str(err)), " ".join(overrides) or "the config")
     if message.startswith("Ambiguous value for argument"):  # Hydra's next lines, the ways out, were cut above
         return (f"{bad}: a comma list is a sweep, which needs -m (python src/train.py -m {bad} ...); "
