@@ -400,6 +400,10 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
         return f"{key}: null is not allowed here; give a value, e.g. {key}={_default(key, others)}"
     if key:
         return f"{key}: {message}; see python src/train.py --help"
+    if "Unexpected type for root: NoneType" in message:  # a key set under a node that is null in this config
+        null = _under_null(overrides)
+        if null:
+            return null
     appended = re.search(r"Could not append to config. An item is already at '([^']+)'", message)
     if appended:
         return (f"+{appended[1]}: '{appended[1]}' is a setting already; drop the '+' "
@@ -409,6 +413,29 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
         return (f"{bad}: a comma list is a sweep, which needs -m (python src/train.py -m {bad} ...); "
                 "for a list value write key=[a,b], for a string with a comma quote it: key=\"'a,b'\"")
     return f"{bad}: {message}; see python src/train.py --help"
+
+
+def _under_null(overrides: list[str]) -> str | None:
+    """model=pythia410m_tldr model.arch.hidden_size=64 said 'Unexpected type for root: NoneType': the preset loads a
+    pretrained model, and its model.arch is null. The override set under a null node, in words."""
+    from omegaconf import OmegaConf
+
+    for override in overrides:
+        key = override.partition("=")[0].lstrip("+~")
+        others = what_composes([o for o in overrides if o != override])
+        try:
+            cfg = compose(others)
+        except Exception:  # noqa: BLE001 - not this one
+            continue
+        parts = key.split(".")
+        for i in range(1, len(parts)):
+            node = ".".join(parts[:i])
+            if OmegaConf.select(cfg, node, default="missing") is None:
+                chosen = " ".join(o for o in others if "=" in o and "." not in o.partition("=")[0]) or "this config"
+                why = (" (the model is loaded pretrained, its architecture the checkpoint's; model.arch is for a preset "
+                       "that builds its model, e.g. model=tiny)") if node == "model.arch" else ""
+                return f"{key}: {node} is null under {chosen}, so it has no '{parts[i]}' to set; leave {key} out{why}"
+    return None
 
 
 def searched_key_error(override: str, others: list[str]) -> str:
