@@ -27,11 +27,13 @@ from rlhflab.train import train
 # ---- the trained policy is kept ------------------------------------------------------------
 
 @pytest.mark.parametrize("memory", ["full", "lora", "hydra"])
-def test_saved_policy_loads_with_from_pretrained_and_generates(make_cfg, memory):
+def test_saved_policy_loads_with_from_pretrained_and_generates(make_cfg, memory, caplog):
     from transformers import AutoModelForCausalLM
 
     cfg = make_cfg(f"memory={memory}", "trainer.max_steps=2", "output.merge_lora=true")
     result = train(cfg)
+    # with memory=full it was ignored without a word
+    assert ("output.merge_lora: memory=full saves the whole policy" in caplog.text) == (memory == "full")
     path = result.output_dir / "policy"
     policy = AutoModelForCausalLM.from_pretrained(path).eval()
     module = result.module
