@@ -253,6 +253,21 @@ def test_the_gpus_a_config_asks_for_are_checked_against_those_visible(monkeypatc
             checks()
 
 
+def test_more_cpu_ranks_than_cores_are_warned(monkeypatch, caplog):
+    """experiment=rloo_pythia6.9b_tldr (trainer=fsdp, accelerator auto, 8 devices) started 8 CPU processes on this
+    2-core machine without a word."""
+    import torch
+
+    from rlhflab.config import check_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    check_devices(compose_cfg(["trainer=ddp", "trainer.devices=2"], shrink=False))
+    assert "CPU processes share" not in caplog.text
+    check_devices(compose_cfg(["trainer=ddp", "trainer.devices=8"], shrink=False))
+    assert "trainer.devices=8: no CUDA GPU is visible, so 8 CPU processes share 2 core(s)" in caplog.text
+
+
 def test_cli_mlflow_file_store_is_one_line_naming_the_key(tmp_path):
     """MLflow 3 refuses its file store: the user gets one line naming the key, and no model is built."""
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}

@@ -6,6 +6,7 @@ wrong, and how to fix it.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import warnings
@@ -25,6 +26,8 @@ from rlhflab.models.checks import check_reward_head
 from rlhflab.naming import model_tag
 from rlhflab.schema import check, check_generator_device, cuda_index, ranks
 from rlhflab.tracking import MlflowTracker
+
+log = logging.getLogger(__name__)
 
 REQUIRED_GROUPS = ("task", "model", "algo", "reward", "memory", "mode", "off_policy", "generator", "trainer", "logger")
 
@@ -137,6 +140,11 @@ def check_devices(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.devices={devices}: only {visible} CUDA GPU(s) visible here; "
                           f"set trainer.devices={visible} or fewer, make more visible (CUDA_VISIBLE_DEVICES), "
                           "or trainer.accelerator=cpu for CPU processes")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not visible and isinstance(devices, int) and devices > cores and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        # an 8-GPU preset (experiment=rloo_pythia6.9b_tldr: accelerator auto) started 8 CPU processes here, silently
+        log.warning("trainer.devices=%d: no CUDA GPU is visible, so %d CPU processes share %d core(s) (each rank runs "
+                    "at a fraction of one); set trainer.devices=%d or fewer here", devices, devices, cores, cores)
     device = cfg.mode.get("device")
     index = cuda_index(device)  # its format was checked with the schema
     if index is not None and index >= visible:
