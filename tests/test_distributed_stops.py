@@ -54,22 +54,30 @@ def test_a_signal_stops_both_ranks_with_one_checkpoint_and_resumes(tmp_path, sta
     assert staleness == [0.0] + [1.0] * (step + 1), staleness  # the ranks' mean, across the resume too
 
 
-@pytest.mark.slow
-def test_a_rank_that_fails_while_rank_0_is_busy_ends_the_run_failed_in_one_line(tmp_path, stage_cache):
-    """Rank 1's reward function raises while rank 0's is still working. Before, Lightning's observer SIGKILLed rank
-    0 five seconds after rank 1 exited: exit 137, no line from rank 0, and the MLflow run RUNNING forever. Now rank
-    0's watch gives it GRACE_S to end by itself, then marks the run FAILED and says which rank failed."""
+def run_with_rank_1(does: str, tmp_path, stage_cache) -> tuple[int, str, str]:
+    """A 2-rank run whose reward function on rank 1 `does` this while rank 0's is busy far longer than the watch
+    waits: (exit code, output, the MLflow run's status)."""
     (tmp_path / "rank_reward.py").write_text(
         "import os, time\n"
         "def score(prompts, completions, **columns):\n"
         "    if os.environ.get('LOCAL_RANK') == '1':\n"
-        "        raise ValueError('rank 1 refuses')\n"
-        "    time.sleep(600)  # rank 0: busy far longer than the watch waits\n")
+        f"        {does}\n"
+        "    time.sleep(600)\n")
     out = tmp_path / "run"
     args = ["trainer=ddp", *SHORT, "reward=function", "reward.fn=rank_reward.py:score", f"output.dir={out}"]
     with cli_run(args, tmp_path, clean_env(tmp_path, stage_cache)) as proc:
         rc = proc.wait(timeout=300)
         output = proc.stdout.read()
+    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
+    return rc, output, MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).info.status
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_while_rank_0_is_busy_ends_the_run_failed_in_one_line(tmp_path, stage_cache):
+    """Rank 1's reward function raises while rank 0's is still working. Before, Lightning's observer SIGKILLed rank
+    0 five seconds after rank 1 exited: exit 137, no line from rank 0, and the MLflow run RUNNING forever. Now rank
+    0's watch gives it GRACE_S to end by itself, then marks the run FAILED and says which rank failed."""
+    rc, output, status = run_with_rank_1("raise ValueError('rank 1 refuses')", tmp_path, stage_cache)
     assert rc == 1, output[-4000:]
     assert "Traceback" not in output and "zombies" not in output, output[-4000:]  # Lightning's observer is not there
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
@@ -77,8 +85,7 @@ def test_a_rank_that_fails_while_rank_0_is_busy_ends_the_run_failed_in_one_line(
                                                      "rank 1 refuses"), errors
     assert errors[1] == ("error: rank 1 of 2 exited with code 1 (its error is above); rank 0 stopped the run; "
                          "the MLflow run is FAILED"), errors
-    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
-    assert MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).info.status == "FAILED"
+    assert status == "FAILED"
 
 
 @pytest.mark.slow
@@ -86,23 +93,13 @@ def test_a_rank_stopped_by_a_signal_outside_the_rl_loop_ends_the_run_killed_not_
     """Ctrl-C to the process group while the ranks start up: rank 1, still importing, exits 130; rank 0 waits in the
     process group's set-up, where no Python handler runs. Its watch marked the run FAILED and exited 1, after rank 1's
     'stopped: ... while no run was training'. Rank 1 exits 130 here while rank 0 is busy, as there."""
-    (tmp_path / "rank_reward.py").write_text(
-        "import os, time\n"
-        "def score(prompts, completions, **columns):\n"
-        "    if os.environ.get('LOCAL_RANK') == '1':\n"
-        "        os._exit(130)  # as a rank stopped by SIGINT before rlhflab's handlers\n"
-        "    time.sleep(600)\n")
-    out = tmp_path / "run"
-    args = ["trainer=ddp", *SHORT, "reward=function", "reward.fn=rank_reward.py:score", f"output.dir={out}"]
-    with cli_run(args, tmp_path, clean_env(tmp_path, stage_cache)) as proc:
-        rc = proc.wait(timeout=300)
-        output = proc.stdout.read()
+    rc, output, status = run_with_rank_1("os._exit(130)  # as a rank stopped by SIGINT before rlhflab's handlers",
+                                         tmp_path, stage_cache)
     assert rc == 130, output[-4000:]
     assert output.strip().splitlines()[-1] == (
         "stopped: rank 1 of 2 was stopped by SIGINT (exit code 130); rank 0 stopped the run; the MLflow run is KILLED "
         "(resume=auto continues it from its newest checkpoint, if it wrote one)"), output[-2000:]
-    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
-    assert MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).info.status == "KILLED"
+    assert status == "KILLED"
 
 
 def _rank(rank: int, store: str, results) -> None:
