@@ -143,6 +143,7 @@ def test_sweep_jobs_are_children_of_one_parent(sqlite_sweep):
     assert parent.info.run_name.startswith("sweep algo=rloo,grpo num_train_prompts=2,512 "), parent.info.run_name
     assert json.loads(parent.data.tags["rlhflab.sweep.params"]) == {"algo": "rloo,grpo", "task.num_train_prompts": "2,512"}
     assert {"mlflow.user", "mlflow.source.name"} <= set(parent.data.tags)
+    assert "rlhflab.sweep.experiment" not in parent.data.tags  # no preset: it was the string 'None'
     # The sweep made the experiment: it opens in MLflow's training view like one a single run makes.
     experiment = client.get_experiment_by_name("rlhflab")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
@@ -422,6 +423,7 @@ def test_optuna_preset_runs_trials_as_children_and_optimises_the_kl_penalised_go
         penalised = r.data.metrics["eval/gold_reward"] - 0.01 * max(0.0, r.data.metrics["eval/kl"])
         assert r.data.metrics["sweep/objective"] == pytest.approx(penalised, abs=1e-6)
     assert parent.data.tags["rlhflab.sweep.metric"] == "sweep/objective"
+    assert parent.data.tags["rlhflab.sweep.experiment"] == "sweep_optuna"
     assert parent.data.metrics["best/sweep/objective"] == pytest.approx(best, abs=1e-6)
     (winner,) = [r for r in children if r.data.metrics["sweep/objective"] == parent.data.metrics["best/sweep/objective"]]
     assert parent.data.tags["rlhflab.sweep.best_run_id"] == winner.info.run_id

@@ -310,13 +310,15 @@ def compact_search(value: str) -> str:
 
 
 def _sweep_tags(config: DictConfig, swept: dict[str, str]) -> dict[str, str]:
+    experiment = OmegaConf.select(config, "hydra.runtime.choices.experiment")
     return {
         SWEEP_TAG: "1",
         "rlhflab.sweep.dir": os.path.abspath(str(config.hydra.sweep.dir)),
         SWEEP_OVERRIDES_TAG: " ".join(OmegaConf.to_container(config.hydra.overrides.task))[:MAX_TAG],
         "rlhflab.sweep.params": json.dumps(swept)[:MAX_TAG],
         "rlhflab.sweep.sweeper": str(OmegaConf.select(config, "hydra.sweeper._target_")),
-        "rlhflab.sweep.experiment": str(OmegaConf.select(config, "hydra.runtime.choices.experiment")),
+        # only where a preset was chosen (it was the string 'None' without one)
+        **({"rlhflab.sweep.experiment": str(experiment)} if experiment is not None else {}),
     }
 
 
