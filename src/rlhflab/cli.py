@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from rlhflab.errors import ConfigError
-from rlhflab.schema import SCHEMAS, check, check_typed, register
+from rlhflab.schema import SCHEMAS, check, check_typed, register, writable_dir
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 CONFIG_NAME = "train"
@@ -165,10 +165,6 @@ def check_hydra_dirs(hydra) -> None:
                               f"does not expand '~'); {home_fix(f'hydra.{kind}.dir', value)}")
         fixed = value.split("${")[0] if isinstance(value, str) else ""  # up to its first interpolation (the time)
         if fixed:  # under a file: Hydra's NotADirectoryError traceback (a sweep's left an empty FAILED parent run)
-            from pathlib import Path
-
-            from rlhflab.schema import writable_dir
-
             writable_dir(f"hydra.{kind}.dir", Path(fixed), make=False)
 
 
@@ -406,8 +402,9 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
             return null
     appended = re.search(r"Could not append to config. An item is already at '([^']+)'", message)
     if appended:
-        return (f"+{appended[1]}: '{appended[1]}' is a setting already; drop the '+' "
-                f"({next((o.lstrip('+') for o in overrides if o.lstrip('+').startswith(appended[1] + '=')), appended[1] + '=<value>')})")
+        key = appended[1]
+        given = next((o.lstrip("+") for o in overrides if o.lstrip("+").startswith(f"{key}=")), f"{key}=<value>")
+        return f"+{key}: '{key}' is a setting already; drop the '+' ({given})"
     bad = next((o for o in overrides if o.split("=")[0].lstrip("+~") in str(err)), " ".join(overrides) or "the config")
     if message.startswith("Ambiguous value for argument"):  # Hydra's next lines, the ways out, were cut above
         return (f"{bad}: a comma list is a sweep, which needs -m (python src/train.py -m {bad} ...); "
