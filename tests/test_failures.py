@@ -390,13 +390,15 @@ def test_a_full_artifact_store_is_said_at_the_start_and_at_the_end_keeps_the_run
 def test_damaged_model_directories_are_one_line_before_anything_loads(tmp_path, capsys):
     from rlhflab.cli import preflight
 
-    bad_json, truncated = tmp_path / "bad_json", tmp_path / "truncated"
-    for d in (bad_json, truncated):
+    bad_json, truncated, bare = tmp_path / "bad_json", tmp_path / "truncated", tmp_path / "bare"
+    for d in (bad_json, truncated, bare):
         d.mkdir()
     (bad_json / "config.json").write_text("{not json")
     (truncated / "config.json").write_text("{}")
     (truncated / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
-    for path, problem in ((bad_json, "config.json is not valid JSON"), (truncated, "model.safetensors is truncated")):
+    (bare / "config.json").write_text("{}")  # its weights not copied: transformers' OSError after the stages ran
+    for path, problem in ((bad_json, "config.json is not valid JSON"), (truncated, "model.safetensors is truncated"),
+                          (bare, "no weights there (model.safetensors or pytorch_model.bin)")):
         with pytest.raises(SystemExit) as exit:
             preflight([f"model.sft_path={path}"])
         assert exit.value.code == 2

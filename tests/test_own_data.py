@@ -765,6 +765,25 @@ def test_a_model_whose_tokenizer_cannot_read_the_tasks_prompts_is_one_line(tmp_p
     check_vocabulary(char_tokenizer, digits.prompts("eval"), "model.sft_path")
 
 
+def test_a_model_directory_without_a_tokenizer_is_one_line_before_the_run_and_not_a_reward_models_own(make_cfg, tmp_path):
+    """transformers makes an empty tokenizer of a config's class for a directory that holds none: a GPT-2 model saved
+    without its tokenizer, given as model.sft_path, trained on texts of no ids (stage sft's IndexError, after the run
+    was made); given as a reward model it scored empty texts."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlhflab.models.build import foreign_tokenizer
+    from rlhflab.train import train
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2)).save_pretrained(tmp_path / "bare")
+    cfg = make_cfg(f"model.sft_path={tmp_path}/bare", f"cache_dir={tmp_path}/cache")
+    with pytest.raises(ConfigError, match=rf"^model.sft_path: no tokenizer can be read from '{tmp_path}/bare' \(no "
+                                          r"tokenizer saved there \(none of tokenizer.json, .*\)\); save one beside"):
+        train(cfg)
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
+    policy = PromptsTask(path=f"{EXAMPLE}/train.jsonl", tokenizer="char").build_tokenizer()
+    assert foreign_tokenizer(tmp_path / "bare", policy) is None  # it reads the policy's tokens
+
+
 def test_a_given_tokenizer_is_judged_before_the_mlflow_run_is_made(make_cfg, tmp_path):
     """train() read a given policy's tokenizer only after the MLflow run was made, so the one line above came with a
     run ended FAILED in the store. It is now read before: no store, no run, nothing cached."""

@@ -108,12 +108,30 @@ def check_vocabulary(tokenizer, prompts: list, key: str, most: float = 0.2) -> N
                           "task's vocabulary")
 
 
+# What save_pretrained writes of a tokenizer (a fast one, a slow one's vocabulary or sentencepiece model).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
+def saved_tokenizer(name_or_path, **kwargs):
+    """AutoTokenizer.from_pretrained, but a local directory without a tokenizer is an OSError: transformers then made
+    an empty tokenizer of its config's class (a GPT-2 model's: GPT2Tokenizer of 2 tokens, which reads every text as no
+    ids), and stage sft failed in an IndexError after the run was made; a reward model saved without one scored
+    empty texts."""
+    from transformers import AutoTokenizer
+
+    local = Path(str(name_or_path)).expanduser()
+    if local.is_dir() and not any((local / name).is_file() for name in TOKENIZER_FILES):
+        raise OSError(f"no tokenizer saved there (none of {', '.join(TOKENIZER_FILES[:3])}, ...)")
+    return AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+
+
 def load_tokenizer(name_or_path, model_path=None):
     """The policy's tokenizer, left-padding. One without a pad token (Llama, GPT-2, Pythia), or whose pad is its EOS,
     gets one that its model (`model_path`, default `name_or_path`) has an embedding row for; see `pad_token_for`."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+    tokenizer = saved_tokenizer(name_or_path, padding_side="left")
     # A pad that is EOS (Qwen2.5's base tokenizers; many saved by SFT recipes: pad_token = eos_token) hides the EOS
     # from every mask, so the reward model cannot tell a completion that ended from one cut at the budget.
     shared = tokenizer.pad_token is not None and tokenizer.pad_token_id == tokenizer.eos_token_id
@@ -201,10 +219,8 @@ def prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
 
 def foreign_tokenizer(model_path, tokenizer):
     """The tokenizer saved with a reward model if its vocabulary differs from the policy's, else None."""
-    from transformers import AutoTokenizer
-
     try:
-        own = AutoTokenizer.from_pretrained(model_path)
+        own = saved_tokenizer(model_path)
     except (OSError, ValueError):
         return None  # no tokenizer saved with it: it reads the policy's tokens
     if own.get_vocab() == tokenizer.get_vocab():
@@ -229,8 +245,6 @@ def check_reward_chat_template(model_cfg, task) -> None:
     """Before anything trains: conversations scored by a given reward model of a tokenizer of its own need that
     tokenizer's chat template (scored_texts). Loads the two tokenizers (from the hub where they are hub names: a
     few files), no model; one that cannot be loaded is left to the model's load to report."""
-    from transformers import AutoTokenizer
-
     from rlhflab.models.checks import check_hub
 
     path = model_cfg.get("reward_model_path")
@@ -241,7 +255,7 @@ def check_reward_chat_template(model_cfg, task) -> None:
     check_hub("model.reward_model_path", path)  # a hub id not cached and no hub: its one line, not retries
     check_hub(f"model.{policy_key}", policy)
     try:
-        policy_tokenizer = AutoTokenizer.from_pretrained(policy)
+        policy_tokenizer = saved_tokenizer(policy)
     except (OSError, ValueError):
         return
     own = foreign_tokenizer(path, policy_tokenizer)

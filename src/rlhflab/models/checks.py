@@ -38,7 +38,8 @@ def safetensors_damage(path: Path) -> str | None:
 
 
 def model_dir_damage(path: Path) -> str | None:
-    """What is wrong with a save_pretrained directory, or None (weights in .bin files are not checked)."""
+    """What is wrong with a save_pretrained directory, or None (weights in .bin files are not checked, only that
+    there are some)."""
     config = path / "config.json"
     if not config.is_file():
         return "no config.json there"
@@ -49,6 +50,8 @@ def model_dir_damage(path: Path) -> str | None:
     index = path / "model.safetensors.index.json"
     files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
         else sorted(path.glob("*.safetensors"))
+    if not files and not any(path.glob("*.bin")):  # a config.json alone: transformers' OSError traceback once the
+        return "no weights there (model.safetensors or pytorch_model.bin)"  # run was made and had trained its stages
     for file in files:
         if not file.is_file():
             return f"{file.name} is missing"

@@ -60,13 +60,15 @@ class HubPromptTask:
 
     @cached_property
     def _gold(self):
-        from transformers import AutoTokenizer
-
-        from rlhflab.models.build import for_text_scores, load_reward_model
+        from rlhflab.models.build import for_text_scores, load_reward_model, saved_tokenizer
 
         if self.gold_model_path is None:
             raise ConfigError("task.gold_model_path: null; name the reward model that scores evaluation")
-        tok = for_text_scores(AutoTokenizer.from_pretrained(self.gold_model_path))  # Pythia's has no pad token
+        try:
+            tok = for_text_scores(saved_tokenizer(self.gold_model_path))  # Pythia's has no pad token
+        except OSError as err:
+            raise ConfigError(f"task.gold_model_path: no tokenizer can be read from '{self.gold_model_path}' ({err}); "
+                              "save the one it was trained with beside it (tokenizer.save_pretrained)") from None
         return tok, load_reward_model(self.gold_model_path, pad_token_id=tok.pad_token_id).eval()
 
     @torch.no_grad()
