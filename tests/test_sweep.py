@@ -115,10 +115,14 @@ def test_optuna_preset_searches_existing_keys_in_memory():
 
 @pytest.fixture(scope="module")
 def sqlite_sweep(tmp_path_factory, stage_cache) -> Sweep:
-    """rloo and grpo with 2 training prompts (a ConfigError in the job's validation: a step takes 4) and 512:
-    two failures, two runs. (A value the schema rejects would stop the whole sweep before it starts.)"""
+    """rloo and grpo with seeds 1 and 2, each seed 1 job in an output directory that holds another run's checkpoints
+    (a ConfigError at the job's start, before its MLflow run): two failures, two runs. (What the config alone decides,
+    a value the schema or the plug-ins reject, stops the whole sweep before it starts.)"""
     cwd = tmp_path_factory.mktemp("sweep")
-    return run_sweep(cwd, f"sqlite:///{cwd}/mlflow.db", stage_cache, "algo=rloo,grpo", "task.num_train_prompts=2,512")
+    for job in (0, 2):
+        (cwd / "out" / str(job) / "checkpoints" / "step-000002").mkdir(parents=True)
+    return run_sweep(cwd, f"sqlite:///{cwd}/mlflow.db", stage_cache, "algo=rloo,grpo", "seed=1,2",
+                     f"output.dir={cwd}/out/${{hydra:job.num}}")
 
 
 @pytest.mark.slow
@@ -126,22 +130,23 @@ def test_sweep_jobs_are_children_of_one_parent(sqlite_sweep):
     client = MlflowClient(sqlite_sweep.uri)
     parent, children = sweep_runs(client)
     assert [r.data.tags["rlhflab.sweep.job"] for r in children] == ["0", "1", "2", "3"]
-    failed, finished = children[0::2], children[1::2]  # num_train_prompts=2 is each algo's first job
+    failed, finished = children[0::2], children[1::2]  # seed=1 is each algo's first job
     # Job 0 failed and job 1 still ran: the sweep went on after a failure.
     assert [r.info.status for r in children] == ["FAILED", "FINISHED", "FAILED", "FINISHED"]
     assert [r.data.tags["algo"] for r in children] == ["rloo", "rloo", "grpo", "grpo"]
     for run in finished:
         for key in ("eval/gold_reward", "eval/kl", "train/kl", "perf/samples_per_s", "perf/total_s"):
             assert key in run.data.metrics, key
-    for run in failed:  # failed in validation, before the job's tracker made a run: the callback made this one
-        assert run.data.tags["rlhflab.error"].startswith("ConfigError: rl.prompts_per_step=4")
+    for run in failed:  # failed at its start, before the job's tracker made a run: the callback made this one
+        assert run.data.tags["rlhflab.error"].startswith("ConfigError: output.dir: ")
+        assert "already holds another run's checkpoints" in run.data.tags["rlhflab.error"]
         assert not run.data.metrics
     for bad, good in zip(failed, finished):  # tagged alike, so a search by tag finds both
         assert {g: bad.data.tags.get(g) for g in RUN_TAG_GROUPS} == {g: good.data.tags.get(g) for g in RUN_TAG_GROUPS}
     assert parent.info.status == "FINISHED"
     # The parent says what was swept, in its name and tags, and carries the lineage a single run has.
-    assert parent.info.run_name.startswith("sweep algo=rloo,grpo num_train_prompts=2,512 "), parent.info.run_name
-    assert json.loads(parent.data.tags["rlhflab.sweep.params"]) == {"algo": "rloo,grpo", "task.num_train_prompts": "2,512"}
+    assert parent.info.run_name.startswith("sweep algo=rloo,grpo seed=1,2 "), parent.info.run_name
+    assert json.loads(parent.data.tags["rlhflab.sweep.params"]) == {"algo": "rloo,grpo", "seed": "1,2"}
     assert {"mlflow.user", "mlflow.source.name"} <= set(parent.data.tags)
     assert "rlhflab.sweep.experiment" not in parent.data.tags  # no preset: it was the string 'None'
     # The sweep made the experiment: it opens in MLflow's training view like one a single run makes.
@@ -379,13 +384,38 @@ def test_sweep_against_a_tracking_server(tmp_path, stage_cache, monkeypatch):
 
 
 def test_a_job_that_failed_before_its_run_is_named_as_its_run_would_have_been(tmp_path, stage_cache):
-    """A job that fails before its tracker made a run (here train()'s check of model.arch) gets a child made by the
-    callback: it was named 'rloo-full-sync', its siblings by their command lines."""
-    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", stage_cache, "model.arch.num_attention_heads=3,4")
+    """A job that fails before its tracker made a run (here train()'s reading of the given SFT policy's tokenizer,
+    which it lacks) gets a child made by the callback: it was named 'rloo-full-sync', its siblings by their command
+    lines."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2)).save_pretrained(tmp_path / "bare")  # no tokenizer
+    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", stage_cache, f"model.sft_path={tmp_path}/bare,null")
     parent, (failed, good) = sweep_runs(MlflowClient(sweep.uri))
     assert failed.info.status == "FAILED" and good.info.status == "FINISHED"
-    assert failed.info.run_name.startswith("rloo num_attention_heads=3 ")
-    assert good.info.run_name == failed.info.run_name.replace("num_attention_heads=3", "num_attention_heads=4")
+    assert "no tokenizer can be read" in failed.data.tags["rlhflab.error"]
+    assert failed.info.run_name.startswith("rloo sft_path=bare ")
+    assert good.info.run_name == failed.info.run_name.replace("sft_path=bare", "sft_path=null")
+
+
+@pytest.mark.parametrize("args, line", [
+    (["-m", "mode.reference=thread", "memory=full,lora"], "error: mode.reference=thread: memory=lora computes the reference "
+     "with the policy's own modules (its adapter off); use mode.reference=learner (or auto) (sweep job: "
+     "mode.reference=thread memory=lora)"),
+    (["-m", "model.arch.hidden_size=32,30"], "error: model.arch: transformers cannot build a model of it "),
+    (["experiment=sweep_memory", "algo=ppo", "model.dtype=float16"], "error: model.dtype=float16: memory=full would train "
+     "whole weights in float16, "),
+    (["experiment=sweep_optuna", "memory=lora", "mode.reference=thread"], "error: mode.reference=thread: memory=lora "),
+])
+def test_a_sweep_job_that_train_would_refuse_stops_the_sweep_before_it_starts(tmp_path, args, line):
+    """What train() checks before it loads a model (the plug-ins' checks, model.arch on the meta device) passed the
+    preflight's schema check: the sweep started, and each such job failed at its start as a FAILED child, where
+    docs/SWEEPS.md promises one line naming the job before any job runs or any MLflow run is made."""
+    out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), *args], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"})
+    assert out.returncode == 2 and out.stderr.startswith(line), out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert "sweep job: " in out.stderr and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "multirun").exists()
 
 
 def test_an_optuna_study_whose_every_trial_failed_ends_as_a_grid_sweep_does(tmp_path):

@@ -50,14 +50,20 @@ def preflight(argv: list[str]) -> None:
     servers: set[str] = set()
     outputs: set[str] = set()  # the fixed output.dir values of the jobs so far
     gridded: set[tuple[str, ...]] = set()  # jobs of a preset's grid, whose own grid is this one
+    which = {}  # each job's words in a message
+    parents: set[tuple[str, ...]] = set()  # jobs that are a preset's grid, not a job of their own
+    sweeping = multirun
     for job in jobs:
-        which = f" (sweep job: {' '.join(job)})" if multirun or tuple(job) in gridded else ""
+        which[tuple(job)] = f" (sweep job: {' '.join(job)})" if multirun or tuple(job) in gridded else ""
         try:
             cfg = compose(job, hydra=True)
             if tuple(job) not in gridded:
                 more = grid_jobs(cfg.hydra, job)
                 gridded.update(map(tuple, more))
                 jobs.extend(more)
+                if more:  # a preset's grid: its jobs run, not this one
+                    parents.add(tuple(job))
+            sweeping = sweeping or str(cfg.hydra.mode) == "RunMode.MULTIRUN"  # -m, or a preset's hydra.mode
             check_hydra_dirs(cfg.hydra)
             check_optuna(cfg.hydra)
             searched = sweep_searches(cfg)
@@ -71,9 +77,52 @@ def preflight(argv: list[str]) -> None:
                 servers.add(cfg.logger.tracking_uri)
                 check_server(cfg.logger.tracking_uri)
         except ConfigError as err:
-            fail(f"{err}{which}")
+            fail(f"{err}{which[tuple(job)]}")
         except Exception as err:  # Hydra's and OmegaConf's composition errors
-            fail(composition_error(err, job) + which)
+            fail(composition_error(err, job) + which[tuple(job)])
+    if sweeping:
+        check_sweep_jobs({job: words for job, words in which.items() if job not in parents})
+
+
+def check_sweep_jobs(which: dict[tuple[str, ...], str]) -> None:
+    """What train(cfg) checks before it loads a model (train.check_job, and model.arch on the meta device), for each
+    job of a sweep before the sweep starts: mode.reference=thread beside memory=lora, model.dtype=float16 with a stage
+    to train, reward.weights not one per reward.fn, or a model.arch transformers cannot build passed the schema's
+    check here, and then failed that job at its start as a FAILED child run, the sweep going on. Imports torch
+    (~3 s, which the sweep's first job pays anyway); ~0.1 s a job. The jobs say their warnings themselves."""
+    import logging
+    import warnings
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from rlhflab.models.build import check_arch
+    from rlhflab.train import check_job
+
+    tokenizers = {}  # the task's own tokenizer, for model.arch's vocabulary: one per task setting
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for number, (job, words) in enumerate(which.items()):
+                cfg = compose(list(job), hydra=True)
+                with open_dict(cfg):  # what Hydra's launcher gives a job: ${hydra:job.num} resolves as it will there
+                    cfg.hydra.job.num, cfg.hydra.job.id = number, str(number)
+                    cfg.hydra.runtime.output_dir = str(Path(cfg.hydra.sweep.dir, str(number)))
+                HydraConfig.instance().set_config(cfg)
+                sweep_searches(cfg)
+                try:
+                    plan = check_job(cfg)
+                    if not cfg.model.get("name_or_path"):  # a model train() builds from model.arch
+                        task = OmegaConf.to_yaml(cfg.task)
+                        if task not in tokenizers:
+                            tokenizers[task] = plan.task.build_tokenizer()
+                        check_arch(OmegaConf.to_container(cfg.model.arch, resolve=True), tokenizers[task])
+                except ConfigError as err:
+                    fail(f"{err}{words or ' (sweep job: ' + ' '.join(job) + ')'}")
+    finally:
+        logging.disable(logging.NOTSET)
+        HydraConfig.instance().cfg = None
 
 
 def check_server(tracking_uri: str, timeout_s: float = 10.0) -> None:

@@ -125,11 +125,19 @@ def _make_trainer(cfg: DictConfig, logger, stage: str, callbacks=(), **overrides
     return instantiate(cfg.trainer, logger=logger, callbacks=[*bar, ckpt.SignalsOurs(), *callbacks], **overrides)
 
 
+def check_job(cfg: DictConfig) -> Plan:
+    """The checks that read no model, no hub and no MLflow store: validate's (every check that needs no model), the
+    GPUs it asks for are here, Lightning takes the trainer's settings. train() makes them first; the command line's
+    preflight makes them for each job of a sweep, before the sweep starts (cli.check_sweep_jobs)."""
+    plan = validate(cfg)
+    check_devices(cfg)
+    check_trainer(cfg)
+    return plan
+
+
 def train(cfg: DictConfig) -> Result:
     """Run one experiment end to end. Raises ConfigError (one line) before loading any model."""
-    plan: Plan = validate(cfg)  # every check that needs no model
-    check_devices(cfg)  # and the GPUs it asks for are here
-    check_trainer(cfg)  # and Lightning takes the trainer's settings
+    plan = check_job(cfg)
     for key in ("name_or_path", "sft_path", "reward_model_path", "tokenizer"):
         check_hub(f"model.{key}", cfg.model.get(key))  # hub ids: cached, or the hub answers (before any run exists)
     check_hub("task.gold_model_path", cfg.task.get("gold_model_path"))
