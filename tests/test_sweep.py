@@ -406,8 +406,13 @@ def test_a_job_that_failed_before_its_run_is_named_as_its_run_would_have_been(tm
     (["experiment=sweep_memory", "algo=ppo", "model.dtype=float16"], "error: model.dtype=float16: memory=full would train "
      "whole weights in float16, "),
     (["experiment=sweep_optuna", "memory=lora", "mode.reference=thread"], "error: mode.reference=thread: memory=lora "),
+    # the parent run is in the first job's experiment: a child in another was found by neither its summary nor the
+    # report ('0 jobs')
+    (["-m", "logger.experiment_name=a,b"], "error: logger.experiment_name: a sweep's runs are the children of one parent "
+     "run, in one experiment of one store, but its jobs log to a and b; run one sweep for each (sweep job: "
+     "logger.experiment_name=b)"),
 ])
-def test_a_sweep_job_that_train_would_refuse_stops_the_sweep_before_it_starts(tmp_path, args, line):
+def test_a_sweep_with_a_job_it_cannot_run_or_nest_stops_before_it_starts(tmp_path, args, line):
     """What train() checks before it loads a model (the plug-ins' checks, model.arch on the meta device) passed the
     preflight's schema check: the sweep started, and each such job failed at its start as a FAILED child, where
     docs/SWEEPS.md promises one line naming the job before any job runs or any MLflow run is made."""

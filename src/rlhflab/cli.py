@@ -49,6 +49,7 @@ def preflight(argv: list[str]) -> None:
         fail(composition_error(err, overrides))
     servers: set[str] = set()
     outputs: set[str] = set()  # the fixed output.dir values of the jobs so far
+    stores: dict[str, str] = {}  # the MLflow store and experiment of the sweep's first job
     gridded: set[tuple[str, ...]] = set()  # jobs of a preset's grid, whose own grid is this one
     which = {}  # each job's words in a message
     parents: set[tuple[str, ...]] = set()  # jobs that are a preset's grid, not a job of their own
@@ -73,6 +74,8 @@ def preflight(argv: list[str]) -> None:
             searched_keys_exist(cfg, searched)
             if multirun:
                 check_one_output_per_job(cfg, searched, outputs)
+            if sweeping and tuple(job) not in parents:
+                check_one_experiment(cfg, stores)
             if cfg.logger.tracking_uri not in servers:
                 servers.add(cfg.logger.tracking_uri)
                 check_server(cfg.logger.tracking_uri)
@@ -302,6 +305,20 @@ def check_one_output_per_job(cfg, searched: dict, outputs: set[str]) -> None:
                           "policy/; leave output.dir out (each job gets hydra.sweep.dir/<job number>), or make it differ "
                           f"per job: output.dir='{raw}/${{hydra:job.num}}'")
     outputs.add(str(raw))
+
+
+def check_one_experiment(cfg, stores: dict[str, str]) -> None:
+    """A sweep's runs are children of one parent run, made in the first job's experiment and store: a job logged
+    to another experiment (-m logger.experiment_name=a,b) was a child the parent's summary and the report did not
+    find ('0 jobs'), and one logged to another store was no child at all."""
+    from rlhflab.naming import redact
+
+    for key in ("experiment_name", "tracking_uri"):
+        value = redact(str(cfg.logger[key]))
+        first = stores.setdefault(key, value)
+        if value != first:
+            raise ConfigError(f"logger.{key}: a sweep's runs are the children of one parent run, in one experiment of one "
+                              f"store, but its jobs log to {first} and {value}; run one sweep for each")
 
 
 def check_launcher(choices: dict) -> None:
