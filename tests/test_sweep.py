@@ -381,6 +381,23 @@ def test_sweep_against_a_tracking_server(tmp_path, stage_cache, monkeypatch):
     assert bad.info.status == "FAILED" and "not_a_dir" in bad.data.tags["rlhflab.error"]
     assert bad.data.params["cache_dir"] == str(not_a_dir)  # the job's own run (it logged its config), not the callback's
     assert "Traceback" in sweep.output  # an unexpected error is shown in full, unlike a ConfigError
+    # Its closing line names the store to report from (it said only sweep=<id>, which reads ./mlflow.db).
+    assert f"report with: python src/report.py sweep={parent.info.run_id} tracking_uri={server}\n" in sweep.output
+    # The server's database read directly: its runs' files are behind the server (mlflow-artifacts:/...), and MLflow's
+    # 49-line MlflowException came after the run was made (the report's, after it had drawn the plots).
+    direct = f"sqlite:///{tmp_path}/server.db"
+    out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), f"logger.tracking_uri={direct}", *TINY],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "RLHFLAB_CACHE": str(stage_cache)})
+    assert out.returncode == 2 and out.stderr.startswith(
+        "error: logger.experiment_name=rlhflab: its runs' files are kept behind an MLflow server (mlflow-artifacts:/"), out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert len(MlflowClient(direct).search_runs([parent.info.experiment_id])) == 3  # no run made
+    from rlhflab.report import main as report
+
+    with pytest.raises(SystemExit, match=r"^error: tracking_uri: the sweep keeps its files behind an MLflow server "
+                                         r"\(mlflow-artifacts:/.*\), and sqlite:.* is not one; report through that server .*log_artifacts=false$"):
+        report([f"sweep={parent.info.run_id}", f"tracking_uri={direct}", f"out_dir={tmp_path}/report"])
+    assert not (tmp_path / "report").exists()
 
 
 def test_a_job_that_failed_before_its_run_is_named_as_its_run_would_have_been(tmp_path, stage_cache):

@@ -32,6 +32,7 @@ from rlhflab.naming import (
     SWEEP_OVERRIDES_TAG,
     SWEEP_TAG,
     home_expanded,
+    redact,
     short_override,
     sqlite_path,
 )
@@ -534,8 +535,14 @@ def main(argv: list[str], prog: str = "python src/report.py") -> Report:
     if baseline is not None and baseline.info.run_id == parent.info.run_id:  # every speedup 1.00
         raise SystemExit(f"error: baseline={args['baseline']}: is the sweep itself; give another sweep to compare with "
                          "(e.g. the sync runs of the same algos)")
+    upload = BOOLEANS[args["log_artifacts"].lower()]
+    if upload and str(parent.info.artifact_uri).startswith("mlflow-artifacts:") and not uri.startswith(("http://", "https://")):
+        # a sweep run through an MLflow server, its database read directly: MLflow's traceback after the plots
+        raise SystemExit(f"error: tracking_uri: the sweep keeps its files behind an MLflow server "
+                         f"({parent.info.artifact_uri}), and {redact(uri)} is not one; report through that server "
+                         "(tracking_uri=http://HOST:PORT), or keep the report here only: log_artifacts=false")
     report = write_report(client, parent, out_dir, baseline)
-    if BOOLEANS[args["log_artifacts"].lower()]:
+    if upload:
         client.log_artifacts(parent.info.run_id, str(out_dir), "report")
     for path in report.files:
         print(f"wrote {path}")

@@ -131,6 +131,7 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
                     return client.create_experiment(name, tags=tags)
                 except Exception:  # another process (not under this lock: a server's other client) created it first
                     experiment = client.get_experiment_by_name(name)
+            check_artifact_store(tracking_uri, experiment)
             for key, value in tags.items():
                 if experiment.tags.get(key) != value and not (key == "mlflow.note.content" and key in experiment.tags):
                     client.set_experiment_tag(experiment.experiment_id, key, value)
@@ -146,6 +147,17 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
             why += " (the store's database driver; pip install it)"
         raise ConfigError(f"logger.tracking_uri: MLflow cannot open '{redact(tracking_uri)}' (from MLFLOW_TRACKING_URI or "
                           f"logger.tracking_uri=): {redact(why)}") from None
+
+
+def check_artifact_store(tracking_uri: str, experiment) -> None:
+    """An experiment made through an MLflow server (`mlflow server --backend-store-uri sqlite:///mlflow.db`) keeps
+    its runs' files behind that server (mlflow-artifacts:/...). The same database opened directly (sqlite:///...)
+    made the run, then failed on its first file (config.yaml) in MLflow's 49-line MlflowException."""
+    if str(experiment.artifact_location).startswith("mlflow-artifacts:") and not tracking_uri.startswith(("http://", "https://")):
+        raise ConfigError(f"logger.experiment_name={experiment.name}: its runs' files are kept behind an MLflow server "
+                          f"({experiment.artifact_location}), and {redact(tracking_uri)} is not one; log through that "
+                          "server (logger.tracking_uri=http://HOST:PORT), or to another experiment "
+                          "(logger.experiment_name=<new name>)")
 
 
 def store_failed(err: BaseException) -> bool:

@@ -24,6 +24,7 @@ import atexit
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
     ERROR_TAG, MAX_TAG, OBJECTIVE, PARENT_RUN_ENV, SWEPT_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OBJECTIVE_TAG,
-    SWEEP_OVERRIDES_TAG, SWEEP_TAG, clipped, default_run_name, run_name, home_expanded, model_tag, short_override,
+    SWEEP_OVERRIDES_TAG, SWEEP_TAG, clipped, default_run_name, run_name, home_expanded, model_tag, redact, short_override,
 )
 
 log = logging.getLogger("rlhflab.sweep")
@@ -135,7 +136,8 @@ class MlflowSweepCallback(Callback):
         atexit.unregister(self._abandon)
         if self.failed:
             log.warning("mlflow sweep: %d job(s) failed:\n  %s", len(self.failed), "\n  ".join(self.failed))
-        log.info("mlflow sweep: done; report with: python src/report.py sweep=%s", self.parent_run_id)
+        store = "" if self._uri == "sqlite:///mlflow.db" else f" tracking_uri={shlex.quote(redact(self._uri))}"
+        log.info("mlflow sweep: done; report with: python src/report.py sweep=%s%s", self.parent_run_id, store)
 
     # ---- helpers ------------------------------------------------------------------------
 
