@@ -440,6 +440,20 @@ def test_a_sweep_with_a_job_it_cannot_run_or_nest_stops_before_it_starts(tmp_pat
     assert "sweep job: " in out.stderr and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "multirun").exists()
 
 
+def test_an_optuna_sweep_from_the_command_line_is_checked_and_the_plugins_own_config_is_refused(capsys):
+    """hydra/sweeper=rlhflab_optuna with the search on the command line has no params of its own: the preflight's
+    read of them was 'Input cfg is not an OmegaConf config object (dict)'. hydra/sweeper=optuna minimized the gold
+    reward (hydra-optuna-sweeper's default direction) and named the worst trial the best."""
+    from rlhflab.cli import preflight
+
+    preflight(["-m", "hydra/sweeper=rlhflab_optuna", "algo.kl_coef=interval(0.01,0.1)", "hydra.sweeper.n_trials=2"])
+    with pytest.raises(SystemExit):
+        preflight(["-m", "hydra/sweeper=optuna", "algo.kl_coef=interval(0.01,0.1)"])
+    assert capsys.readouterr().err.startswith("error: hydra/sweeper=optuna: hydra-optuna-sweeper's own defaults minimize, "
+                                              "and rlhflab's objective (the gold reward) is to be maximized; use "
+                                              "hydra/sweeper=rlhflab_optuna")
+
+
 def test_an_optuna_study_whose_every_trial_failed_ends_as_a_grid_sweep_does(tmp_path):
     """Optuna's study.best_trial raised 'ValueError: No trials are completed yet' after the last failed trial: exit 1,
     a traceback, and the parent FAILED with no summary and no list of the trials' errors."""

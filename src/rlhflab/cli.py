@@ -70,6 +70,7 @@ def preflight(argv: list[str]) -> None:
             searched = sweep_searches(cfg)
             check_typed(cfg, searched["choices"])
             check_launcher(searched["choices"])
+            check_sweeper(searched["choices"])
             check(cfg)
             searched_keys_exist(cfg, searched)
             if multirun:
@@ -199,7 +200,8 @@ def optuna_space(hydra) -> dict | None:
     sweeper = hydra.get("sweeper")
     if sweeper is None or not str(sweeper.get("_target_", "")).endswith("OptunaSweeper"):
         return None
-    params = OmegaConf.to_container(sweeper.get("params") or {}, resolve=False) or {}
+    params = sweeper.get("params")  # null under hydra-optuna-sweeper's own config (hydra/sweeper=optuna)
+    params = OmegaConf.to_container(params, resolve=False) if params is not None else {}
     parser = OverridesParser.create()
     return {key: parser.parse_overrides([f"{key}={value}"])[0].value() for key, value in params.items()}
 
@@ -319,6 +321,16 @@ def check_one_experiment(cfg, stores: dict[str, str]) -> None:
         if value != first:
             raise ConfigError(f"logger.{key}: a sweep's runs are the children of one parent run, in one experiment of one "
                               f"store, but its jobs log to {first} and {value}; run one sweep for each")
+
+
+def check_sweeper(choices: dict) -> None:
+    """hydra-optuna-sweeper's own config (hydra/sweeper=optuna) minimizes by default: a study of rlhflab's objective
+    (the gold reward) searched for the worst runs, and named the worst the best. rlhflab_optuna is that sweeper with
+    rlhflab's defaults (maximize; a failed trial recorded, the study going on)."""
+    if choices.get("hydra/sweeper") == "optuna":
+        raise ConfigError("hydra/sweeper=optuna: hydra-optuna-sweeper's own defaults minimize, and rlhflab's objective (the "
+                          "gold reward) is to be maximized; use hydra/sweeper=rlhflab_optuna, the same sweeper with "
+                          "rlhflab's defaults (its direction, n_trials and sampler settable as hydra.sweeper.*)")
 
 
 def check_launcher(choices: dict) -> None:
