@@ -62,6 +62,9 @@ BAD_VALUES = [
     ("algo.kl_estimator=k9", "algo.kl_estimator"),
     # a preset's grid, changed on the command line: a typo failed in Hydra's ~15 lines after the sweep's parent run was made
     ('experiment=sweep_algos hydra.sweeper.params.algo="rloo,grop"', "algo=grop: no such option; choose one of"),
+    # Hydra's and its plugins' own options too: it offered only conf/'s slurm
+    ("-m hydra/launcher=slrm seed=1,2", "hydra/launcher=slrm: no such option; choose one of basic, slurm, submitit_local, "
+                                        "submitit_slurm (sweep job: hydra/launcher=slrm seed=1)"),
     # a setting of another option of the group: under reward=model (no settings) it said 'valid keys: ' and nothing
     ("reward.fn=my_pkg.rewards:score", "reward.fn: reward has no settings; reward.fn is a setting of reward=function: add reward=function"),
     # several options have it: it said 'add memory=hydra', the first by name

@@ -435,7 +435,7 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
         found = re.search(r"Could not find '([^']+)/([^']+)'", str(err))
         if found:
             group, option = found.groups()
-            options = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+            options = sorted({p.stem for p in (CONFIG_DIR / group).glob("*.yaml")} | registered_options(group))
             return f"{group}={option}: no such option; choose one of {', '.join(options)}"
     unregistered = re.search(r"In '([^']+)': Could not load 'schema/([^'/]+)/([^']+)'", str(err))
     if unregistered:
@@ -488,6 +488,18 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
         return (f"{bad}: a comma list is a sweep, which needs -m (python src/train.py -m {bad} ...); "
                 "for a list value write key=[a,b], for a string with a comma quote it: key=\"'a,b'\"")
     return f"{bad}: {message}; see python src/train.py --help"
+
+
+def registered_options(group: str) -> set[str]:
+    """The options Hydra and its plugins register for a group (hydra/launcher: basic, submitit_local, ...): the message
+    for hydra/launcher=slrm offered only conf/'s slurm. (rlhflab's schema/ entries are bases, not options.)"""
+    from hydra.core.config_store import ConfigStore
+
+    try:
+        names = ConfigStore.instance().list(group) if group.startswith("hydra/") else []
+    except Exception:  # a group nothing registers (ConfigStore: "Path not found")
+        return set()
+    return {n.removesuffix(".yaml") for n in names if n.endswith(".yaml")}
 
 
 def _under_null(overrides: list[str]) -> str | None:
