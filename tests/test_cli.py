@@ -52,8 +52,10 @@ BAD_VALUES = [
     ("stages.rm.held_out_fraction=0", "stages.rm.held_out_fraction"),
     ("memory=lora memory.lora_dropout=1.2", "memory.lora_dropout"),
     ("memory=lora memory.r=0", "memory.r"),
-    ("algo=ppo algo.gamma=1.5", "algo.gamma"),
-    ("algo=ppo algo.lam=-0.1", "algo.lam"),
+    # the fix suggested a typical value, not the bound (it said 'set e.g. algo.gamma=0': no discount at all)
+    ("algo=ppo algo.gamma=1.5", "algo.gamma: 1.5 must be >= 0 and <= 1; set e.g. algo.gamma=1.0"),
+    ("algo=ppo algo.lam=-0.1", "algo.lam: -0.1 must be >= 0 and <= 1; set e.g. algo.lam=0.95"),
+    ("kl_budget=-1", "kl_budget: -1.0 must be >= 0; set e.g. kl_budget=3.0"),
     ("algo.clip_eps=0", "algo.clip_eps"),
     ("algo.epochs=0", "algo.epochs"),
     ("algo.samples_per_prompt=1", "algo.samples_per_prompt"),

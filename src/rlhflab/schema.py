@@ -59,7 +59,7 @@ class RMStage(SFTStage):
 
 @dataclass
 class HydraSFTStage:
-    reward_loss_weight: float = setting(ge=0)
+    reward_loss_weight: float = setting(ge=0, example=1.0)
 
 
 @dataclass
@@ -116,8 +116,8 @@ class Train:
     cache_dir: str = setting(path=True)
     torch_threads: Optional[int] = setting(ge=1)
     optimized_metric: str = MISSING
-    kl_budget: Optional[float] = setting(None, ge=0)  # sweep_optuna: nats of eval KL before the penalty
-    kl_penalty: float = setting(0.1, ge=0)  # sweep_optuna: gold reward off per nat above the budget
+    kl_budget: Optional[float] = setting(None, ge=0, example=3.0)  # sweep_optuna: nats of eval KL before the penalty
+    kl_penalty: float = setting(0.1, ge=0, example=0.1)  # sweep_optuna: gold reward off per nat above the budget
     stages: Stages = MISSING
     rl: RL = MISSING
     output: Output = MISSING
@@ -216,7 +216,7 @@ class RLOO(WholeCompletionReinforce):
 @dataclass
 class ReinforcePP(Algo):
     kl_coef: float = setting(ge=0, example=0.05)
-    gamma: float = setting(ge=0, le=1)
+    gamma: float = setting(ge=0, le=1, example=1.0)
     clip_eps: float = setting(gt=0, example=0.2)
 
 
@@ -231,8 +231,8 @@ class GRPO(Algo):  # grpo, dr_grpo
 @dataclass
 class PPO(Algo):
     kl_coef: float = setting(ge=0, example=0.05)
-    gamma: float = setting(ge=0, le=1)
-    lam: float = setting(ge=0, le=1)
+    gamma: float = setting(ge=0, le=1, example=1.0)
+    lam: float = setting(ge=0, le=1, example=0.95)
     clip_eps: float = setting(gt=0, example=0.2)
     value_clip_eps: float = setting(gt=0, example=0.2)
     vf_coef: float = setting(ge=0, example=0.1)
