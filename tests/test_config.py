@@ -539,6 +539,9 @@ def test_the_debug_preset_fits_every_task(extra):
     ("model.arch.num_key_value_heads=3", "cannot run a model of it (RuntimeError: The size of tensor a (4) must match"),
     # built, trained and cached without layers; stage rm then blamed its learning rate
     ("model.arch.num_hidden_layers=0", "model.arch.num_hidden_layers=0: a model needs at least one layer; give"),
+    # kept by the config as one more attribute, read by no module: the default width, built without a word
+    ("+model.arch.hiden_size=128", "model.arch.hiden_size: not a setting of LlamaConfig, which would keep it unused (did "
+                                   "you mean hidden_size?); fix its name, or remove it"),
 ])
 def test_a_model_arch_transformers_refuses_is_one_line_before_the_run(make_cfg, tmp_path, override, said):
     """Each was transformers' traceback when the base model was built, after the MLflow run was made."""

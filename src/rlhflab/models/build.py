@@ -80,6 +80,7 @@ def check_arch(arch: dict, tokenizer) -> None:
             model = AutoModelForCausalLM.from_config(config)
     except Exception as err:  # a config class's validation, a module's __init__: any of their errors
         raise refused("build", err) from None
+    check_arch_keys(arch, type(config))
     layers = getattr(config, "num_hidden_layers", 1)
     if isinstance(layers, int) and layers < 1:
         raise ConfigError(f"model.arch.num_hidden_layers={layers}: a model needs at least one layer; give "
@@ -89,6 +90,24 @@ def check_arch(arch: dict, tokenizer) -> None:
             model(input_ids=torch.zeros(1, 2, dtype=torch.long))
     except Exception as err:  # shapes that do not fit one another
         raise refused("run", err) from None
+
+
+def check_arch_keys(arch: dict, config_class) -> None:
+    """A transformers config keeps a key it does not know as one more attribute, which no module reads:
+    +model.arch.hiden_size=128 built the default width without a word. A key is unknown where the class's default
+    config has no such attribute and setting it changes nothing but itself (rope_theta, which transformers 5 reads
+    into rope_parameters, changes those)."""
+    import difflib
+
+    base = config_class().to_dict()
+    for key, value in arch.items():
+        if key == "model_type" or key in base:
+            continue
+        given = config_class(**{key: value}).to_dict()
+        if {k for k in set(given) | set(base) if given.get(k) != base.get(k)} == {key}:
+            close = difflib.get_close_matches(key, list(base), n=1)
+            raise ConfigError(f"model.arch.{key}: not a setting of {config_class.__name__}, which would keep it unused"
+                              f"{f' (did you mean {close[0]}?)' if close else ''}; fix its name, or remove it")
 
 
 def check_vocabulary(tokenizer, prompts: list, key: str, most: float = 0.2) -> None:
