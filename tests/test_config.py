@@ -268,6 +268,26 @@ def test_more_cpu_ranks_than_cores_are_warned(monkeypatch, caplog):
     assert "trainer.devices=8: no CUDA GPU is visible, so 8 CPU processes share 2 core(s)" in caplog.text
 
 
+def test_async_torch_threads_beyond_the_cores_are_warned(monkeypatch, caplog):
+    """mode=async's generator threads run beside the learner's: 2+2 on 2 cores ran 10x slower, said by nothing but
+    the run's speed."""
+    import torch
+
+    from rlhflab.config import check_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    check_devices(compose_cfg(["mode=async"], shrink=False))
+    check_devices(compose_cfg(["mode=sync", "torch_threads=2"], shrink=False))
+    assert "torch threads" not in caplog.text
+    check_devices(compose_cfg(["mode=async", "mode.generator_threads=2", "mode.learner_threads=2"], shrink=False))
+    assert ("mode.generator_threads=2 + mode.learner_threads=2: 4 torch threads on 2 core(s), which slows both sides "
+            "(2+2 on 2 cores ran 10x slower); keep their sum at most 2") in caplog.text
+    caplog.clear()
+    check_devices(compose_cfg(["mode=async", "trainer=ddp", "trainer.devices=2"], shrink=False))
+    assert "4 torch threads (2 ranks, each with its generator) on 2 core(s)" in caplog.text
+
+
 def test_cli_mlflow_file_store_is_one_line_naming_the_key(tmp_path):
     """MLflow 3 refuses its file store: the user gets one line naming the key, and no model is built."""
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}

@@ -145,6 +145,7 @@ def check_devices(cfg: DictConfig) -> None:
         # an 8-GPU preset (experiment=rloo_pythia6.9b_tldr: accelerator auto) started 8 CPU processes here, silently
         log.warning("trainer.devices=%d: no CUDA GPU is visible, so %d CPU processes share %d core(s) (each rank runs "
                     "at a fraction of one); set trainer.devices=%d or fewer here", devices, devices, cores, cores)
+    check_async_threads(cfg, visible, cores)
     device = cfg.mode.get("device")
     index = cuda_index(device)  # its format was checked with the schema
     if index is not None and index >= visible:
@@ -156,6 +157,23 @@ def check_devices(cfg: DictConfig) -> None:
     if not visible and isinstance(strategy, DictConfig) and strategy.get("process_group_backend") == "nccl":
         raise ConfigError("trainer.strategy.process_group_backend=nccl: NCCL needs GPUs, and no CUDA GPU is visible here; "
                           "use gloo (or null to choose by device)")
+
+
+def check_async_threads(cfg: DictConfig, visible: int, cores: int) -> None:
+    """mode=async runs the generator's torch threads beside the learner's on the CPU: more than the cores ran slower
+    (2+2 on 2 cores: 10x), which only the run's speed showed. Warned, as the CPU ranks beyond the cores are."""
+    mode = cfg.mode
+    if "generator_threads" not in mode or mode.get("device") or int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        return
+    on_cpu = not visible and str(cfg.trainer.get("accelerator", "auto")) in ("cpu", "auto")
+    learners = ranks(cfg.trainer) if on_cpu else 0  # each CPU rank its learner and its generator
+    threads = (int(mode.generator_threads) + int(mode.learner_threads if on_cpu else 0)) * max(learners, 1)
+    if threads > cores:
+        log.warning("mode.generator_threads=%d%s: %d torch threads%s on %d core(s), which slows both sides (2+2 on 2 "
+                    "cores ran 10x slower); %s", mode.generator_threads,
+                    f" + mode.learner_threads={mode.learner_threads}" if on_cpu else "", threads,
+                    f" ({learners} ranks, each with its generator)" if learners > 1 else "", cores,
+                    f"give fewer ranks (trainer.devices) or threads" if learners > 1 else f"keep their sum at most {cores}")
 
 
 def check_half_precision(cfg: DictConfig, memory: str, needs_reward_model: bool) -> None:
