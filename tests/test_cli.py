@@ -397,7 +397,7 @@ def test_a_tracking_server_that_is_not_there_is_one_line(tmp_path):
     import socket
     import threading
 
-    from rlhflab.cli import check_server
+    from rlhflab.naming import check_server
 
     with socket.socket() as probe:  # a port nothing listens on: bound, not listening, so no other test takes it
         probe.bind(("127.0.0.1", 0))  # (closed before, it went to test_failures' server on the other xdist worker)

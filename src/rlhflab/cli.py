@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from rlhflab.errors import ConfigError
+from rlhflab.naming import check_server
 from rlhflab.schema import SCHEMAS, check, check_typed, register, writable_dir
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -127,32 +128,6 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str]) -> None:
     finally:
         logging.disable(logging.NOTSET)
         HydraConfig.instance().cfg = None
-
-
-def check_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
-    """An http(s) tracking URI with no server behind it: MLflow's client retries every request with a growing
-    backoff, so a run sat for minutes printing 'Retrying (Retry(total=...' lines before it failed (and a timeout's
-    SIGTERM then said its MLflow run was KILLED, which never existed). One request to the server's /health, no
-    retries: a refused or unanswered connection is one line. Any HTTP answer (a proxy's 404 too) is left to MLflow."""
-    import urllib.error
-    import urllib.parse
-    import urllib.request
-
-    from rlhflab.naming import redact
-
-    if not tracking_uri.startswith(("http://", "https://")):
-        return
-    parts = urllib.parse.urlsplit(tracking_uri)
-    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2])  # no user:password@ (urllib resolves it as a host)
-    try:
-        urllib.request.urlopen(bare.geturl().rstrip("/") + "/health", timeout=timeout_s).close()
-    except urllib.error.HTTPError:
-        return
-    except (urllib.error.URLError, OSError) as err:
-        why = getattr(err, "reason", err)
-        raise ConfigError(f"logger.tracking_uri: no MLflow server answers at {redact(tracking_uri)} ({why}); start it "
-                          "(mlflow server --backend-store-uri sqlite:///mlflow.db --host HOST --port PORT), or log to "
-                          "a file: logger.tracking_uri=sqlite:///mlflow.db") from None
 
 
 def grid_jobs(hydra, job: list[str]) -> list[list[str]]:

@@ -1,4 +1,5 @@
-"""Names shared by the package, the Hydra sweep plugin (plugins/) and the report: one home.
+"""Names shared by the package, the Hydra sweep plugin (plugins/) and the report: one home; with them the URIs
+of MLflow stores (sqlite_path, redact, check_server).
 
 Imported by Hydra's plugin scan at every start, so it imports nothing heavy.
 """
@@ -161,3 +162,29 @@ def redact(text: str) -> str:
     """Text with the password of every URI in it replaced by *** (user:password@host -> user:***@host),
     so a credential never reaches a log line, a param, a tag or an artifact."""
     return CREDENTIAL.sub(r"\1***@", text)
+
+
+def check_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
+    """An http(s) tracking URI with no server behind it: MLflow's client retries every request with a growing
+    backoff, so a run sat for minutes printing 'Retrying (Retry(total=...' lines before it failed (and a timeout's
+    SIGTERM then said its MLflow run was KILLED, which never existed). One request to the server's /health, no
+    retries: a refused or unanswered connection is one line. Any HTTP answer (a proxy's 404 too) is left to MLflow."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from rlhflab.errors import ConfigError
+
+    if not tracking_uri.startswith(("http://", "https://")):
+        return
+    parts = urllib.parse.urlsplit(tracking_uri)
+    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2])  # no user:password@ (urllib resolves it as a host)
+    try:
+        urllib.request.urlopen(bare.geturl().rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError) as err:
+        why = getattr(err, "reason", err)
+        raise ConfigError(f"logger.tracking_uri: no MLflow server answers at {redact(tracking_uri)} ({why}); start it "
+                          "(mlflow server --backend-store-uri sqlite:///mlflow.db --host HOST --port PORT), or log to "
+                          "a file: logger.tracking_uri=sqlite:///mlflow.db") from None

@@ -24,7 +24,8 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError, WriteFailed
-from rlhflab.naming import PARENT_RUN_ENV, SWEPT_ENV, absolute_uri, default_run_name, redact, run_name, sqlite_path
+from rlhflab.naming import (PARENT_RUN_ENV, SWEPT_ENV, absolute_uri, check_server, default_run_name, redact, run_name,
+                            sqlite_path)
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,6 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
 
     tags = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": EXPERIMENT_NOTE,
             f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(VIEW_STATE)}
-    from rlhflab.cli import check_server
-
     check_server(tracking_uri)  # the command line's preflight did too; train(cfg) may be called without it
     opened = False
     try:
