@@ -524,6 +524,10 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
     parent, children = sweep_runs(client)
     assert parent.info.status == "KILLED"
     assert [(c.data.tags["algo"], c.info.status) for c in children] == [("rloo", "KILLED")]  # grpo never started
+    # what ran until the stop is summarised, as at a sweep's end (the parent had no sweep/jobs and no note)
+    assert parent.data.metrics["sweep/jobs"] == 1 and parent.data.metrics["sweep/failed_jobs"] == 0
+    assert parent.data.tags["mlflow.note.content"] == (f"1 job, 0 failed. The sweep was stopped before its last job. "
+                                                       f"Report: `python src/report.py sweep={parent.info.run_id} tracking_uri={uri}`")
     (stopped,) = [line for line in output.splitlines() if line.startswith("stopped: ")]
     command = stopped.partition("Continue this job alone: ")[2]
     assert command.startswith("python src/train.py algo=rloo ") and "hydra.mode=RUN resume=auto output.dir=" in command, stopped

@@ -136,8 +136,7 @@ class MlflowSweepCallback(Callback):
         atexit.unregister(self._abandon)
         if self.failed:
             log.warning("mlflow sweep: %d job(s) failed:\n  %s", len(self.failed), "\n  ".join(self.failed))
-        store = "" if self._uri == "sqlite:///mlflow.db" else f" tracking_uri={shlex.quote(redact(self._uri))}"
-        log.info("mlflow sweep: done; report with: python src/report.py sweep=%s%s", self.parent_run_id, store)
+        log.info("mlflow sweep: done; report with: %s", self._report_command())
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -214,8 +213,13 @@ class MlflowSweepCallback(Callback):
         client.set_terminated(run.info.run_id, "FAILED")
         return client.get_run(run.info.run_id)
 
-    def _summarise(self, client) -> None:
-        """Best child by `metric` into the parent's tags, metrics and description."""
+    def _report_command(self) -> str:
+        """The report's command line for this sweep (its store named where it is not the report's default)."""
+        store = "" if self._uri == "sqlite:///mlflow.db" else f" tracking_uri={shlex.quote(redact(self._uri))}"
+        return f"python src/report.py sweep={self.parent_run_id}{store}"
+
+    def _summarise(self, client, ended: str = "FINISHED") -> None:
+        """Best child by `metric` into the parent's tags, metrics and description; `ended`: how the sweep ended."""
         from mlflow.entities import Metric
 
         children = client.search_runs(
@@ -240,14 +244,16 @@ class MlflowSweepCallback(Callback):
         tags = {SWEEP_METRIC_TAG: self.metric, "rlhflab.sweep.direction": self.direction}
         if self.objective:
             tags[SWEEP_OBJECTIVE_TAG] = self.objective
-        note = f"{len(children)} jobs, {len(self.failed)} failed."
+        note = f"{len(children)} job{'' if len(children) == 1 else 's'}, {len(self.failed)} failed."
         if best is not None:
             value = best.data.metrics[self.metric]
             metrics.append(Metric(f"best/{self.metric}", value, now, 0))
             tags |= {"rlhflab.sweep.best_run_id": best.info.run_id, SWEEP_BEST_RUN_NAME_TAG: best.info.run_name}
             what = f" ({self.objective})" if self.objective else ""
             note = f"Best {self.metric}{what}: {value:.4f} ({best.info.run_name}, {best.info.run_id}). " + note
-        tags["mlflow.note.content"] = note + f" Report: `python src/report.py sweep={self.parent_run_id}`"
+        if ended != "FINISHED":
+            note += f" The sweep was {'stopped' if ended == 'KILLED' else 'ended by an error'} before its last job."
+        tags["mlflow.note.content"] = note + f" Report: `{self._report_command()}`"
         client.log_batch(self.parent_run_id, metrics=metrics)
         for key, value in tags.items():
             client.set_tag(self.parent_run_id, key, value)
@@ -262,7 +268,12 @@ class MlflowSweepCallback(Callback):
             return
         child = self._tag_child(client, self._job)[0] if self._job is not None else None
         stopped = child is not None and client.get_run(child.info.run_id).info.status == "KILLED"
-        client.set_terminated(self.parent_run_id, "KILLED" if stopped else "FAILED")
+        ended = "KILLED" if stopped else "FAILED"
+        try:  # what ran until then: a stopped sweep's parent had no sweep/jobs, best run or note
+            self._summarise(client, ended)
+        except Exception as err:  # the store itself may be why it ended: still end the parent
+            log.warning("mlflow sweep: could not summarise the jobs so far (%s)", " ".join(str(err).split())[:200])
+        client.set_terminated(self.parent_run_id, ended)
 
 
 def _job_number(run) -> int:
