@@ -465,6 +465,19 @@ def test_a_sweep_jobs_path_is_named_apart_from_the_sweeps_other_paths():
     assert run_name("rloo", ["model.sft_path=/x/a/policy"], {"algo": "rloo,ppo"}) == "rloo sft_path=a/policy"
 
 
+def test_a_sweep_job_given_a_run_name_is_named_by_it_and_by_what_it_sweeps():
+    """-m algo=rloo,grpo seed=1,2 logger.run_name=ablation named every child 'ablation', alike in MLflow's list."""
+    from rlhflab.naming import named_run
+
+    swept = {"algo": "rloo,grpo", "seed": "1,2"}
+    names = [named_run("ablation", algo, [f"algo={algo}", f"seed={seed}", "rl.lr=1e-3", "logger.run_name=ablation"], swept)
+             for algo in ("rloo", "grpo") for seed in (1, 2)]
+    assert names == ["ablation rloo seed=1", "ablation rloo seed=2", "ablation grpo seed=1", "ablation grpo seed=2"]
+    assert named_run("ablation", "rloo", ["seed=1"], {"seed": "1,2"}) == "ablation seed=1"  # algo not swept: not named
+    assert named_run("ablation", "rloo", ["seed=1"]) == "ablation"  # a single run: the name as given
+    assert named_run(None, "rloo", ["seed=1"], {"seed": "1,2"}) == "rloo seed=1"
+
+
 def test_run_names_give_a_long_decimal_three_significant_digits():
     """An Optuna trial's values named its runs 'rloo kl_coef=0.08025955666793813 lr=0.0006380556092044456 ...'."""
     from rlhflab.naming import run_name

@@ -400,17 +400,22 @@ def test_sweep_against_a_tracking_server(tmp_path, stage_cache, monkeypatch):
     assert not (tmp_path / "report").exists()
 
 
-def test_a_job_that_failed_before_its_run_is_named_as_its_run_would_have_been(tmp_path, stage_cache):
+@pytest.mark.parametrize("given", [None, "ablation"])
+def test_a_job_that_failed_before_its_run_is_named_as_its_run_would_have_been(tmp_path, stage_cache, given):
     """A job that fails before its tracker made a run (here train()'s reading of the given SFT policy's tokenizer,
     which it lacks) gets a child made by the callback: it was named 'rloo-full-sync', its siblings by their command
-    lines."""
+    lines. With logger.run_name given, every child was named that alone."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2)).save_pretrained(tmp_path / "bare")  # no tokenizer
-    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", stage_cache, f"model.sft_path={tmp_path}/bare,null")
+    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/mlflow.db", stage_cache, f"model.sft_path={tmp_path}/bare,null",
+                      *([f"logger.run_name={given}"] if given else []))
     parent, (failed, good) = sweep_runs(MlflowClient(sweep.uri))
     assert failed.info.status == "FAILED" and good.info.status == "FINISHED"
     assert "no tokenizer can be read" in failed.data.tags["rlhflab.error"]
+    if given:
+        assert [failed.info.run_name, good.info.run_name] == ["ablation sft_path=bare", "ablation sft_path=null"]
+        return
     assert failed.info.run_name.startswith("rloo sft_path=bare ")
     assert good.info.run_name == failed.info.run_name.replace("sft_path=bare", "sft_path=null")
 

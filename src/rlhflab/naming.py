@@ -130,6 +130,20 @@ def run_name(algo: str, overrides: list[str], swept: dict[str, str] | None = Non
     return clipped(" ".join(parts), MAX_RUN_NAME)
 
 
+def named_run(given: str | None, algo: str, overrides: list[str], swept: dict[str, str] | None = None) -> str:
+    """A run's name: logger.run_name where given, else run_name(...). In a sweep (`swept`) a given name is followed
+    by what this job sweeps: -m algo=rloo,grpo logger.run_name=ablation named every child 'ablation'.
+
+    >>> named_run("ablation", "grpo", ["algo=grpo", "seed=1", "logger.run_name=ablation"], {"algo": "rloo,grpo"})
+    'ablation grpo'
+    """
+    if not given or not swept:
+        return given or run_name(algo, overrides, swept)
+    mine = [o for o in overrides if o.lstrip("+~").partition("=")[0] in swept and not o.startswith("algo=")]
+    what = run_name(algo if "algo" in swept else "", mine, swept).strip()
+    return clipped(f"{given} {what}", MAX_RUN_NAME) if what else given
+
+
 def home_expanded(value: str) -> str:
     """A path setting with its leading `~` (or a sqlite URI's `sqlite:///~`) made the home directory: Hydra and
     the shell leave a quoted one as it is, and a directory named `~` would be made in the working directory."""

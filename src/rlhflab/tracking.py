@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError, WriteFailed
-from rlhflab.naming import (PARENT_RUN_ENV, SWEPT_ENV, absolute_uri, check_server, default_run_name, redact, run_name,
+from rlhflab.naming import (PARENT_RUN_ENV, SWEPT_ENV, absolute_uri, check_server, default_run_name, named_run, redact,
                             sqlite_path)
 
 log = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class MlflowTracker:
         tags |= {"rlhflab.overrides": " ".join(map(redact, overrides)), "rlhflab.output_dir": str(output_dir),
                  "mlflow.note.content": f"`{command}`\n\nHydra output directory: `{output_dir}`"}
         swept = json.loads(os.environ.get(SWEPT_ENV) or "{}") if os.environ.get(PARENT_RUN_ENV) else {}
-        name = redact(self.run_name or run_name(tags.get("algo", ""), overrides, swept) or default_run_name(tags))
+        name = redact(named_run(self.run_name, tags.get("algo", ""), overrides, swept) or default_run_name(tags))
         run = client.create_run(experiment_id, run_name=name, tags=resolve_tags(tags))  # + source, git commit, user
         self.run_id = run.info.run_id
         from mlflow.entities import Param

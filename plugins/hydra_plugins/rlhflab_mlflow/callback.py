@@ -36,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
     ERROR_TAG, MAX_TAG, OBJECTIVE, PARENT_RUN_ENV, SWEPT_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OBJECTIVE_TAG,
-    SWEEP_OVERRIDES_TAG, SWEEP_TAG, clipped, default_run_name, run_name, home_expanded, model_tag, redact, short_override,
+    SWEEP_OVERRIDES_TAG, SWEEP_TAG, clipped, default_run_name, run_name, home_expanded, model_tag, named_run, redact,
+    short_override,
 )
 
 log = logging.getLogger("rlhflab.sweep")
@@ -207,7 +208,7 @@ class MlflowSweepCallback(Callback):
         # named as the job's own run would have been (MlflowTracker.start): 'rloo-full-sync' beside its siblings'
         # 'rloo max_prompt_tokens=1 ...' said nothing of what the failed job was
         task = list(OmegaConf.to_container(config.hydra.overrides.task))
-        name = (OmegaConf.select(config, "logger.run_name") or run_name(tags.get("algo", ""), task, self.swept)
+        name = (named_run(OmegaConf.select(config, "logger.run_name"), tags.get("algo", ""), task, self.swept)
                 or default_run_name(tags) or f"job{config.hydra.job.num}")
         run = client.create_run(experiment_id, run_name=name, tags=tags)
         client.set_terminated(run.info.run_id, "FAILED")
