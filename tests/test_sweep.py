@@ -586,3 +586,5 @@ def test_a_sweeps_name_says_what_its_jobs_share_from_the_command_line(experiment
                                          "sweep": {"dir": "multirun/2026-11-26/14-56-52-040795"},
                                          "overrides": {"task": task}, "sweeper": {"params": params}}})
     assert sweep_name(config, swept_params(config)) == name
+    config.hydra.sweep.dir = "runs/ablation"  # a fixed sweep dir: each sweep there was named '... runs_ablation'
+    assert re.fullmatch(re.escape(name.rpartition(" ")[0]) + r" \d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", sweep_name(config, swept_params(config)))

@@ -24,6 +24,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import shlex
 import sys
 import time
@@ -308,6 +309,8 @@ def sweep_name(config: DictConfig, swept: dict[str, str]) -> str:
               if o.partition("=")[0].lstrip("+~") not in (*swept, "experiment")]
     algo = next((o.partition("=")[2] for o in shared if o.lstrip("+~").startswith("algo=")), "")
     when = "_".join(Path(str(config.hydra.sweep.dir)).parts[-2:])
+    if not re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d.*", when):  # hydra.sweep.dir=runs/ablation: each sweep there
+        when = time.strftime("%Y-%m-%d_%H-%M-%S")  # was named '... runs_ablation', alike but for its id
     return " ".join(part for part in (prefix, clipped(what, 200), clipped(run_name(algo, shared).strip(), 100), when) if part)
 
 
@@ -316,7 +319,6 @@ def compact_search(value: str) -> str:
     [a,b]. The whole expression made the parent's name and its report's directory
     (reports/sweep_optuna_kl_coef=tag_log,_interval_0.005,_0.5_lr=tag_log,...) hard to read; the tag
     rlhflab.sweep.params keeps it as written."""
-    import re
 
     interval = r"interval\(\s*([^,()]+?)\s*,\s*([^,()]+?)\s*\)"
     value = re.sub(rf"tag\(\s*log\s*,\s*{interval}\s*\)", r"log[\1,\2]", value)
