@@ -73,6 +73,8 @@ def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_p
     assert "sft/loss" in run.data.metrics and "rm/held_out_accuracy" in run.data.metrics
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"config.yaml", "generations.json"} <= artifacts
+    # beside the database, not in ./mlruns of whatever directory the run started from (the repository's, here)
+    assert run.info.artifact_uri == f"{tmp_path}/mlruns/rlhflab/{result.run_id}/artifacts"
     # (not client.load_table: it finds runs through mlflow.search_runs, in the process-wide tracking URI)
     table = json.loads(Path(client.download_artifacts(result.run_id, "generations.json", str(tmp_path))).read_text())
     assert {"prompt", "response", "reward", "gold_reward", "rl_step"} <= set(table["columns"])

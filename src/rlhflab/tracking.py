@@ -108,6 +108,17 @@ def store_lock(tracking_uri: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def artifact_home(tracking_uri: str, name: str) -> str | None:
+    """Where a new experiment of a SQLite store keeps its runs' files: mlruns/<its name> beside the database. MLflow's
+    default, ./mlruns of the working directory, put them wherever the first run happened to start (a store given as
+    sqlite:////abs/mlflow.db from another directory: its files there, apart from it). None for other stores
+    (a server, a database: their own default)."""
+    db = sqlite_path(tracking_uri)
+    if db is None:
+        return None
+    return str(db.expanduser().resolve().parent / "mlruns" / (re.sub(r"[^\w.-]+", "_", name).strip("._") or "experiment"))
+
+
 def ensure_experiment(tracking_uri: str, name: str) -> str:
     """The id of experiment `name`, created if missing, with rlhflab's kind (training view), description and
     gold-reward view. One made elsewhere (a sweep's parent, an older rlhflab, by hand) gets the kind and view as
@@ -127,7 +138,7 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
             opened = True
             if experiment is None:
                 try:
-                    return client.create_experiment(name, tags=tags)
+                    return client.create_experiment(name, artifact_location=artifact_home(tracking_uri, name), tags=tags)
                 except Exception:  # another process (not under this lock: a server's other client) created it first
                     experiment = client.get_experiment_by_name(name)
             check_artifact_store(tracking_uri, experiment)
@@ -438,7 +449,7 @@ class MlflowTracker:
     @contextmanager
     def artifact_store(self, what: str, warn: str | None = None):
         """Around the copy of `what` into the run's artifacts. MLflow keeps them in the experiment's artifact store
-        (for a SQLite store, by default ./mlruns in the directory the experiment was made from), not in mlflow.db:
+        (for a SQLite store, mlruns/<experiment> beside the database; artifact_home), not in mlflow.db:
         that store's disk being full (read-only, failing) is not the tracking store stopping. What was copied of
         `what` is removed (a half-copied policy would load as garbage). Then, with `warn` (the run's end), a warning
         that adds `warn`, and the run goes on; without (its start), WriteFailed, one line, before anything trains."""
