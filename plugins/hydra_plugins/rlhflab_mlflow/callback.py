@@ -217,7 +217,7 @@ class MlflowSweepCallback(Callback):
 
     def _report_command(self) -> str:
         """The report's command line for this sweep (its store named where it is not the report's default)."""
-        store = "" if self._uri == "sqlite:///mlflow.db" else f" tracking_uri={shlex.quote(redact(self._uri))}"
+        store = "" if self._uri in (None, "sqlite:///mlflow.db") else f" tracking_uri={shlex.quote(redact(self._uri))}"
         return f"python src/report.py sweep={self.parent_run_id}{store}"
 
     def _summarise(self, client, ended: str = "FINISHED") -> None:
