@@ -19,7 +19,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf, open_dict
 
-from conftest import ROOT, SHRINK, cli_run, history, run_id_of, wait_for
+from conftest import ROOT, SHRINK, cli_run, compose_cfg, history, run_id_of, wait_for
 from test_sweep import mlflow_server  # noqa: F401  (a fixture: `mlflow server` on a free local port)
 from rlhflab.algos.registry import RLOO
 from rlhflab.errors import ConfigError, NonFiniteError, RunInterrupted, TrackingLost, WriteFailed
@@ -404,6 +404,35 @@ def test_damaged_model_directories_are_one_line_before_anything_loads(tmp_path, 
         assert exit.value.code == 2
         line = capsys.readouterr().err.strip()
         assert line.startswith(f"error: model.sft_path: '{path}' is not an intact saved model ({problem}") and "\n" not in line
+    # a path that is not there: it said 'not an intact saved model (no config.json there)', as of an empty directory
+    with pytest.raises(SystemExit):
+        preflight([f"model.sft_path={tmp_path}/none"])
+    assert capsys.readouterr().err.strip() == (f"error: model.sft_path: no such directory '{tmp_path}/none'; give a directory "
+                                               "written by save_pretrained, a hub id, or null to build/train it")
+
+
+def test_a_tokenizer_saved_alone_is_a_model_tokenizer_and_a_reward_model_is_no_policy(tmp_path, capsys):
+    """model.tokenizer=<what tokenizer.save_pretrained wrote> (the docs' fix for a tokenizer without a pad token) was
+    refused for its missing config.json. A sequence classifier given as the policy loaded with a random LM head, and
+    the run trained and saved it without a word (the mirror of a language model given as the reward model)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForSequenceClassification
+
+    from rlhflab.cli import preflight
+    from rlhflab.config import validate
+    from rlhflab.tasks.sentiment import SentimentTask
+
+    SentimentTask().build_tokenizer().save_pretrained(tmp_path / "tok")
+    preflight([f"model.tokenizer={tmp_path}/tok"])  # its own line comes later: a model built from arch has its own
+    with pytest.raises(SystemExit):
+        preflight([f"model.tokenizer={tmp_path}"])
+    assert capsys.readouterr().err.startswith(f"error: model.tokenizer: '{tmp_path}' is not a saved tokenizer (none of "
+                                              "tokenizer.json, tokenizer_config.json, tokenizer.model, ... there); give")
+    GPTNeoXForSequenceClassification(GPTNeoXConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2, num_labels=1)).save_pretrained(tmp_path / "rm")
+    for key in ("sft_path", "name_or_path"):
+        with pytest.raises(ConfigError, match=rf"^model.{key}: '{tmp_path}/rm' is a reward model "
+                                              r"\(GPTNeoXForSequenceClassification\) with no language-model head"):
+            validate(compose_cfg([f"model.{key}={tmp_path}/rm"]))
 
 
 @pytest.mark.parametrize("offline", [True, False])

@@ -22,7 +22,7 @@ from rlhflab.algos.registry import Algorithm
 from rlhflab.contracts import Generator, MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.errors import ConfigError
 from rlhflab.models.build import check_reward_chat_template
-from rlhflab.models.checks import check_reward_head
+from rlhflab.models.checks import check_language_model, check_reward_head
 from rlhflab.naming import model_tag
 from rlhflab.schema import check, check_generator_device, cuda_index, ranks
 from rlhflab.tracking import MlflowTracker
@@ -260,6 +260,8 @@ def validate(cfg: DictConfig) -> Plan:
         check_reward_head("model.reward_model_path", cfg.model.get("reward_model_path"))
         check_reward_chat_template(cfg.model, task)
     check_reward_head("task.gold_model_path", cfg.task.get("gold_model_path"))
+    for key in ("sft_path", "name_or_path"):
+        check_language_model(f"model.{key}", cfg.model.get(key))
     check_half_precision(cfg, memory.name, reward.needs_reward_model)
     resolve_reference(cfg, source, algo, memory, reward)
     generator.check_model(cfg.model)

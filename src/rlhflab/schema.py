@@ -182,7 +182,7 @@ class HubPromptTask:
 class Model:
     name: str = MISSING
     name_or_path: Optional[str] = setting(model=True)
-    tokenizer: Optional[str] = setting(model=True)
+    tokenizer: Optional[str] = setting(model="tokenizer")
     sft_path: Optional[str] = setting(model=True)
     reward_model_path: Optional[str] = setting(model=True)
     dtype: str = setting(choices=DTYPES)
@@ -400,7 +400,7 @@ def _check_value(key: str, value: Any, meta: dict) -> None:
     if "file" in meta and not Path(value).is_file():
         raise SettingError(key, f"{no_such_file(value)}; {meta['file']}")
     if "model" in meta:
-        check_pretrained(key, value)
+        check_pretrained(key, value, tokenizer=meta["model"] == "tokenizer")
     if "data" in meta and Path(value).suffix in DATA_SUFFIXES and not Path(value).is_file():
         raise SettingError(key, f"{no_such_file(value)}; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
     why = f" ({meta['why']})" if "why" in meta else ""

@@ -127,11 +127,6 @@ def check_vocabulary(tokenizer, prompts: list, key: str, most: float = 0.2) -> N
                           "task's vocabulary")
 
 
-# What save_pretrained writes of a tokenizer (a fast one, a slow one's vocabulary or sentencepiece model).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
-                   "sentencepiece.bpe.model")
-
-
 def saved_tokenizer(name_or_path, **kwargs):
     """AutoTokenizer.from_pretrained, but a local directory without a tokenizer is an OSError: transformers then made
     an empty tokenizer of its config's class (a GPT-2 model's: GPT2Tokenizer of 2 tokens, which reads every text as no
@@ -139,9 +134,11 @@ def saved_tokenizer(name_or_path, **kwargs):
     empty texts."""
     from transformers import AutoTokenizer
 
+    from rlhflab.models.checks import tokenizer_damage
+
     local = Path(str(name_or_path)).expanduser()
-    if local.is_dir() and not any((local / name).is_file() for name in TOKENIZER_FILES):
-        raise OSError(f"no tokenizer saved there (none of {', '.join(TOKENIZER_FILES[:3])}, ...)")
+    if local.is_dir() and (problem := tokenizer_damage(local)):
+        raise OSError(problem)
     return AutoTokenizer.from_pretrained(name_or_path, **kwargs)
 
 

@@ -60,11 +60,34 @@ def model_dir_damage(path: Path) -> str | None:
     return None
 
 
-def check_pretrained(key: str, name_or_path: str | None) -> None:
-    """Fail before loading anything when a local model path is not an intact saved model."""
+# What save_pretrained writes of a tokenizer (a fast one, a slow one's vocabulary or sentencepiece model).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
+def tokenizer_damage(path: Path) -> str | None:
+    """What keeps a directory from holding a saved tokenizer, or None."""
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return f"none of {', '.join(TOKENIZER_FILES[:3])}, ... there"
+    return None
+
+
+def check_pretrained(key: str, name_or_path: str | None, tokenizer: bool = False) -> None:
+    """Fail before loading anything when a local model path is not an intact saved model (`tokenizer`: a saved
+    tokenizer, which tokenizer.save_pretrained writes without a config.json: model.tokenizer)."""
     if name_or_path is None or not is_local_path(name_or_path):
         return
     path = Path(name_or_path).expanduser()
+    if not path.exists():  # it said 'not an intact saved model (no config.json there)', as of an empty directory
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        raise ConfigError(f"{key}: no such directory '{name_or_path}'{where}; give a directory "
+                          f"written by save_pretrained, a hub id, or null{'' if tokenizer else ' to build/train it'}")
+    if tokenizer:  # the doc's fix for a tokenizer without a pad token, given as a folder, was refused for its config.json
+        problem = tokenizer_damage(path) if path.is_dir() else f"'{name_or_path}' is a file"
+        if problem:
+            raise ConfigError(f"{key}: '{name_or_path}' is not a saved tokenizer ({problem}); give a directory written "
+                              "by tokenizer.save_pretrained (or a model's), a hub id, or null for the model's own")
+        return
     if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():  # memory=lora/hydra's policy/
         merged = path / "merged"
         fix = (f"give {Path(name_or_path) / 'merged'}, the merged model beside it" if (merged / "config.json").is_file() else
@@ -77,13 +100,11 @@ def check_pretrained(key: str, name_or_path: str | None) -> None:
                           "give a directory written by save_pretrained, a hub id, or null to build/train it")
 
 
-def check_reward_head(key: str, name_or_path: str | None) -> None:
-    """A reward model given ready-made must have its score head: a causal LM's checkpoint (GPT2LMHeadModel,
-    LlamaForCausalLM) loads as a sequence classifier with a fresh, random one, and transformers' warning about it
-    is quieted, so the run trained against noise. Read from its config.json (a local directory, or a hub id in the
-    local cache), before anything loads."""
+def architectures(name_or_path: str | None) -> list[str]:
+    """The `architectures` of a saved model's config.json (a local directory, or a hub id in the local cache); []
+    where there is none to read (a hub id not cached: its load says what is wrong)."""
     if name_or_path is None:
-        return
+        return []
     if is_local_path(name_or_path):
         config = Path(name_or_path).expanduser() / "config.json"
     else:
@@ -92,12 +113,29 @@ def check_reward_head(key: str, name_or_path: str | None) -> None:
         cached = try_to_load_from_cache(name_or_path, "config.json")
         config = Path(cached) if isinstance(cached, str) else None
     if config is None or not config.is_file():
-        return
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    if architectures and all(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
-        raise ConfigError(f"{key}: '{name_or_path}' is a language model ({', '.join(architectures)}) with no reward head, "
+        return []
+    return json.loads(config.read_text()).get("architectures") or []
+
+
+def check_reward_head(key: str, name_or_path: str | None) -> None:
+    """A reward model given ready-made must have its score head: a causal LM's checkpoint (GPT2LMHeadModel,
+    LlamaForCausalLM) loads as a sequence classifier with a fresh, random one, and transformers' warning about it
+    is quieted, so the run trained against noise. Read from its config.json, before anything loads."""
+    found = architectures(name_or_path)
+    if found and all(a.endswith(("ForCausalLM", "LMHeadModel")) for a in found):
+        raise ConfigError(f"{key}: '{name_or_path}' is a language model ({', '.join(found)}) with no reward head, "
                           "which would be a random one; give a reward model (AutoModelForSequenceClassification, e.g. "
                           "what stage rm saved), or null to train one on task.preferences_path")
+
+
+def check_language_model(key: str, name_or_path: str | None) -> None:
+    """The mirror of check_reward_head: a reward model given as the policy (model.sft_path, model.name_or_path) loaded
+    as a causal LM with a fresh, random LM head, and the run trained and saved it without a word."""
+    found = architectures(name_or_path)
+    if found and all(a.endswith("ForSequenceClassification") for a in found):
+        raise ConfigError(f"{key}: '{name_or_path}' is a reward model ({', '.join(found)}) with no language-model head, "
+                          "which would be a random one; give a causal LM (AutoModelForCausalLM, e.g. what stage sft "
+                          "saved), and the reward model as model.reward_model_path")
 
 
 def check_hub(key: str, name: str | None) -> None:
