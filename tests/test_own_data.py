@@ -374,6 +374,21 @@ def test_a_reward_functions_error_names_the_file_and_its_row_there(tmp_path, cap
     assert int(row) == int(prompt) and int(row) != 5, str(err.value)
 
 
+def test_a_gold_fn_that_returns_none_is_one_line_naming_the_row(tmp_path):
+    """None is a reward function's 'does not apply'; from task.gold_fn the eval's mean was NaN, and the run FINISHED
+    with eval/gold_reward=nan (a sweep picks its best job by it)."""
+    train = write(tmp_path / "train.jsonl", rows(20))
+    half = tmp_path / "half.py"
+    half.write_text("def gold(prompts, completions, **kw):\n    return [1.0 if i % 2 else None for i in range(len(completions))]\n")
+    task = PromptsTask(path=str(train), eval_fraction=0.25, tokenizer="char", gold_fn=f"{half}:gold")
+    task.setup(task.build_tokenizer())
+    prompts = task.prompts("eval")[:2]
+    with pytest.raises(RewardError, match=r"^reward function task.gold_fn returned None for row \d+ of the held-out prompts "
+                                          r"of '.*train.jsonl' \(task.path, task.eval_fraction\) \(prompt '\d+='\); the gold reward judges "
+                                          r"every completion \(eval/gold_reward is their mean\): return a number for each$"):
+        task.gold_reward(prompts, ["x", "y"], "eval", rows=torch.tensor([0, 1]))
+
+
 @pytest.mark.parametrize("spec, message", [
     ("no_such_module_xyz:score", r"^reward.fn: cannot import 'no_such_module_xyz'"),
     (f"{EXAMPLE}/reward.py:nope", r"^reward.fn: .* has no function 'nope'; its functions are correct_digits, exact$"),
