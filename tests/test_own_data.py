@@ -374,6 +374,21 @@ def test_a_reward_functions_error_names_the_file_and_its_row_there(tmp_path, cap
     assert int(row) == int(prompt) and int(row) != 5, str(err.value)
 
 
+def test_a_missing_column_names_the_setting_that_picks_it_and_an_empty_parquet_has_no_rows(tmp_path):
+    """'task.demonstrations_path: no column 'completion' ...; its columns are prompt, response' named the columns,
+    not task.completion_field, which picks one. An empty Parquet file was 'cannot read (ArrowInvalid: BatchSize must
+    be greater than 0, got 0)' where every other empty file 'has no rows'."""
+    train = write(tmp_path / "train.jsonl", rows(20))
+    demos = write(tmp_path / "demos.jsonl", [{"prompt": "1=", "response": "1"}])
+    with pytest.raises(ConfigError, match=r"^task.demonstrations_path: no column 'completion' in '.*demos.jsonl'; its columns "
+                                          r"are prompt, response: name the one to read with task.completion_field=<column>$"):
+        PromptsTask(path=str(train), demonstrations_path=str(demos))
+    assert PromptsTask(path=str(train), demonstrations_path=str(demos), completion_field="response").demonstrations()
+    empty = write(tmp_path / "empty.parquet", [])
+    with pytest.raises(ConfigError, match=rf"^task.path: '{empty}' has no rows$"):
+        PromptsTask(path=str(empty))
+
+
 def test_a_gold_fn_that_returns_none_is_one_line_naming_the_row(tmp_path):
     """None is a reward function's 'does not apply'; from task.gold_fn the eval's mean was NaN, and the run FINISHED
     with eval/gold_reward=nan (a sweep picks its best job by it)."""

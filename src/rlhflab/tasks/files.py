@@ -80,10 +80,12 @@ def load_table(path: str, split: str, key: str):
     except ConfigError:
         raise
     except Exception as err:
-        if "corresponds to no data" in str(err):  # datasets' 'Instruction "train" corresponds to no data!'
-            raise ConfigError(f"{key}: '{path}' has no rows") from None  # (a JSON Lines file of blank lines)
         if type(err).__name__ == "DatasetGenerationError" and err.__cause__ is not None:
             err = err.__cause__  # the parser's own words (JSON parse error ... in row 1), not 'An error occurred'
+        if "corresponds to no data" in str(err) or "BatchSize must be greater than 0" in str(err):
+            # datasets' 'Instruction "train" corresponds to no data!' (a JSON Lines file of blank lines); an empty
+            # Parquet file's ArrowInvalid
+            raise ConfigError(f"{key}: '{path}' has no rows") from None
         reason = (str(err).splitlines() or [""])[0][:160]
         raise ConfigError(f"{key}: cannot read '{path}' ({type(err).__name__}{': ' + reason if reason else ''}); "
                           "check the file (or the hub name and split)") from None
@@ -203,9 +205,11 @@ def csv_header(path: Path) -> list[str]:
         return next(csv.reader(f), [])
 
 
-def _column(table, field: str, key: str, path: str) -> list:
-    if field not in table.column_names:
-        raise ConfigError(f"{key}: no column '{field}' in '{path}'; its columns are {', '.join(table.column_names)}")
+def _column(table, field: str, key: str, path: str, setting: str = "task.prompt_field") -> list:
+    """The column `field` of `table` (read from `key`'s `path`), which `setting` names."""
+    if field not in table.column_names:  # the line named the columns, not the setting that picks one
+        raise ConfigError(f"{key}: no column '{field}' in '{path}'; its columns are {', '.join(table.column_names)}: "
+                          f"name the one to read with {setting}=<column>")
     values = list(table[field])
     for i, v in enumerate(values):
         if v is None or (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
@@ -316,18 +320,20 @@ class PromptsTask:
         self.tables = {"train": train, "eval": held.select(range(min(len(held), src["num_eval_prompts"])))}
         self.num_train_prompts = len(train)
         self.rows = {s: list(range(len(t))) for s, t in self.tables.items()}  # kept rows (setup may drop some)
-        self.raw_demos = self._pairs(src["demonstrations_path"], [prompt_field, src["completion_field"]], "task.demonstrations_path")
-        self.raw_prefs = self._pairs(src["preferences_path"], [prompt_field, src["chosen_field"], src["rejected_field"]],
+        self.raw_demos = self._pairs(src["demonstrations_path"], ["prompt_field", "completion_field"], "task.demonstrations_path")
+        self.raw_prefs = self._pairs(src["preferences_path"], ["prompt_field", "chosen_field", "rejected_field"],
                                      "task.preferences_path")
         self.demos, self.prefs = self.raw_demos, self.raw_prefs  # rendered by setup()
         self.conversational = is_conversation(train[0][prompt_field])
         return True
 
-    def _pairs(self, path: str | None, fields: list[str], key: str) -> list[tuple] | None:
+    def _pairs(self, path: str | None, settings: list[str], key: str) -> list[tuple] | None:
+        """The rows of `path` as tuples of the columns the task's `settings` (prompt_field, ...) name."""
         if not path:
             return None
         table = load_table(path, "train", key)
-        columns = [_column(table, f, key, path) for f in fields]
+        fields = {s: self.prompt_field if s == "prompt_field" else self.source[s] for s in settings}
+        columns = [_column(table, field, key, path, f"task.{s}") for s, field in fields.items()]
         return list(zip(*columns))
 
     # ---- rendering, against the policy's tokenizer -------------------------------------------
