@@ -389,6 +389,20 @@ def test_a_missing_column_names_the_setting_that_picks_it_and_an_empty_parquet_h
         PromptsTask(path=str(empty))
 
 
+def test_rows_without_a_value_in_a_column_reward_functions_read_are_warned(tmp_path, caplog):
+    """A JSON Lines row without `answer`, a JSON null or an empty CSV cell reached the reward functions as None
+    without a word (the example's exact-match reward scored those rows 0)."""
+    data = rows(20)
+    for i in (3, 7):
+        del data[i]["answer"]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in data))
+    PromptsTask(path=str(path))
+    assert (f"task.path: the column 'answer' of '{path}' has no value in 2 of 20 rows (the first: row 3 (line 4)); reward "
+            "functions get None there") in caplog.text
+    assert "'level'" not in caplog.text and "'prompt'" not in caplog.text
+
+
 def test_a_gold_fn_that_returns_none_is_one_line_naming_the_row(tmp_path):
     """None is a reward function's 'does not apply'; from task.gold_fn the eval's mean was NaN, and the run FINISHED
     with eval/gold_reward=nan (a sweep picks its best job by it)."""

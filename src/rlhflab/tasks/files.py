@@ -205,6 +205,20 @@ def csv_header(path: Path) -> list[str]:
         return next(csv.reader(f), [])
 
 
+def warn_missing_values(table, prompt_field: str, key: str, path: str) -> None:
+    """The columns beside the prompt reach reward functions as keywords; a row without a value there (a JSON Lines
+    row without the key, a JSON null, an empty CSV cell) gave them None without a word, and an exact-match reward
+    scored such rows 0. Said once per column; not refused (a column may be optional)."""
+    for name in table.column_names:
+        if name == prompt_field:
+            continue
+        missing = [i for i, v in enumerate(table[name]) if v is None]
+        if missing:
+            log.warning("%s: the column '%s' of '%s' has no value in %d of %d rows (the first: row %d%s); reward "
+                        "functions get None there", key, name, path, len(missing), len(table), missing[0],
+                        _line(path, missing[0]))
+
+
 def _column(table, field: str, key: str, path: str, setting: str = "task.prompt_field") -> list:
     """The column `field` of `table` (read from `key`'s `path`), which `setting` names."""
     if field not in table.column_names:  # the line named the columns, not the setting that picks one
@@ -296,10 +310,12 @@ class PromptsTask:
         path, prompt_field = src["path"], self.prompt_field
         train = load_table(path, src["split"], "task.path")
         _column(train, prompt_field, "task.prompt_field", path)
+        warn_missing_values(train, prompt_field, "task.path", path)
         self.sources = {"train": f"the training prompts of '{path}' (task.path)"}
         if src["eval_path"]:
             held = load_table(src["eval_path"], src["eval_split"] or src["split"], "task.eval_path")
             _column(held, prompt_field, "task.prompt_field", src["eval_path"])
+            warn_missing_values(held, prompt_field, "task.eval_path", src["eval_path"])
             self.sources["eval"] = f"the held-out prompts of '{src['eval_path']}' (task.eval_path)"
             lacking = [c for c in train.column_names if c not in held.column_names]
             if lacking:  # the reward functions take each split's own columns: they would fail at the first evaluation
