@@ -828,6 +828,22 @@ def test_a_model_directory_without_a_tokenizer_is_one_line_before_the_run_and_no
     assert foreign_tokenizer(tmp_path / "bare", policy) is None  # it reads the policy's tokens
 
 
+def test_a_given_tokenizer_of_another_vocabulary_than_the_models_is_warned(tmp_path, caplog):
+    """model.tokenizer of another vocabulary that fits within the model's rows was taken without a word: every id
+    read as another token than the model learned (only more tokens than rows was refused)."""
+    from rlhflab.models.build import load_tokenizer
+    from rlhflab.tasks.sentiment import SentimentTask
+    from rlhflab.train import warn_other_vocabulary
+
+    PromptsTask(path=f"{EXAMPLE}/train.jsonl", tokenizer="char").build_tokenizer().save_pretrained(tmp_path / "model")
+    SentimentTask().build_tokenizer().save_pretrained(tmp_path / "words")
+    warn_other_vocabulary(str(tmp_path / "model"), load_tokenizer(tmp_path / "model"), str(tmp_path / "model"))
+    assert "model.tokenizer" not in caplog.text  # its own (with the pad token load_tokenizer may add)
+    warn_other_vocabulary(str(tmp_path / "words"), load_tokenizer(tmp_path / "words"), str(tmp_path / "model"))
+    assert re.search(rf"model.tokenizer={tmp_path}/words: \d+ of the \d+ tokens of the tokenizer saved with {tmp_path}/model "
+                     r"have another id \(or none\) in it, so the model reads them as other tokens", caplog.text)
+
+
 def test_a_given_tokenizer_is_judged_before_the_mlflow_run_is_made(make_cfg, tmp_path):
     """train() read a given policy's tokenizer only after the MLflow run was made, so the one line above came with a
     run ended FAILED in the store. It is now read before: no store, no run, nothing cached."""

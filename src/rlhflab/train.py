@@ -252,7 +252,26 @@ def fit_tokenizer(cfg: DictConfig, task, base_path: str | None = None) -> tuple 
     if key and rows and len(tokenizer) > rows:  # stage rm's IndexError ('index out of range in self'), after the run
         raise ConfigError(f"{key}: its tokenizer has {len(tokenizer)} tokens and the model ({source}) {rows} embedding "
                           "rows; give the tokenizer the model was trained with")
+    if model.get("tokenizer"):
+        warn_other_vocabulary(model.tokenizer, tokenizer, source)
     return tokenizer, fit_prompts(cfg, task, tokenizer)
+
+
+def warn_other_vocabulary(given: str, tokenizer, source: str) -> None:
+    """model.tokenizer of another vocabulary than the one saved with the model, within its rows: each id read as
+    another token than the model learned, without a word (only more tokens than rows was refused)."""
+    from rlhflab.models.build import saved_tokenizer
+
+    try:
+        own = saved_tokenizer(source)
+    except (OSError, ValueError):  # none saved with the model: nothing to compare with
+        return
+    ours, theirs = tokenizer.get_vocab(), own.get_vocab()  # ours may add a pad token (load_tokenizer): not counted
+    moved = sum(ours.get(token) != i for token, i in theirs.items())
+    if moved:
+        log.warning("model.tokenizer=%s: %d of the %d tokens of the tokenizer saved with %s have another id (or none) in "
+                    "it, so the model reads them as other tokens; give the tokenizer it was trained with (or null for "
+                    "its own)", given, moved, len(theirs), source)
 
 
 def fit_prompts(cfg: DictConfig, task, tokenizer) -> dict:
