@@ -12,7 +12,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import ROOT, tokenizer_without_pad
+from conftest import ROOT, compose_cfg, tokenizer_without_pad
 from rlhflab.callables import call_reward
 from rlhflab.errors import ConfigError, RewardError
 from rlhflab.rewards.functions import FunctionReward
@@ -401,6 +401,28 @@ def test_rows_without_a_value_in_a_column_reward_functions_read_are_warned(tmp_p
     assert (f"task.path: the column 'answer' of '{path}' has no value in 2 of 20 rows (the first: row 3 (line 4)); reward "
             "functions get None there") in caplog.text
     assert "'level'" not in caplog.text and "'prompt'" not in caplog.text
+
+
+@pytest.mark.parametrize("code, said", [
+    ("def f(prompts, completions):\n    return [0.0] * len(completions)\n", "got an unexpected keyword argument 'answer'"),
+    ("def f(completions):\n    return [0.0] * len(completions)\n", "got an unexpected keyword argument 'prompts'"),
+    ("def f(prompts, completions, solution, **kw):\n    return [0.0] * len(completions)\n", "missing a required argument: 'solution'"),
+])
+@pytest.mark.parametrize("key", ["reward.fn", "task.gold_fn"])
+def test_a_function_that_cannot_take_the_datas_columns_is_one_line_before_anything_loads(tmp_path, code, said, key):
+    """Called as f(prompts=..., completions=..., **columns): a function without **kwargs beside a column, or with a
+    parameter no column fills, raised its TypeError once the MLflow run was made, the model loaded and SFT trained."""
+    (tmp_path / "fns.py").write_text(code)
+    train = write(tmp_path / "train.jsonl", [{"prompt": f"{i}=", "answer": str(i)} for i in range(60)])
+    overrides = ["task=prompts", f"task.path={train}", "task.tokenizer=char", "reward=function",
+                 f"reward.fn={tmp_path}/fns.py:f" if key == "reward.fn" else f"reward.fn={EXAMPLE}/reward.py:exact",
+                 *([f"task.gold_fn={tmp_path}/fns.py:f"] if key == "task.gold_fn" else [])]
+    from rlhflab.config import validate
+
+    with pytest.raises(ConfigError, match=rf"^{key}: f\(.*\) cannot be called as f\(prompts=\.\.\., completions=\.\.\., "
+                                          rf"\*\*columns\) with the columns of the training prompts of '{train}' \(task.path\) "
+                                          rf"\(answer\): {said}; take prompts and completions by name"):
+        validate(compose_cfg(overrides, shrink=False))
 
 
 def test_a_gold_fn_that_returns_none_is_one_line_naming_the_row(tmp_path):

@@ -104,6 +104,23 @@ async def _awaited(awaitable):
     return await awaitable
 
 
+def check_signature(fn: Callable, key: str, columns: list[str], source: str) -> None:
+    """fn can be called as call_reward calls it, fn(prompts=..., completions=..., **columns), with the columns of
+    `source` (a split's file): one that cannot (no **kwargs beside a column, or a parameter the file has no column
+    for) failed in its TypeError once the MLflow run was made, the model loaded and SFT trained."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: left to its call
+        return
+    try:
+        signature.bind(prompts=[], completions=[], **{c: [] for c in columns})
+    except TypeError as err:
+        name = getattr(fn, "__name__", "the function")
+        raise ConfigError(f"{key}: {name}{signature} cannot be called as {name}(prompts=..., completions=..., **columns) "
+                          f"with the columns of {source} ({', '.join(columns) or 'none'}): {err}; take prompts and "
+                          "completions by name, and **kwargs for the columns it does not use") from None
+
+
 def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwargs: dict, rows: list[int] | None,
                 source: str | None = None) -> "torch.Tensor":
     """fn's values as an (n,) float tensor (NaN where it returned None: it does not apply there, as in TRL), or a

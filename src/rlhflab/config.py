@@ -208,13 +208,15 @@ def check_prompt_count(cfg: DictConfig, task) -> None:
         )
 
 
-def check_task_data(cfg: DictConfig, task, needs_reward_model: bool) -> None:
+def check_task_data(cfg: DictConfig, task, reward) -> None:
     """The checks that read the task's rows, which validate() makes (in its order) of data read at construction
     (local files), and train() again once it has read the rest (a hub dataset), still before any model loads or
     MLflow run exists."""
     check_prompt_count(cfg, task)
-    if needs_reward_model:
+    if reward.needs_reward_model:
         check_reward_chat_template(cfg.model, task)  # conversations: known once the rows are read
+    if hasattr(reward, "check_columns"):
+        reward.check_columns(task)  # reward functions take the columns of the files read
 
 
 def validate(cfg: DictConfig) -> Plan:
@@ -234,6 +236,8 @@ def validate(cfg: DictConfig) -> Plan:
     tracker = _instantiate("logger", cfg.logger)
 
     check_prompt_count(cfg, task)
+    if hasattr(reward, "check_columns"):
+        reward.check_columns(task)
     if getattr(reward, "needs_gold", False) and not task.has_gold:
         raise ConfigError(f"reward=rule: task {task.name} has no gold rule to score with (task.gold_fn: null); "
                           "set task.gold_fn=<file.py>:<function>, or use reward=function or reward=model")

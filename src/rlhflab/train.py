@@ -144,7 +144,7 @@ def train(cfg: DictConfig) -> Result:
     for key in ("path", "eval_path", "demonstrations_path", "preferences_path", "dataset"):
         check_hub_dataset(f"task.{key}", cfg.task.get(key))
     if hasattr(plan.task, "load") and plan.task.load():  # hub data read now: its missing split or column, too,
-        check_task_data(cfg, plan.task, plan.reward.needs_reward_model)  # and what validate could not check yet
+        check_task_data(cfg, plan.task, plan.reward)  # and what validate could not check yet
     quiet_libraries()
     plan.fitted = fit_tokenizer(cfg, plan.task)
     if cfg.torch_threads:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhflab.callables import call_reward, load_callable
+from rlhflab.callables import call_reward, check_signature, load_callable
 from rlhflab.contracts import MemoryStrategy, Task
 from rlhflab.errors import ConfigError
 from rlhflab.rollout.batch import Rollout
@@ -44,6 +44,7 @@ class FunctionReward:
         if not specs:
             raise ConfigError("reward.fn: no reward function; set reward.fn=module:function or reward.fns=[a:f,b:g]")
         key = "reward.fn" if fn and not fns else "reward.fns"
+        self.key = key
         self.functions = [(_name(spec), load_callable(spec, key)) for spec in specs]
         names = [n for n, _ in self.functions]
         if len(set(names)) != len(names):  # two files' `score`: tell them apart by position
@@ -53,6 +54,12 @@ class FunctionReward:
             raise ConfigError(f"reward.weights: {len(self.weights)} weights for {len(specs)} functions; give one per function")
         self.components: dict[str, float] = {}
         self.warned = False
+
+    def check_columns(self, task: Task) -> None:
+        """Each function takes the columns of each split's file (task=prompts, once its files are read)."""
+        for split, columns in getattr(task, "columns", dict)().items():
+            for _, fn in self.functions:
+                check_signature(fn, self.key, columns, task.sources[split])
 
     def _score(self, task: Task, split: str, prompts: list[str], texts: list[str], rows: torch.Tensor | None) -> torch.Tensor:
         prompts, completions, kwargs = task.reward_inputs(split, rows, prompts, texts)

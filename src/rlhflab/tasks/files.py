@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rlhflab.callables import call_reward, load_callable
+from rlhflab.callables import call_reward, check_signature, load_callable
 from rlhflab.errors import ConfigError, RewardError, no_such_file
 from rlhflab.models.build import leading_bos, prompt_ids
 from rlhflab.models.checks import DATA_BUILDERS, is_hub_dataset
@@ -341,6 +341,9 @@ class PromptsTask:
                                      "task.preferences_path")
         self.demos, self.prefs = self.raw_demos, self.raw_prefs  # rendered by setup()
         self.conversational = is_conversation(train[0][prompt_field])
+        if self.gold_fn is not None:
+            for split, columns in self.columns().items():
+                check_signature(self.gold_fn, "task.gold_fn", columns, self.sources[split])
         return True
 
     def _pairs(self, path: str | None, settings: list[str], key: str) -> list[tuple] | None:
@@ -414,6 +417,12 @@ class PromptsTask:
         if self.tables is None:
             return [] if self.source["preferences_path"] else None
         return self.prefs
+
+    def columns(self) -> dict[str, list[str]]:
+        """{split: the columns beside the prompt that reward functions get} of the files read ({} before)."""
+        if self.tables is None:
+            return {}
+        return {split: [c for c in t.column_names if c != self.prompt_field] for split, t in self.tables.items()}
 
     def reward_inputs(self, split: str, rows, prompts: list[str], completions: list[str]):
         """The dataset's own prompts (text or messages) and other columns for `rows`, TRL's way."""
