@@ -200,6 +200,21 @@ def test_a_sweep_jobs_run_is_named_by_its_path_as_apart_from_the_other_jobs(tmp_
     assert parent.info.run_name.startswith("sweep fn=x/a/reward.py:correct_digits,y/a/reward.py:correct_digits ")
 
 
+def test_a_jobs_reward_function_error_is_one_line_in_the_sweep_as_in_a_run(tmp_path, stage_cache):
+    """A job's RewardError (one of the errors a run ends with in one line) came with ~40 lines of Hydra's traceback
+    in a sweep, a ConfigError with one."""
+    ex = ROOT / "examples" / "reverse"
+    (tmp_path / "boom.py").write_text("def score(prompts, completions, **kw):\n    raise ValueError('boom')\n")
+    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/m.db", stage_cache, f"reward.fn={tmp_path}/boom.py:score", "task=prompts",
+                      f"task.path={ex}/train.jsonl", f"task.demonstrations_path={ex}/demos.jsonl", "task.tokenizer=char",
+                      "task.max_new_tokens=4", "task.num_eval_prompts=4", "reward=function", "stages.sft.epochs=1",
+                      tiny=("trainer.max_steps=1", "rl.prompts_per_step=4", "rl.eval_every=0", "trainer.enable_progress_bar=false"))
+    parent, (child,) = sweep_runs(MlflowClient(sweep.uri))
+    assert child.info.status == "FAILED" and child.data.tags["rlhflab.error"].startswith("RewardError: reward function score "
+                                                                                         "raised ValueError: boom")
+    assert "Traceback" not in sweep.output and "failed: RewardError: reward function score raised ValueError: boom" in sweep.output
+
+
 def test_an_optimized_metric_no_run_logs_fails_each_job_in_words_and_the_parent_says_why_it_has_no_best(tmp_path,
                                                                                                           stage_cache):
     """optimized_metric=eval/gld: Optuna said 'no trial finished ... each trial's error is listed below' and listed

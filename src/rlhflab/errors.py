@@ -128,6 +128,10 @@ class TrackingLost(RuntimeError):
         self.checkpointed = self.shared = checkpointed
 
 
+# What a run ends with in one line (`error: ...`), its message complete: a traceback would only hide it.
+ONE_LINE = (ConfigError, StageFailed, NonFiniteError, RewardError, RankLost, TrackingLost, WriteFailed)
+
+
 class RunInterrupted(BaseException):
     """SIGINT or SIGTERM asked the run to stop. A BaseException, like KeyboardInterrupt, so that no
     `except Exception` on the way up swallows it; unlike KeyboardInterrupt, Lightning re-raises it."""

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab import distributed
 from rlhflab.config import Plan, check_devices, check_task_data, check_trainer, validate
-from rlhflab.errors import (ConfigError, NonFiniteError, RankLost, RewardError, RunInterrupted, StageFailed, TrackingLost,
+from rlhflab.errors import (ONE_LINE, ConfigError, NonFiniteError, RankLost, RewardError, RunInterrupted, TrackingLost,
                             WriteFailed, writing)
 from rlhflab.interrupts import STOP, as_interrupt
 from rlhflab.lit import checkpoint as ckpt
@@ -526,7 +526,7 @@ def main(cfg: DictConfig) -> float | None:
         if distributed.is_main():  # every rank stops alike; one says so
             print(f"stopped: {err}{what}{how}", file=sys.stderr)
         sys.exit(err.exit_code)  # a sweep stops too
-    except (ConfigError, StageFailed, NonFiniteError, RewardError, RankLost, TrackingLost, WriteFailed) as err:
+    except ONE_LINE as err:
         if sweeping:
             raise  # a sweep records the failed job and goes on
         if not getattr(err, "quiet", False):  # another rank says it (distributed.as_rank_error)

@@ -339,5 +339,9 @@ def _sweep_tags(config: DictConfig, swept: dict[str, str]) -> dict[str, str]:
 
 
 def _is_config_error(error: BaseException) -> bool:
-    # rlhflab's ConfigError messages are complete in one line; a traceback would only hide them.
-    return type(error).__name__ == "ConfigError"
+    """rlhflab's ConfigError messages, and the others a run ends with in one line (a reward function's error, a
+    NaN, a lost rank: errors.ONE_LINE), are complete in one line; a traceback would only hide them (a job's
+    RewardError was ~40 lines of Hydra's)."""
+    from rlhflab.errors import ONE_LINE
+
+    return isinstance(error, ONE_LINE)
