@@ -425,6 +425,24 @@ def test_a_function_that_cannot_take_the_datas_columns_is_one_line_before_anythi
         validate(compose_cfg(overrides, shrink=False))
 
 
+def test_missing_preference_pairs_name_the_file_and_fixes_that_fit_the_memory_strategy():
+    """memory=hydra reward=model without preference pairs said 'give a ready reward model or use reward=rule', and a
+    reward model was then refused under memory=hydra; its own line said 'demonstrations or preference pairs', not
+    which."""
+    from rlhflab.config import validate
+
+    demos_only = ["task=prompts", f"task.path={EXAMPLE}/train.jsonl", f"task.demonstrations_path={EXAMPLE}/demos.jsonl",
+                  "task.tokenizer=char", "reward=model"]
+    with pytest.raises(ConfigError, match=r"^memory=hydra: stage hydra_sft trains the policy and its reward head together, "
+                                          r"and task prompts has no preference pairs \(task.preferences_path\); give it, "
+                                          r"or use memory=lora \(with model.reward_model_path="):
+        validate(compose_cfg([*demos_only, "memory=hydra"], shrink=False))
+    with pytest.raises(ConfigError, match=r"^model.reward_model_path: null, but task prompts has no preference pairs to train "
+                                          r"one; give a ready reward model, or task.preferences_path=<file>, or use "
+                                          r"reward=function"):
+        validate(compose_cfg(demos_only, shrink=False))
+
+
 def test_a_gold_fn_that_returns_none_is_one_line_naming_the_row(tmp_path):
     """None is a reward function's 'does not apply'; from task.gold_fn the eval's mean was NaN, and the run FINISHED
     with eval/gold_reward=nan (a sweep picks its best job by it)."""

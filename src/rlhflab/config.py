@@ -254,10 +254,12 @@ def validate(cfg: DictConfig) -> Plan:
     if task.demonstrations() is None and not cfg.model.get("sft_path"):
         raise ConfigError(f"model.sft_path: null, but task {task.name} has no demonstrations to train SFT on; give a ready SFT "
                           "policy" + (" or task.demonstrations_path=<file>" if "demonstrations_path" in cfg.task else ""))
-    if reward.needs_reward_model and task.preference_pairs() is None and not cfg.model.get("reward_model_path"):
+    if (reward.needs_reward_model and task.preference_pairs() is None and not cfg.model.get("reward_model_path")
+            and memory.name != "hydra"):  # memory=hydra takes no reward model: its own check says what it lacks
         raise ConfigError(
             f"model.reward_model_path: null, but task {task.name} has no preference pairs to train one; "
-            "give a ready reward model or use reward=rule"
+            "give a ready reward model" + (", or task.preferences_path=<file>" if "preferences_path" in cfg.task else "")
+            + ", or use reward=function (or reward=rule with task.gold_fn)"
         )
     memory.check(cfg.model, task, reward.needs_reward_model)
     if reward.needs_reward_model:  # after memory.check: memory=hydra refuses a reward model before its template counts

@@ -64,8 +64,13 @@ class HydraRLHFMemory(LoraSettings, MemoryStrategy):
                 "reward model; set it to null (stage hydra_sft trains the head) or use memory=full or memory=lora"
             )
         ready = model_cfg.get("sft_path") and has_reward_head(model_cfg.sft_path)  # a hydra_sft output: nothing to train
-        if not ready and (task.demonstrations() is None or task.preference_pairs() is None):
-            raise ConfigError(f"memory=hydra: task {task.name} lacks demonstrations or preference pairs for stage hydra_sft; use memory=lora")
+        lacking = [what for what, rows in (("demonstrations (task.demonstrations_path)", task.demonstrations()),
+                                           ("preference pairs (task.preferences_path)", task.preference_pairs())) if rows is None]
+        if not ready and lacking:  # it said 'demonstrations or preference pairs', not which
+            raise ConfigError(f"memory=hydra: stage hydra_sft trains the policy and its reward head together, and task "
+                              f"{task.name} has no {' and no '.join(lacking)}; give {'them' if len(lacking) > 1 else 'it'}, "
+                              "or use memory=lora (with model.reward_model_path=<a ready reward model> where the task has "
+                              "no preference pairs), or reward=function")
 
     def stages(self, need_reward: bool) -> tuple[str, ...]:
         """Stage hydra_sft trains the shared trunk with both heads; without a reward, plain stage sft."""
