@@ -122,12 +122,17 @@ def check_signature(fn: Callable, key: str, columns: list[str], source: str) -> 
 
 
 def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwargs: dict, rows: list[int] | None,
-                source: str | None = None) -> "torch.Tensor":
+                source: str | None = None, no_none: str | None = None) -> "torch.Tensor":
     """fn's values as an (n,) float tensor (NaN where it returned None: it does not apply there, as in TRL), or a
     one-line RewardError naming `name` and the row. `rows`: each prompt's row in `source` (e.g. "the held-out
-    prompts of 'eval.jsonl' (task.eval_path)"), the file whose columns reached `fn`."""
+    prompts of 'eval.jsonl' (task.eval_path)"), the file whose columns reached `fn`. `no_none`: why None is refused
+    here, and the fix (task.gold_fn: its mean over a None was NaN)."""
     n = len(completions)
     of = f" of {source}" if source else ""
+
+    def row(i: int) -> str:
+        return (f"row {rows[i]}" if rows is not None else f"completion {i}") + of
+
     try:
         values = fn(prompts=prompts, completions=completions, **kwargs)
         if inspect.isawaitable(values):  # an `async def` function, as TRL takes them: its coroutine, run to its end
@@ -146,6 +151,8 @@ def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwarg
         raise RewardError(f"reward function {name} returned {len(values)} values for {n} completions; return one per completion")
     out = []
     for i, v in enumerate(values):
+        if v is None and no_none:
+            raise RewardError(f"reward function {name} returned None for {row(i)} (prompt {str(prompts[i])[:60]!r}); {no_none}")
         if v is None:  # TRL's convention: the function does not apply to this completion
             out.append(math.nan)
             continue
@@ -159,8 +166,7 @@ def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwarg
             past = not isinstance(v, str) and math.isfinite(v)
             if past:
                 v = f"{v:g}, past float32's {FLOAT32_MAX:.3g},"
-            row = (f"row {rows[i]}" if rows is not None else f"completion {i}") + of
-            raise RewardError(f"reward function {name} returned {v} for {row} (prompt {str(prompts[i])[:60]!r}, "
+            raise RewardError(f"reward function {name} returned {v} for {row(i)} (prompt {str(prompts[i])[:60]!r}, "
                               f"completion {str(completions[i])[:60]!r}); return a finite number"
                               + (" float32 holds" if past else "") + ", or None where it does not apply")
         out.append(v)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from rlhflab.errors import ConfigError
-from rlhflab.naming import check_server
+from rlhflab.naming import check_server, redact
 from rlhflab.schema import SCHEMAS, check, check_typed, register, writable_dir
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -288,8 +288,6 @@ def check_one_experiment(cfg, stores: dict[str, str]) -> None:
     """A sweep's runs are children of one parent run, made in the first job's experiment and store: a job logged
     to another experiment (-m logger.experiment_name=a,b) was a child the parent's summary and the report did not
     find ('0 jobs'), and one logged to another store was no child at all."""
-    from rlhflab.naming import redact
-
     for key in ("experiment_name", "tracking_uri"):
         value = redact(str(cfg.logger[key]))
         first = stores.setdefault(key, value)

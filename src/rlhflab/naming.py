@@ -178,6 +178,12 @@ def redact(text: str) -> str:
     return CREDENTIAL.sub(r"\1***@", text)
 
 
+def behind_server(artifact_location: str, tracking_uri: str) -> bool:
+    """Files an MLflow server keeps (mlflow-artifacts:/..., an experiment made through `mlflow server`), which a
+    store URI other than that server's http(s):// one (its sqlite:/// database opened directly) cannot reach."""
+    return str(artifact_location).startswith("mlflow-artifacts:") and not tracking_uri.startswith(("http://", "https://"))
+
+
 def check_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
     """An http(s) tracking URI with no server behind it: MLflow's client retries every request with a growing
     backoff, so a run sat for minutes printing 'Retrying (Retry(total=...' lines before it failed (and a timeout's

@@ -31,6 +31,7 @@ from rlhflab.naming import (
     SWEEP_OBJECTIVE_TAG,
     SWEEP_OVERRIDES_TAG,
     SWEEP_TAG,
+    behind_server,
     home_expanded,
     redact,
     short_override,
@@ -536,7 +537,7 @@ def main(argv: list[str], prog: str = "python src/report.py") -> Report:
         raise SystemExit(f"error: baseline={args['baseline']}: is the sweep itself; give another sweep to compare with "
                          "(e.g. the sync runs of the same algos)")
     upload = BOOLEANS[args["log_artifacts"].lower()]
-    if upload and str(parent.info.artifact_uri).startswith("mlflow-artifacts:") and not uri.startswith(("http://", "https://")):
+    if upload and behind_server(parent.info.artifact_uri, uri):
         # a sweep run through an MLflow server, its database read directly: MLflow's traceback after the plots
         raise SystemExit(f"error: tracking_uri: the sweep keeps its files behind an MLflow server "
                          f"({parent.info.artifact_uri}), and {redact(uri)} is not one; report through that server "

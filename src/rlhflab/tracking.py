@@ -24,8 +24,8 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError, WriteFailed
-from rlhflab.naming import (PARENT_RUN_ENV, SWEPT_ENV, absolute_uri, check_server, default_run_name, named_run, redact,
-                            sqlite_path)
+from rlhflab.naming import (PARENT_RUN_ENV, SWEPT_ENV, absolute_uri, behind_server, check_server, default_run_name,
+                            named_run, redact, sqlite_path)
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def check_artifact_store(tracking_uri: str, experiment) -> None:
     """An experiment made through an MLflow server (`mlflow server --backend-store-uri sqlite:///mlflow.db`) keeps
     its runs' files behind that server (mlflow-artifacts:/...). The same database opened directly (sqlite:///...)
     made the run, then failed on its first file (config.yaml) in MLflow's 49-line MlflowException."""
-    if str(experiment.artifact_location).startswith("mlflow-artifacts:") and not tracking_uri.startswith(("http://", "https://")):
+    if behind_server(experiment.artifact_location, tracking_uri):
         raise ConfigError(f"logger.experiment_name={experiment.name}: its runs' files are kept behind an MLflow server "
                           f"({experiment.artifact_location}), and {redact(tracking_uri)} is not one; log through that "
                           "server (logger.tracking_uri=http://HOST:PORT), or to another experiment "

@@ -91,7 +91,7 @@ class MlflowSweepCallback(Callback):
         try:
             experiment_id = self._experiment_id(config)  # first, under the store lock (it may create the database)
         except Exception as err:
-            if not _is_config_error(err):
+            if not _one_line_error(err):
                 raise
             # A store that cannot be opened stops the sweep before any job, in one line as a run's would
             # (through Hydra it was a traceback); SystemExit passes Hydra's handler.
@@ -180,7 +180,7 @@ class MlflowSweepCallback(Callback):
     def _record_failure(self, client, config: DictConfig, job_return: JobReturn, child, overrides: str) -> None:
         error = job_return._return_value  # the public getter re-raises it
         message = f"{type(error).__name__}: {error}"
-        exc_info = None if _is_config_error(error) else (type(error), error, error.__traceback__)
+        exc_info = None if _one_line_error(error) else (type(error), error, error.__traceback__)
         log.error("mlflow sweep: job #%s (%s) failed: %s", config.hydra.job.num, overrides, message, exc_info=exc_info)
         if child is None:  # failed before its tracker made a run: make one so the failure shows
             child = self._create_failed_child(client, config, overrides)
@@ -338,7 +338,7 @@ def _sweep_tags(config: DictConfig, swept: dict[str, str]) -> dict[str, str]:
     }
 
 
-def _is_config_error(error: BaseException) -> bool:
+def _one_line_error(error: BaseException) -> bool:
     """rlhflab's ConfigError messages, and the others a run ends with in one line (a reward function's error, a
     NaN, a lost rank: errors.ONE_LINE), are complete in one line; a traceback would only hide them (a job's
     RewardError was ~40 lines of Hydra's)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rlhflab.callables import call_reward, check_signature, load_callable
-from rlhflab.errors import ConfigError, RewardError, no_such_file
+from rlhflab.errors import ConfigError, no_such_file
 from rlhflab.models.build import leading_bos, prompt_ids
 from rlhflab.models.checks import DATA_BUILDERS, is_hub_dataset
 
@@ -434,7 +434,7 @@ class PromptsTask:
         raw = list(picked[self.prompt_field])
         if self.conversational:
             completions = [[{"role": "assistant", "content": c}] for c in completions]
-        extra = {c: list(picked[c]) for c in table.column_names if c != self.prompt_field}
+        extra = {c: list(picked[c]) for c in self.columns()[split]}
         return raw, completions, extra
 
     def row_source(self, split: str, rows) -> tuple[list[int], str]:
@@ -447,13 +447,11 @@ class PromptsTask:
             raise RuntimeError("task.gold_fn is null: this task has no gold reward")
         raw, completions, kwargs = self.reward_inputs(split, rows, prompts, responses)
         ids, source = self.row_source(split, rows) if rows is not None else (None, None)
-        values = call_reward(self.gold_fn, "task.gold_fn", raw, completions, kwargs, ids, source)
-        if values.isnan().any():  # None: a reward function's 'does not apply'; a gold mean over it was NaN, the run
-            i = int(values.isnan().nonzero()[0])  # FINISHED with eval/gold_reward=nan, and a sweep picked by it
-            row = (f"row {ids[i]}" if ids is not None else f"completion {i}") + (f" of {source}" if source else "")
-            raise RewardError(f"reward function task.gold_fn returned None for {row} (prompt {str(raw[i])[:60]!r}); the "
-                              "gold reward judges every completion (eval/gold_reward is their mean): return a number for each")
-        return values
+        # None, a reward function's 'does not apply', made the gold mean NaN: the run FINISHED with
+        # eval/gold_reward=nan, the metric a sweep picks its best job by
+        return call_reward(self.gold_fn, "task.gold_fn", raw, completions, kwargs, ids, source,
+                           no_none="the gold reward judges every completion (eval/gold_reward is their mean): return a "
+                                   "number for each")
 
     def data_keys(self) -> dict[str, str]:
         """A hash of what was read from each data setting (every row and column): a checkpoint keeps them, so that
