@@ -102,14 +102,18 @@ def stage_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def make_cfg(stage_cache, tmp_path):
-    """Compose + shrink + isolate (own MLflow db per test, shared stage cache)."""
+    """Compose + shrink + isolate (own MLflow db per test, shared stage cache). Each config made gets its own
+    output.dir, as Hydra gives each run its own directory (a new run is refused one that holds another run's policy):
+    the first tmp_path/run, the next run-2, run-3, ...; one that resumes (resume=...) goes on in tmp_path/run."""
+    made = []
 
     def make(*overrides: str, shrink: bool = True) -> DictConfig:
         cfg = compose_cfg([f"cache_dir={stage_cache}", *overrides], shrink=shrink)
         with open_dict(cfg):
             cfg.logger.tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
             if cfg.output.dir is None:
-                cfg.output.dir = str(tmp_path / "run")
+                made.append(cfg)
+                cfg.output.dir = str(tmp_path / ("run" if cfg.resume or len(made) == 1 else f"run-{len(made)}"))
         return cfg
 
     return make

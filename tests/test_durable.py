@@ -217,13 +217,38 @@ def test_a_resume_does_not_replace_a_policy_trained_past_the_step_budget(make_cf
 
 def test_a_policy_an_earlier_run_left_in_the_directory_does_not_bound_a_resume(make_cfg, tmp_path):
     """A run to step 4 then a new run in the same directory (another seed) stopped at step 2: resume=auto
-    trainer.max_steps=3 was refused 'went on to RL step 4', the step of the earlier run's policy."""
+    trainer.max_steps=3 was refused 'went on to RL step 4', the step of the earlier run's policy. (A new run is now
+    refused such a directory; the earlier run's policy is written by hand, as one copied there would be.)"""
     run = tmp_path / "run"
-    train(make_cfg("trainer.max_steps=4", f"output.dir={run}"))
-    shutil.rmtree(run / "checkpoints", ignore_errors=True)
     train(make_cfg("trainer.max_steps=2", "seed=3", "checkpoint.every_n_steps=2", f"output.dir={run}"))
     (run / "policy" / "rlhflab.json").write_text(json.dumps({"rl_step": 4, "run_id": "an-earlier-run"}))  # as if it had stopped
     assert train(make_cfg("trainer.max_steps=3", "seed=3", "resume=auto", f"output.dir={run}")).module.updates == 3
+
+
+def test_a_new_line_of_training_is_refused_a_directory_that_holds_a_saved_policy(make_cfg, tmp_path):
+    """A second run with the same output.dir, or resume=auto where the finished run kept no checkpoint, replaced the
+    policy/ that run had saved without a word (only its MLflow copy was left). Each is one line before any run is
+    made, and its first fix trains on from that policy."""
+    run = tmp_path / "run"
+    first = train(make_cfg("trainer.max_steps=2", f"output.dir={run}"))
+    saved = tensors(run / "policy")
+    policy = f"{run}/policy, RL step 2 of MLflow run {first.run_id}"
+    tail = (rf", which this run would replace; give this run another output.dir \(to train on from that policy: "
+            rf"model.sft_path={run}/policy output.dir=<new dir>\), or remove {run}/policy to replace it$")
+    with pytest.raises(ConfigError, match=rf"^output.dir: {run} holds the policy a run saved \({policy}\){tail}"):
+        train(make_cfg("trainer.max_steps=2", "seed=3", f"output.dir={run}"))
+    with pytest.raises(ConfigError, match=rf"^resume=auto: {run}/checkpoints holds no checkpoint to continue, and {run} "
+                                          rf"holds the policy a run saved \({policy}\){tail}"):
+        train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={run}"))
+    branch = tmp_path / "branch"
+    train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={branch}"))
+    with pytest.raises(ConfigError, match=rf"^output.dir: {run} holds the policy a run saved"):
+        train(make_cfg("trainer.max_steps=4", f"resume={branch}/checkpoints/step-00000002", f"output.dir={run}"))
+    client = MlflowClient(make_cfg().logger.tracking_uri)
+    assert len(client.search_runs([client.get_experiment_by_name("rlhflab").experiment_id])) == 2  # none for the refused
+    assert all(torch.equal(saved[k], v) for k, v in tensors(run / "policy").items())
+    on = train(make_cfg("trainer.max_steps=2", f"model.sft_path={run}/policy", f"output.dir={tmp_path}/on"))  # the fix
+    assert on.module.updates == 2 and (tmp_path / "on" / "policy").is_dir()
 
 
 def test_resume_of_a_finished_run_without_checkpoints_says_there_is_nothing_to_resume(make_cfg, tmp_path):

@@ -377,6 +377,8 @@ def test_a_full_artifact_store_is_said_at_the_start_and_at_the_end_keeps_the_run
         assert [a.path for a in client.list_artifacts(result.run_id, "policy")] == [f"policy/{f.name}" for f in sorted(policy.iterdir())]
         used = shutil.disk_usage(disk).used
         subprocess.run(["mount", "-o", f"remount,size={used}", str(disk)], check=True)  # full: not even config.yaml fits
+        with open_dict(cfg):
+            cfg.output.dir = str(tmp_path / "again")  # (its own: the first run's policy is in run/)
         with pytest.raises(WriteFailed, match=rf"^mlflow: the run's config.yaml: could not write {disk}/\w+/artifacts/"
                                               r"config.yaml: No space left on device \(0 B free on its disk\); make room on "
                                               r"that disk \(experiment 'rlhflab' keeps its runs' files there\)$"):

@@ -164,6 +164,7 @@ def train(cfg: DictConfig) -> Result:
 def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     """train(cfg) from the checkpoint it resumes on: the MLflow run, the stages and RL, its end."""
     resume = ckpt.find(cfg.resume, out, cfg, key)
+    check_saved_policy(cfg.resume, resume, out, key)
     check_budget_reaches(cfg, plan, resume, out)
     plan.data = plan.task.data_keys() if hasattr(plan.task, "data_keys") else {}
     ckpt.check_same_data(resume, plan.data)
@@ -291,6 +292,33 @@ def step_budget(cfg: DictConfig, plan: Plan) -> int:
     only between them)."""
     per_batch = plan.algo.updates_per_batch
     return -(-cfg.trainer.max_steps // per_batch) * per_batch
+
+
+def check_saved_policy(given: str | None, resume: ckpt.Checkpoint | None, out: Path, key: str) -> None:
+    """A new line of training (a new run, resume=auto where no checkpoint is left, a branch from another directory's
+    checkpoint) is refused a directory that holds the policy a run saved: it would replace it without a word."""
+    policy = out / "policy"
+    if (resume is not None and not resume.forked) or not policy.is_dir():
+        return  # a run going on replaces its own policy (check_budget_reaches says where it would go back)
+    try:
+        saved = json.loads((policy / POLICY_STEP_FILE).read_text())
+        which = f", RL step {saved['rl_step']} of MLflow run {saved['run_id']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        which = ""
+    what = f"{out} holds the policy a run saved ({policy}{which})"
+    if given == "auto" and resume is None:
+        what = f"resume=auto: {ckpt.directory(out)} holds no checkpoint to continue, and {what}"
+    else:
+        what = f"{key}: {what}"
+    raise ConfigError(f"{what}, which this run would replace; give this run another {key} (to train on from that policy: "
+                      f"model.sft_path={policy} {key}=<new dir>), or remove {policy} to replace it")
+
+
+def check_new_run_dir(cfg: DictConfig, out: Path) -> None:
+    """What _train_job refuses a new run's output directory (another run's checkpoints or saved policy), for a sweep's
+    jobs before the sweep starts."""
+    ckpt.find(None, out, cfg)
+    check_saved_policy(None, None, out, "output.dir")
 
 
 def check_budget_reaches(cfg: DictConfig, plan: Plan, resume: ckpt.Checkpoint | None, out: Path) -> None:
