@@ -460,6 +460,22 @@ def test_a_sweep_with_a_job_it_cannot_run_or_nest_stops_before_it_starts(tmp_pat
     assert "sweep job: " in out.stderr and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "multirun").exists()
 
 
+@pytest.mark.parametrize("left", ["policy", "checkpoints/step-00000004"])
+def test_a_rerun_of_a_sweep_into_its_jobs_directories_stops_before_it_starts(tmp_path, capsys, left):
+    """A job's output.dir that holds another run's checkpoints or saved policy (the same -m command with
+    'output.dir=runs/${hydra:job.num}' run twice) is refused as a single run's is, before the sweep starts: each job
+    failed at its start as a FAILED child."""
+    from rlhflab.cli import preflight
+
+    (tmp_path / "runs" / "1" / left).mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        preflight(["-m", "seed=0,1", f"output.dir={tmp_path}/runs/${{hydra:job.num}}"])
+    said = capsys.readouterr().err
+    assert said.startswith(f"error: output.dir: {tmp_path}/runs/1 ") and " (sweep job: seed=1 output.dir=" in said, said
+    assert said.count("\n") == 1 and ("the policy a run saved" if left == "policy" else "checkpoints (step-00000004)") in said
+    preflight(["-m", "seed=0,1", f"output.dir={tmp_path}/runs/${{hydra:job.num}}", "resume=auto"])  # each goes on (or not) alone
+
+
 def test_an_optuna_sweep_from_the_command_line_is_checked_and_the_plugins_own_config_is_refused(capsys):
     """hydra/sweeper=rlhflab_optuna with the search on the command line has no params of its own: the preflight's
     read of them was 'Input cfg is not an OmegaConf config object (dict)'. hydra/sweeper=optuna minimized the gold

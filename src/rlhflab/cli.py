@@ -92,8 +92,9 @@ def preflight(argv: list[str]) -> None:
 def check_sweep_jobs(which: dict[tuple[str, ...], str]) -> None:
     """What train(cfg) checks before it loads a model (train.check_job, and model.arch on the meta device), for each
     job of a sweep before the sweep starts: mode.reference=thread beside memory=lora, model.dtype=float16 with a stage
-    to train, reward.weights not one per reward.fn, or a model.arch transformers cannot build passed the schema's
-    check here, and then failed that job at its start as a FAILED child run, the sweep going on. Imports torch
+    to train, reward.weights not one per reward.fn, a model.arch transformers cannot build, or an output.dir holding
+    another run's checkpoints or policy passed the schema's check here, and then failed that job at its start as a
+    FAILED child run, the sweep going on. Imports torch
     (~3 s, which the sweep's first job pays anyway); ~0.1 s a job. The jobs say their warnings themselves."""
     import logging
     import warnings
@@ -102,7 +103,7 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str]) -> None:
     from omegaconf import OmegaConf, open_dict
 
     from rlhflab.models.build import check_arch
-    from rlhflab.train import check_job
+    from rlhflab.train import check_job, check_new_run_dir
 
     tokenizers = {}  # the task's own tokenizer, for model.arch's vocabulary: one per task setting
     logging.disable(logging.WARNING)
@@ -118,6 +119,8 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str]) -> None:
                 sweep_searches(cfg)
                 try:
                     plan = check_job(cfg)
+                    if cfg.output.dir and not cfg.resume:  # a rerun of `-m ... output.dir=runs/${hydra:job.num}`
+                        check_new_run_dir(cfg, Path(cfg.output.dir))
                     if not cfg.model.get("name_or_path"):  # a model train() builds from model.arch
                         task = OmegaConf.to_yaml(cfg.task)
                         if task not in tokenizers:
