@@ -391,6 +391,24 @@ def test_resume_auto_passes_over_a_damaged_checkpoint_and_refuses_when_all_are(m
                               "start a new run there, or give another output.dir")
 
 
+def test_a_reward_function_edited_before_a_resume_is_said(make_cfg, tmp_path, caplog):
+    """Only the data files were kept with a checkpoint: a reward function edited between a stop and resume=auto gave
+    the run's steps after it another reward, without a word. Warned, not refused: fixing the function that failed a
+    run and continuing is what that failure's line says to do."""
+    fn = tmp_path / "words.py"
+    fn.write_text("def score(prompts, completions, **columns):\n    return [float(c.count('good')) for c in completions]\n")
+    args = ["reward=function", f"reward.fn={fn}:score", "checkpoint.every_n_steps=2"]
+    train(make_cfg(*args, "trainer.max_steps=2"))
+    with caplog.at_level(logging.WARNING, logger="rlhflab"):
+        train(make_cfg(*args, "trainer.max_steps=4", "resume=auto"))  # the same file: nothing said
+        assert not [r for r in caplog.records if "edited" in r.getMessage()]
+        fn.write_text(fn.read_text() + "# edited\n")
+        train(make_cfg(*args, "trainer.max_steps=6", "resume=auto"))
+    (said,) = [r.getMessage() for r in caplog.records if "edited" in r.getMessage()]
+    assert said == (f"resume: {fn} (reward.fn) was edited since {tmp_path}/run/checkpoints/step-00000004 was written; "
+                    "RL steps after 4 use the edited function, those before it the old one")
+
+
 def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_does(make_cfg, tmp_path, capsys):
     """A reward function (or its server) that fails mid-run: the error line named only the failure, though the run
     had a checkpoint to continue from once the cause is fixed. It now names the checkpoint and the command."""

@@ -67,6 +67,22 @@ def load_callable(spec: str, key: str) -> Callable:
     return fn
 
 
+def source_keys(functions: list[tuple[str, Callable]]) -> dict[str, str]:
+    """A hash of the file that defines each (setting, function), by `<file> (<setting>)`: a checkpoint keeps them,
+    so a resume says that a function was edited since (its steps before used the old one). A function whose file
+    cannot be read (a builtin, a C extension) is left out."""
+    import hashlib
+
+    keys = {}
+    for key, fn in functions:
+        try:
+            path = Path(inspect.getsourcefile(inspect.unwrap(fn)))
+            keys[f"{path} ({key})"] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        except (TypeError, OSError):
+            continue
+    return keys
+
+
 def imported_elsewhere(path: Path) -> list[tuple[str, str]]:
     """(name, its file) for each module `path` imports whose file is beside it, but which the process holds from
     another place: two reward files in two folders, each importing its own helpers.py, both got the first's."""

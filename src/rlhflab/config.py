@@ -46,6 +46,7 @@ class Plan:
     tags: dict[str, str]
     fitted: tuple | None = None  # (tokenizer, task counts) when train() read a given tokenizer before the run
     data: dict | None = None  # the task's data_keys, which checkpoints keep
+    code: dict | None = None  # callables.source_keys of its reward and gold functions, which checkpoints keep
 
 
 def _instantiate(group: str, node: DictConfig, **kwargs):

@@ -26,6 +26,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab import distributed
+from rlhflab.callables import source_keys
 from rlhflab.config import Plan, check_devices, check_task_data, check_trainer, validate
 from rlhflab.errors import (ONE_LINE, ConfigError, NonFiniteError, RankLost, RewardError, RunInterrupted, TrackingLost,
                             WriteFailed, writing)
@@ -168,6 +169,9 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     check_budget_reaches(cfg, plan, resume, out)
     plan.data = plan.task.data_keys() if hasattr(plan.task, "data_keys") else {}
     ckpt.check_same_data(resume, plan.data)
+    plan.code = source_keys([(getattr(plan.reward, "key", "reward.fn"), fn) for _, fn in getattr(plan.reward, "functions", [])]
+                            + ([("task.gold_fn", plan.task.gold_fn)] if getattr(plan.task, "gold_fn", None) else []))
+    ckpt.check_same_code(resume, plan.code)
     ckpt.announce(resume)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
@@ -410,7 +414,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     module.run_id = tracker.run_id
     module.clock = (started, started + t_stages)
     saver = ckpt.Checkpointer(ckpt.directory(out), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep,
-                              OmegaConf.to_yaml(cfg, resolve=True), plan.data)
+                              OmegaConf.to_yaml(cfg, resolve=True), plan.data, plan.code)
     remaining = budget - done
     if remaining > 0:
         trainer = _make_trainer(cfg, logger, "rl", callbacks=[saver], max_steps=remaining)

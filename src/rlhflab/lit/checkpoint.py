@@ -212,6 +212,17 @@ def check_same_data(checkpoint: Checkpoint | None, data: dict[str, str]) -> None
                       f"resume={checkpoint.path} output.dir=<new dir>")
 
 
+def check_same_code(checkpoint: Checkpoint | None, code: dict[str, str]) -> None:
+    """A reward or gold function edited since the checkpoint is said, not refused: fixing the function that failed
+    a run and continuing it with resume=auto is what that failure's line says to do."""
+    saved = checkpoint.state.get("code") if checkpoint is not None else None
+    if saved is None:  # a checkpoint written before the functions' files were kept
+        return
+    for what in sorted(k for k in saved.keys() & code.keys() if saved[k] != code[k]):
+        log.warning("resume: %s was edited since %s was written; RL steps after %d use the edited function, those "
+                    "before it the old one", what, checkpoint.path, checkpoint.updates)
+
+
 class SignalsOurs(L.Callback):
     """Every fit handles SIGINT and SIGTERM with rlhflab's handler. Lightning installs its own SIGTERM handler
     after on_fit_start and before on_train_start; under several ranks it broadcasts from inside the handler,
@@ -226,9 +237,11 @@ class Checkpointer(L.Callback):
     """Writes a checkpoint every `every_n_steps` optimizer updates (at the next batch boundary the
     rollout source can resume from exactly) and when a stop was asked for, then honours the stop."""
 
-    def __init__(self, root: Path, every_n_steps: int | None, keep: int, config_yaml: str, data: dict | None = None) -> None:
+    def __init__(self, root: Path, every_n_steps: int | None, keep: int, config_yaml: str, data: dict | None = None,
+                 code: dict | None = None) -> None:
         self.root = root
         self.data = data or {}  # the task's data_keys: what the run read from its data files
+        self.code = code or {}  # callables.source_keys: the files of its reward and gold functions
         self.every = every_n_steps
         self.keep = keep
         self.config_yaml = config_yaml
@@ -272,7 +285,7 @@ class Checkpointer(L.Callback):
         """Every rank gives its state (collective); rank 0 writes the checkpoint, after the metrics of every step
         it holds (a resumed run re-runs only the steps after it, so buffered metrics up to here must be kept)."""
         tensors, optimizer, state = module.checkpoint_state()
-        state = {**state, "data": self.data}
+        state = {**state, "data": self.data, "code": self.code}
         self.saved_at = module.updates
         if distributed.is_main():
             if hasattr(module.logger, "flush"):  # rlhflab's RunLogger: metrics up to this step, written now
