@@ -81,7 +81,8 @@ def test_a_rank_that_fails_while_rank_0_is_busy_ends_the_run_failed_in_one_line(
     assert rc == 1, output[-4000:]
     assert "Traceback" not in output and "zombies" not in output, output[-4000:]  # Lightning's observer is not there
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2 and errors[0].startswith("error: rank 1 of 2: reward function score raised ValueError: "
+    assert len(errors) == 2 and errors[0].startswith("error: rank 1 of 2: reward function score (reward.fn=rank_reward.py:score) raised "
+                                                     "ValueError: "
                                                      "rank 1 refuses"), errors
     assert errors[1] == ("error: rank 1 of 2 exited with code 1 (its error is above); rank 0 stopped the run; "
                          "the MLflow run is FAILED"), errors

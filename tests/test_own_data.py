@@ -345,7 +345,7 @@ def test_an_async_reward_function_is_awaited_as_trl_does():
 ])
 def test_a_misbehaving_reward_function_is_one_line_naming_it_and_the_row(returned, message):
     with pytest.raises(RewardError, match=message) as err:
-        call_reward(returned, "bad", ["7=", "8="], ["x", "y"], {}, [7, 8])
+        call_reward(returned, "reward function bad", ["7=", "8="], ["x", "y"], {}, [7, 8])
     assert "\n" not in str(err.value)
 
 
@@ -359,7 +359,7 @@ def test_a_reward_functions_error_names_the_file_and_its_row_there(tmp_path, cap
     task = PromptsTask(path=str(train), eval_path=str(held), tokenizer="char")
     assert f"task.eval_path: '{held}' lacks the columns answer, level that task.path has" in caplog.text
     task.setup(task.build_tokenizer())
-    with pytest.raises(RewardError, match=rf"^reward function exact raised TypeError: .*'answer' \(on 2 completions of the "
+    with pytest.raises(RewardError, match=rf"^reward function exact \(reward.fn={REWARD}:exact\) raised TypeError: .*'answer' \(on 2 completions of the "
                                           rf"held-out prompts of '{held}' \(task.eval_path\); first prompt '1='\)$"):
         FunctionReward(fn=f"{REWARD}:exact")._score(task, "eval", task.prompts("eval"), ["x", "y"], torch.tensor([0, 1]))
     # held out of the same file: the row is the file's (the prompt of row i is f"{i:03d}=")
@@ -443,6 +443,20 @@ def test_missing_preference_pairs_name_the_file_and_fixes_that_fit_the_memory_st
         validate(compose_cfg(demos_only, shrink=False))
 
 
+def test_a_failing_function_of_several_names_its_place_in_reward_fns(tmp_path):
+    """'reward function score raised ...' named neither the setting nor which of reward.fns (two files' `score`)."""
+    from rlhflab.rewards.functions import FunctionReward
+
+    train = write(tmp_path / "train.jsonl", rows(20))
+    task = PromptsTask(path=str(train), eval_fraction=0.25, tokenizer="char")
+    task.setup(task.build_tokenizer())
+    boom = tmp_path / "boom.py"
+    boom.write_text("def exact(prompts, completions, **kw):\n    raise ValueError('boom')\n")
+    with pytest.raises(RewardError, match=rf"^reward function exact1 \(reward.fns\[1\]={boom}:exact\) raised ValueError: boom "):
+        FunctionReward(fns=[f"{REWARD}:exact", f"{boom}:exact"])._score(task, "eval", task.prompts("eval")[:2], ["x", "y"],
+                                                                          torch.tensor([0, 1]))
+
+
 def test_a_gold_fn_that_returns_none_is_one_line_naming_the_row(tmp_path):
     """None is a reward function's 'does not apply'; from task.gold_fn the eval's mean was NaN, and the run FINISHED
     with eval/gold_reward=nan (a sweep picks its best job by it)."""
@@ -452,7 +466,7 @@ def test_a_gold_fn_that_returns_none_is_one_line_naming_the_row(tmp_path):
     task = PromptsTask(path=str(train), eval_fraction=0.25, tokenizer="char", gold_fn=f"{half}:gold")
     task.setup(task.build_tokenizer())
     prompts = task.prompts("eval")[:2]
-    with pytest.raises(RewardError, match=r"^reward function task.gold_fn returned None for row \d+ of the held-out prompts "
+    with pytest.raises(RewardError, match=rf"^gold function gold \(task.gold_fn={half}:gold\) returned None for row \d+ of the held-out prompts "
                                           r"of '.*train.jsonl' \(task.path, task.eval_fraction\) \(prompt '\d+='\); the gold reward judges "
                                           r"every completion \(eval/gold_reward is their mean\): return a number for each$"):
         task.gold_reward(prompts, ["x", "y"], "eval", rows=torch.tensor([0, 1]))

@@ -210,9 +210,9 @@ def test_a_jobs_reward_function_error_is_one_line_in_the_sweep_as_in_a_run(tmp_p
                       "task.max_new_tokens=4", "task.num_eval_prompts=4", "reward=function", "stages.sft.epochs=1",
                       tiny=("trainer.max_steps=1", "rl.prompts_per_step=4", "rl.eval_every=0", "trainer.enable_progress_bar=false"))
     parent, (child,) = sweep_runs(MlflowClient(sweep.uri))
-    assert child.info.status == "FAILED" and child.data.tags["rlhflab.error"].startswith("RewardError: reward function score "
-                                                                                         "raised ValueError: boom")
-    assert "Traceback" not in sweep.output and "failed: RewardError: reward function score raised ValueError: boom" in sweep.output
+    assert child.info.status == "FAILED" and child.data.tags["rlhflab.error"].startswith(f"RewardError: reward function score "
+                                                                                         f"(reward.fn={tmp_path}/boom.py:score) raised ValueError: boom")
+    assert "Traceback" not in sweep.output and f"failed: RewardError: reward function score (reward.fn={tmp_path}/boom.py:score) raised ValueError: boom" in sweep.output
 
 
 def test_an_optimized_metric_no_run_logs_fails_each_job_in_words_and_the_parent_says_why_it_has_no_best(tmp_path,

@@ -140,7 +140,8 @@ def check_signature(fn: Callable, key: str, columns: list[str], source: str) -> 
 def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwargs: dict, rows: list[int] | None,
                 source: str | None = None, no_none: str | None = None) -> "torch.Tensor":
     """fn's values as an (n,) float tensor (NaN where it returned None: it does not apply there, as in TRL), or a
-    one-line RewardError naming `name` and the row. `rows`: each prompt's row in `source` (e.g. "the held-out
+    one-line RewardError naming `name` (the function and its setting, e.g. "reward function score
+    (reward.fn=rewards.py:score)") and the row. `rows`: each prompt's row in `source` (e.g. "the held-out
     prompts of 'eval.jsonl' (task.eval_path)"), the file whose columns reached `fn`. `no_none`: why None is refused
     here, and the fix (task.gold_fn: its mean over a None was NaN)."""
     n = len(completions)
@@ -154,21 +155,21 @@ def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwarg
         if inspect.isawaitable(values):  # an `async def` function, as TRL takes them: its coroutine, run to its end
             values = asyncio.run(_awaited(values))
     except Exception as err:
-        raise RewardError(f"reward function {name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+        raise RewardError(f"{name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
                           f"(on {n} completions{of}; first prompt {str(prompts[0])[:60]!r})") from None
     if isinstance(values, (str, bytes, dict)):  # a str was read as one reward per character, a dict by its keys
-        raise RewardError(f"reward function {name} returned {type(values).__name__}, not a list of numbers (on {n} "
+        raise RewardError(f"{name} returned {type(values).__name__}, not a list of numbers (on {n} "
                           f"completions{of}; first prompt {str(prompts[0])[:60]!r})")
     try:
         values = list(values)
     except TypeError:
-        raise RewardError(f"reward function {name} returned {type(values).__name__}, not a list of numbers") from None
+        raise RewardError(f"{name} returned {type(values).__name__}, not a list of numbers") from None
     if len(values) != n:
-        raise RewardError(f"reward function {name} returned {len(values)} values for {n} completions; return one per completion")
+        raise RewardError(f"{name} returned {len(values)} values for {n} completions; return one per completion")
     out = []
     for i, v in enumerate(values):
         if v is None and no_none:
-            raise RewardError(f"reward function {name} returned None for {row(i)} (prompt {str(prompts[i])[:60]!r}); {no_none}")
+            raise RewardError(f"{name} returned None for {row(i)} (prompt {str(prompts[i])[:60]!r}); {no_none}")
         if v is None:  # TRL's convention: the function does not apply to this completion
             out.append(math.nan)
             continue
@@ -182,7 +183,7 @@ def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwarg
             past = not isinstance(v, str) and math.isfinite(v)
             if past:
                 v = f"{v:g}, past float32's {FLOAT32_MAX:.3g},"
-            raise RewardError(f"reward function {name} returned {v} for {row(i)} (prompt {str(prompts[i])[:60]!r}, "
+            raise RewardError(f"{name} returned {v} for {row(i)} (prompt {str(prompts[i])[:60]!r}, "
                               f"completion {str(completions[i])[:60]!r}); return a finite number"
                               + (" float32 holds" if past else "") + ", or None where it does not apply")
         out.append(v)

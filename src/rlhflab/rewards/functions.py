@@ -49,6 +49,9 @@ class FunctionReward:
         names = [n for n, _ in self.functions]
         if len(set(names)) != len(names):  # two files' `score`: tell them apart by position
             self.functions = [(f"{n}{i}", f) for i, (n, f) in enumerate(self.functions)]
+        settings = ["reward.fn"] * bool(fn) + [f"reward.fns[{i}]" if len(fns) > 1 else "reward.fns" for i in range(len(fns or []))]
+        # what its errors name: the function (as its train/reward/<name> metric does), the setting and spec that chose it
+        self.subjects = [f"reward function {name} ({setting}={spec})" for (name, _), setting, spec in zip(self.functions, settings, specs)]
         self.weights = [1.0] * len(specs) if weights is None else [float(w) for w in weights]
         if len(self.weights) != len(specs):
             raise ConfigError(f"reward.weights: {len(self.weights)} weights for {len(specs)} functions; give one per function")
@@ -69,8 +72,8 @@ class FunctionReward:
         row_ids, source = rows.tolist() if rows is not None else None, None
         if rows is not None and hasattr(task, "row_source"):  # task=prompts: the file's rows, and which file
             row_ids, source = task.row_source(split, rows)
-        for (name, fn), weight in zip(self.functions, self.weights):
-            values = call_reward(fn, name, prompts, completions, kwargs, row_ids, source)
+        for (name, fn), weight, subject in zip(self.functions, self.weights, self.subjects):
+            values = call_reward(fn, subject, prompts, completions, kwargs, row_ids, source)
             applies = ~values.isnan()  # None: it does not apply there
             if applies.any():
                 self.components[f"train/reward/{name}"] = float(values[applies].mean())

@@ -286,6 +286,7 @@ class PromptsTask:
         self.max_new_tokens = max_new_tokens
         self.tokenizer_level = tokenizer
         self.gold_fn = load_callable(gold_fn, "task.gold_fn") if gold_fn else None
+        self.gold_subject = f"gold function {str(gold_fn).rpartition(':')[2]} (task.gold_fn={gold_fn})"  # its errors' words
         self.has_gold = self.gold_fn is not None
         self.source = dict(path=path, split=split, eval_path=eval_path, eval_split=eval_split, eval_fraction=eval_fraction,
                            num_eval_prompts=num_eval_prompts, demonstrations_path=demonstrations_path,
@@ -449,7 +450,7 @@ class PromptsTask:
         ids, source = self.row_source(split, rows) if rows is not None else (None, None)
         # None, a reward function's 'does not apply', made the gold mean NaN: the run FINISHED with
         # eval/gold_reward=nan, the metric a sweep picks its best job by
-        return call_reward(self.gold_fn, "task.gold_fn", raw, completions, kwargs, ids, source,
+        return call_reward(self.gold_fn, self.gold_subject, raw, completions, kwargs, ids, source,
                            no_none="the gold reward judges every completion (eval/gold_reward is their mean): return a "
                                    "number for each")
 
