@@ -465,6 +465,16 @@ def test_a_sweep_jobs_path_is_named_apart_from_the_sweeps_other_paths():
     assert run_name("rloo", ["model.sft_path=/x/a/policy"], {"algo": "rloo,ppo"}) == "rloo sft_path=a/policy"
 
 
+def test_a_list_of_paths_is_named_by_each_ones_file():
+    """reward.fn=/home/me/r/a.py:f named a run 'fn=a.py:f', and reward.fns=[/home/me/r/a.py:f,/home/me/r/b.py:g]
+    '[/home/me/r/a.py:f,b.py:g]' (the first item kept whole); a sweep over lists was split inside them."""
+    from rlhflab.naming import run_name, short_override
+
+    assert run_name("rloo", ["reward=function", "reward.fns=[/home/me/r/a.py:f,/home/me/r/b.py:g]"]) == "rloo function fns=[a.py:f,b.py:g]"
+    assert run_name("rloo", ["reward.fns=[my_pkg.r:f, my_pkg.s:g]"]) == "rloo fns=[my_pkg.r:f,my_pkg.s:g]"
+    assert short_override("reward.fns=[/x/a.py:f,/x/b.py:g],[/x/c.py:h]") == "fns=[a.py:f,b.py:g],[c.py:h]"
+
+
 def test_a_sweep_job_given_a_run_name_is_named_by_it_and_by_what_it_sweeps():
     """-m algo=rloo,grpo seed=1,2 logger.run_name=ablation named every child 'ablation', alike in MLflow's list."""
     from rlhflab.naming import named_run

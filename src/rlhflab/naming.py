@@ -82,8 +82,20 @@ def short_override(override: str, keys: int = 1, among: str | None = None) -> st
 
 def _values(value: str) -> list[str]:
     """A sweep's list, each value on its own (a,b: the path shortened across the comma lost one value and the list),
-    not range(1,3) / interval(0,1); a sweep job's escaped comma (a\\,b) is one value."""
-    return [HYDRA_ESCAPE.sub(r"\1", v) for v in re.split(r"(?<!\\),", value)] if "(" not in value else [value]
+    not range(1,3) / interval(0,1); a sweep job's escaped comma (a\\,b) is one value, and so is a list ([a,b],[c]:
+    two values)."""
+    return [HYDRA_ESCAPE.sub(r"\1", v) for v in _top_level(value)] if "(" not in value else [value]
+
+
+def _top_level(value: str) -> list[str]:
+    """`value` split at its commas outside brackets and not escaped."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(value):
+        depth += (c in "[{") - (c in "]}")
+        if c == "," and depth == 0 and (i == 0 or value[i - 1] != "\\"):
+            parts.append(value[start:i])
+            start = i + 1
+    return [*parts, value[start:]]
 
 
 # What rlhflab names every run's saved model (`<run dir>/policy`): named by it alone, every sft_path was `policy`
@@ -91,6 +103,8 @@ SAVED_NAMES = ("policy", "merged")  # (merged: policy/merged, a LoRA policy merg
 
 
 def _short_value(value: str, parts: int = 1) -> str:
+    if value.startswith("[") and value.endswith("]"):  # a list's items each (reward.fns=[/x/a.py:f,/x/b.py:g])
+        return f"[{','.join(_short_value(v.strip(), parts) for v in _top_level(value[1:-1]))}]"
     if value.startswith(("/", "./", "../", "~")):
         path = value.rstrip("/").split("/")
         keep = max(parts, 2 if path[-1] in SAVED_NAMES else 1)
