@@ -596,17 +596,26 @@ def test_a_model_arch_transformers_refuses_is_one_line_before_the_run(make_cfg, 
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
 
 
-def test_a_model_arch_is_judged_under_a_given_sft_path_too(make_cfg, tmp_path):
-    """The base model is built from model.arch under model.sft_path too (its tokenizer's source when none is given)."""
+def test_a_model_arch_beside_a_given_sft_path_builds_nothing_and_is_said(tmp_path):
+    """Under model.sft_path (and no model.name_or_path) a base model was built from model.arch, though no stage starts
+    from it, and logged as the run's rlhflab.base_model; model.arch.* given beside it was dropped without a word."""
+    from mlflow.tracking import MlflowClient
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from conftest import SHRINK, cli_run, run_id_of
     from rlhflab.tasks.sentiment import SentimentTask
-    from rlhflab.train import train
 
     words = SentimentTask().build_tokenizer()
     LlamaForCausalLM(LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2, pad_token_id=words.pad_token_id)).save_pretrained(tmp_path / "sft")
     words.save_pretrained(tmp_path / "sft")
-    with pytest.raises(ConfigError, match=r"^model.arch: transformers cannot build a model of it \(.*not a multiple"):
-        train(make_cfg(f"model.sft_path={tmp_path}/sft", "model.arch.num_attention_heads=3", f"cache_dir={tmp_path}/cache"))
-    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
+    args = [*SHRINK, f"model.sft_path={tmp_path}/sft", "model.arch.num_attention_heads=3", "reward=rule", "trainer.max_steps=1",
+            f"cache_dir={tmp_path}/cache", f"output.dir={tmp_path}/run", f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
+    with cli_run(args, tmp_path) as proc:
+        output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    assert (f"model.arch.num_attention_heads: not used; model.sft_path={tmp_path}/sft is the model (its own config.json), "
+            "and model.arch builds one only where neither model.name_or_path nor model.sft_path is given") in output
+    assert not (tmp_path / "cache" / "models").exists()  # nothing built
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id_of(tmp_path / "run"))
+    assert run.data.params["rlhflab.base_model"] == "None" and run.data.params["rlhflab.policy_start"] == f"{tmp_path}/sft"

@@ -121,7 +121,7 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str]) -> None:
                     plan = check_job(cfg)
                     if cfg.output.dir and not cfg.resume:  # a rerun of `-m ... output.dir=runs/${hydra:job.num}`
                         check_new_run_dir(cfg, Path(cfg.output.dir))
-                    if not cfg.model.get("name_or_path"):  # a model train() builds from model.arch
+                    if not (cfg.model.get("name_or_path") or cfg.model.get("sft_path")):  # one train() builds from model.arch
                         task = OmegaConf.to_yaml(cfg.task)
                         if task not in tokenizers:
                             tokenizers[task] = plan.task.build_tokenizer()

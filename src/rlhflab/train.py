@@ -148,6 +148,7 @@ def train(cfg: DictConfig) -> Result:
         check_task_data(cfg, plan.task, plan.reward)  # and what validate could not check yet
     quiet_libraries()
     plan.fitted = fit_tokenizer(cfg, plan.task)
+    warn_unused_arch(cfg.model, hydra_overrides())
     if cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))
     torch.manual_seed(cfg.seed)
@@ -234,11 +235,10 @@ def fit_tokenizer(cfg: DictConfig, task, base_path: str | None = None) -> tuple 
 
     model = cfg.model
     source = model.get("sft_path") or model.get("name_or_path") or base_path
-    if base_path is None and not model.get("name_or_path"):  # a base model _run will build (under an sft_path too)
+    if not source:  # a base model _run will build: the task's own tokenizer judges the prompts now; _run reads its copy
         own = task.build_tokenizer()
         check_arch(OmegaConf.to_container(model.arch, resolve=True), own)
-        if not source:  # the task's own tokenizer judges the prompts now; _run reads its saved copy
-            return None, fit_prompts(cfg, task, own)
+        return None, fit_prompts(cfg, task, own)
     key = next((f"model.{k}" for k in ("tokenizer", "sft_path", "name_or_path") if model.get(k)), None)
     path = model.get("tokenizer") or source
     try:
@@ -260,6 +260,15 @@ def fit_tokenizer(cfg: DictConfig, task, base_path: str | None = None) -> tuple 
     if model.get("tokenizer"):
         warn_other_vocabulary(model.tokenizer, tokenizer, source)
     return tokenizer, fit_prompts(cfg, task, tokenizer)
+
+
+def warn_unused_arch(model: DictConfig, overrides: list[str]) -> None:
+    """model.arch.* given on the command line beside a model that is given was dropped without a word."""
+    given = next((k for k in ("name_or_path", "sft_path") if model.get(k)), None)
+    arch = [o.lstrip("+~").partition("=")[0] for o in overrides if o.lstrip("+~").startswith("model.arch.")]
+    if given and arch:
+        log.warning("%s: not used; model.%s=%s is the model (its own config.json), and model.arch builds one only where "
+                    "neither model.name_or_path nor model.sft_path is given", ", ".join(arch), given, model[given])
 
 
 def warn_other_vocabulary(given: str, tokenizer, source: str) -> None:
@@ -378,8 +387,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     task = plan.task
 
     # Stage 0: the base model (built from config for the tiny preset, cached).
-    base = ensure_base_model(model_cfg, task, cache_dir)
-    tokenizer, counts = plan.fitted or fit_tokenizer(cfg, task, base.path)  # read before the run where the model is given
+    base = ensure_base_model(model_cfg, task, cache_dir)  # (None under a model.sft_path: no stage starts from it)
+    tokenizer, counts = plan.fitted or fit_tokenizer(cfg, task, base and base.path)  # read before the run where the model is given
     if tokenizer is None:  # the task's own, which set the prompts up before the run: the copy saved with the model
         tokenizer = load_tokenizer(base.path)
     if counts:
@@ -391,7 +400,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
         return _make_trainer(cfg, logger, stage, max_steps=-1, **overrides)
 
     policy, reward_model = run_stages(needed, model_cfg, base, tokenizer, task, stages, cache_dir, stage_trainer)
-    tracker.log_params({"rlhflab.base_model": base.path, "rlhflab.policy_start": policy.path,
+    tracker.log_params({"rlhflab.base_model": base and base.path, "rlhflab.policy_start": policy.path,
                         "rlhflab.reward_model": reward_model.path if reward_model else None})
     t_stages = time.perf_counter() - started
 

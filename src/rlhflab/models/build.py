@@ -27,10 +27,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 REWARD_NORM_FILE = "rlhflab_reward_norm.json"
 
 
-def ensure_base_model(model_cfg: dict, task, cache_dir: Path) -> Saved:
-    """The base policy: a `from_pretrained` name, or the tiny one built from `model.arch` (cached)."""
+def ensure_base_model(model_cfg: dict, task, cache_dir: Path) -> Saved | None:
+    """The base policy: a `from_pretrained` name, or the tiny one built from `model.arch` (cached); None under a
+    model.sft_path alone, where no stage starts from a base (it was built, unused, and logged as the base model)."""
     if model_cfg.get("name_or_path"):
         return Saved(model_cfg["name_or_path"], f"pretrained:{model_cfg['name_or_path']}")
+    if model_cfg.get("sft_path"):
+        return None
     from transformers import AutoModelForCausalLM
 
     tokenizer = task.build_tokenizer()
