@@ -115,14 +115,28 @@ def test_optuna_preset_searches_existing_keys_in_memory():
 
 @pytest.fixture(scope="module")
 def sqlite_sweep(tmp_path_factory, stage_cache) -> Sweep:
-    """rloo and grpo with seeds 1 and 2, each seed 1 job in an output directory that holds another run's checkpoints
-    (a ConfigError at the job's start, before its MLflow run): two failures, two runs. (What the config alone decides,
-    a value the schema or the plug-ins reject, stops the whole sweep before it starts.)"""
+    """rloo and grpo with seeds 1 and 2, each seed 1 job in an output directory that another run is using (this
+    process holds its lock: a ConfigError at the job's start, before its MLflow run): two failures, two runs. (What
+    the config and the files decide, a value the schema or the plug-ins reject, a directory that holds another run's
+    checkpoints, stops the whole sweep before it starts.)"""
+    import fcntl
+
+    from rlhflab.train import LOCK_FILE
+
     cwd = tmp_path_factory.mktemp("sweep")
+    held = []
     for job in (0, 2):
-        (cwd / "out" / str(job) / "checkpoints" / "step-000002").mkdir(parents=True)
-    return run_sweep(cwd, f"sqlite:///{cwd}/mlflow.db", stage_cache, "algo=rloo,grpo", "seed=1,2",
-                     f"output.dir={cwd}/out/${{hydra:job.num}}")
+        (cwd / "out" / str(job)).mkdir(parents=True)
+        held.append(open(cwd / "out" / str(job) / LOCK_FILE, "a+"))
+        fcntl.lockf(held[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held[-1].write(str(os.getpid()))
+        held[-1].flush()
+    try:
+        return run_sweep(cwd, f"sqlite:///{cwd}/mlflow.db", stage_cache, "algo=rloo,grpo", "seed=1,2",
+                         f"output.dir={cwd}/out/${{hydra:job.num}}")
+    finally:
+        for handle in held:
+            handle.close()
 
 
 @pytest.mark.slow
@@ -139,7 +153,7 @@ def test_sweep_jobs_are_children_of_one_parent(sqlite_sweep):
             assert key in run.data.metrics, key
     for run in failed:  # failed at its start, before the job's tracker made a run: the callback made this one
         assert run.data.tags["rlhflab.error"].startswith("ConfigError: output.dir: ")
-        assert "already holds another run's checkpoints" in run.data.tags["rlhflab.error"]
+        assert f"is in use by another run (pid {os.getpid()})" in run.data.tags["rlhflab.error"]
         assert not run.data.metrics
     for bad, good in zip(failed, finished):  # tagged alike, so a search by tag finds both
         assert {g: bad.data.tags.get(g) for g in RUN_TAG_GROUPS} == {g: good.data.tags.get(g) for g in RUN_TAG_GROUPS}
