@@ -643,9 +643,24 @@ def test_a_budget_below_the_checkpoint_is_refused_and_keeps_the_policy_trained_f
     train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={out}"))
     train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={out}"))
     policy = (out / "policy" / "model.safetensors").read_bytes()
-    with pytest.raises(ConfigError, match=r"^trainer.max_steps=1: .*step-00000002 is at RL step 2, past it.*max_steps=2 or more"):
+    with pytest.raises(ConfigError, match=r"^trainer.max_steps=1: .*step-00000002 is at RL step 2, past it.*max_steps=2 or more, "
+                                          r"or start anew in another output.dir \(no checkpoint of step 1 or before is left\)$"):
         train(make_cfg("trainer.max_steps=1", "resume=auto", f"output.dir={out}"))
     assert (out / "policy" / "model.safetensors").read_bytes() == policy
+
+
+def test_a_budget_below_the_newest_checkpoint_names_an_older_one_to_start_from_elsewhere(make_cfg, tmp_path):
+    """'Set trainer.max_steps=8 or more, or resume=<an older checkpoint>': that older checkpoint, in the same
+    directory, was then refused as older than the newest beside it. The line now names it and another directory,
+    and its command runs."""
+    out = tmp_path / "run"
+    train(make_cfg("trainer.max_steps=6", "checkpoint.every_n_steps=2", "checkpoint.keep=3", f"output.dir={out}"))
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg("trainer.max_steps=5", "resume=auto", f"output.dir={out}"))
+    assert str(err.value).endswith(f"Set trainer.max_steps=6 or more, or start from step-00000004 in another directory: "
+                                   f"resume={out}/checkpoints/step-00000004 output.dir=<new dir>"), err.value
+    branch = train(make_cfg("trainer.max_steps=5", f"resume={out}/checkpoints/step-00000004", f"output.dir={tmp_path}/b"))
+    assert branch.module.updates == 5
 
 
 # ---- the stage cache --------------------------------------------------------------------------

@@ -167,7 +167,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     """train(cfg) from the checkpoint it resumes on: the MLflow run, the stages and RL, its end."""
     resume = ckpt.find(cfg.resume, out, cfg, key)
     check_saved_policy(cfg.resume, resume, out, key)
-    check_budget_reaches(cfg, plan, resume, out)
+    check_budget_reaches(cfg, plan, resume, out, key)
     plan.data = plan.task.data_keys() if hasattr(plan.task, "data_keys") else {}
     ckpt.check_same_data(resume, plan.data)
     plan.code = source_keys([(getattr(plan.reward, "key", "reward.fn"), fn) for _, fn in getattr(plan.reward, "functions", [])]
@@ -334,13 +334,17 @@ def check_new_run_dir(cfg: DictConfig, out: Path) -> None:
     check_saved_policy(None, None, out, "output.dir")
 
 
-def check_budget_reaches(cfg: DictConfig, plan: Plan, resume: ckpt.Checkpoint | None, out: Path) -> None:
+def check_budget_reaches(cfg: DictConfig, plan: Plan, resume: ckpt.Checkpoint | None, out: Path, key: str = "output.dir") -> None:
     """A checkpoint past the step budget cannot go back to it. Its policy (of its step) replaced the one in the
     output directory, which a finished run had trained further, and the run's curves went on past it."""
     if resume is not None and resume.updates > step_budget(cfg, plan):
+        # an older checkpoint beside it is refused in this directory (its line went on past it): another one
+        older = ckpt.newest(resume.path.parent, before=step_budget(cfg, plan) + 1)
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps}: {resume.path} is at RL step {resume.updates}, "
                           f"past it, and training cannot go back; its policy would replace {out / 'policy'}. Set "
-                          f"trainer.max_steps={resume.updates} or more, or resume=<an older checkpoint>")
+                          f"trainer.max_steps={resume.updates} or more, or start "
+                          + (f"from {older.name} in another directory: resume={older} {key}=<new dir>" if older else
+                             f"anew in another {key} (no checkpoint of step {step_budget(cfg, plan)} or before is left)"))
     # The run it continues may have trained past its newest checkpoint (one written by a stop, none at the end)
     trained = saved_step(out / "policy", resume.state.get("run_id")) if resume is not None and not resume.forked else None
     if trained is not None and trained > step_budget(cfg, plan):

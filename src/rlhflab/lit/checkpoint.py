@@ -134,7 +134,7 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "outp
         path = newest(directory(output_dir))
         if path is None and held:  # a new run's checkpoints would fall below theirs (checkpoint.keep)
             raise ConfigError(f"resume=auto: every checkpoint in {directory(output_dir)} is damaged (named above); "
-                              f"remove them to start a new run there, or give another output.dir")
+                              f"remove them to start a new run there, or give another {key}")
         if path is None:
             log.info("resume=auto: no checkpoint in %s; starting a new run", directory(output_dir))
             return None
@@ -143,8 +143,8 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "outp
         latest = newest(path.parent) or path
         if path.resolve().parent == directory(output_dir).resolve() and latest.resolve() != path.resolve():
             # its checkpoints would fall among the newer ones of the line it leaves
-            raise ConfigError(f"resume: {path} is older than {latest.name} beside it; start from it in another output.dir "
-                              f"(resume={path} output.dir=<new dir>), or continue from the newest with resume=auto")
+            raise ConfigError(f"resume: {path} is older than {latest.name} beside it; start from it in another {key} "
+                              f"(resume={path} {key}=<new dir>), or continue from the newest with resume=auto")
     checkpoint = read(path)
     changed = differences(checkpoint.config, cfg)
     if changed:
