@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -337,6 +338,11 @@ def test_help_lists_groups_options_and_their_comments(tmp_path):
     assert "[algo=... memory=... mode=async ...]." in " ".join(words)
     # an abbreviation's period does not end it ("Dr." once cut dr_grpo's to "Dr.")
     assert "Dr. GRPO (Liu et al., 2025): GRPO without std scaling, one token mean over the batch (DAPO's)." in " ".join(words)
+    # resume, ranks and one's own data were nowhere in it: each named, with the guide it points to (which exists)
+    for key in ("resume=auto", "checkpoint.every_n_steps=N", "trainer=ddp", "trainer.devices=N", "task.path=<file>"):
+        assert key in out.stdout, key
+    guides = re.findall(r"docs/\w+\.md", out.stdout)
+    assert len(guides) == 3 and all((ROOT / g).is_file() for g in guides), guides
 
 
 def test_help_summary_is_the_first_sentence_past_abbreviations(tmp_path):

@@ -654,6 +654,10 @@ def render_help() -> str:
         "every value: python src/train.py --cfg job    (each field's one-line comment is in its file under conf/)",
         "e.g.         python src/train.py algo=online_dpo mode=async staleness=2 rl.lr=3e-4 trainer.max_steps=100",
         "runs:        mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1",
+        "durable:     output.dir=<dir> (policy/, checkpoints/), checkpoint.every_n_steps=N; after a Ctrl-C or a kill",
+        "             the same command with resume=auto continues; docs/DURABLE.md",
+        "ranks:       trainer=ddp or trainer=fsdp, trainer.devices=N (CPU processes or GPUs); docs/DISTRIBUTED.md",
+        "own data:    task=prompts task.path=<file> reward=function reward.fn=<file.py>:<function>; docs/OWN_DATA.md",
         "Hydra's own flags: python src/train.py --hydra-help",
     ]
     return "\n".join(lines)
