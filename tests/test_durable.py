@@ -391,6 +391,30 @@ def test_resume_auto_passes_over_a_damaged_checkpoint_and_refuses_when_all_are(m
                               "start a new run there, or give another output.dir")
 
 
+def test_a_resume_that_changes_a_group_names_the_group(tmp_path, stage_cache):
+    """resume=auto algo=grpo listed the 7 keys the group sets (algo._target_: ...RLOO -> ...GRPO; algo.kl_coef: ...),
+    and a forgotten debug=default its settings in rl, stages and task, never the group the user changed."""
+    from conftest import cli_run
+
+    out = tmp_path / "run"
+    args = ["debug=default", "trainer.enable_progress_bar=false", "trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={out}",
+            f"cache_dir={stage_cache}", f"logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
+    with cli_run(args, tmp_path) as proc:
+        output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    refusals = {
+        "algo=grpo": f"error: resume: {out}/checkpoints/step-00000002 was made with other settings (algo: rloo -> grpo; "
+                     "off_policy: behaviour -> decoupled); run with the same settings",
+        "~debug": f"error: resume: {out}/checkpoints/step-00000002 was made with other settings (debug: default -> (none); rl.",
+    }
+    for change, start in refusals.items():
+        with cli_run([*args, "resume=auto", change], tmp_path) as proc:
+            output, _ = proc.communicate(timeout=300)
+        (line,) = [l for l in output.splitlines() if l.startswith("error: ")]
+        assert proc.returncode == 2 and line.startswith(start), line
+        assert "algo._target_" not in line
+
+
 def test_a_reward_function_edited_before_a_resume_is_said(make_cfg, tmp_path, caplog):
     """Only the data files were kept with a checkpoint: a reward function edited between a stop and resume=auto gave
     the run's steps after it another reward, without a word. Warned, not refused: fixing the function that failed a

@@ -116,6 +116,28 @@ def differences(saved_yaml: str, cfg: DictConfig) -> list[str]:
     return [f"{k}: {old.get(k, absent)} -> {new.get(k, absent)}" for k in keys]
 
 
+def group_choices() -> dict[str, str] | None:
+    """The config groups' options this run was composed with (algo: rloo, debug: default), where Hydra composed it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return {group: None if option is None else str(option) for group, option in HydraConfig.get().runtime.choices.items()
+            if not group.startswith("hydra/")}
+
+
+def group_changes(old: dict | None, new: dict | None, changed: list[str]) -> list[str]:
+    """`changed` led by the group options that differ (`algo: rloo -> grpo`, `debug: default -> (none)`), without the
+    keys of a changed group's own package (algo.*): the group is what the user changed. A checkpoint or a run without
+    the choices (written before they were kept, or a train(cfg) call) keeps the keys alone."""
+    if not changed or old is None or new is None:
+        return changed
+    groups = sorted(g for g in old.keys() | new.keys() if old.get(g) != new.get(g))
+    said = {g for g in groups if "/" not in g}  # (a nested group's keys are under its parent's package)
+    return ([f"{g}: {old.get(g) or '(none)'} -> {new.get(g) or '(none)'}" for g in groups]
+            + [c for c in changed if c.partition(":")[0].partition(".")[0] not in said])
+
+
 def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "output.dir") -> Checkpoint | None:
     """The checkpoint `resume` names (auto: the newest in output_dir), checked against the config. A new line
     of training (a new run, or a branch) is refused an output directory that holds another line's checkpoints:
@@ -146,10 +168,11 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "outp
             raise ConfigError(f"resume: {path} is older than {latest.name} beside it; start from it in another {key} "
                               f"(resume={path} {key}=<new dir>), or continue from the newest with resume=auto")
     checkpoint = read(path)
-    changed = differences(checkpoint.config, cfg)
+    changed = group_changes(checkpoint.state.get("choices"), group_choices(), differences(checkpoint.config, cfg))
     if changed:
         raise ConfigError(f"resume: {path} was made with other settings ({'; '.join(changed)}); run with the same settings "
-                          "(only trainer.max_steps, checkpoint.*, output.*, cache_dir and logging keys may change) or start a new run in another output.dir")
+                          "(only trainer.max_steps, checkpoint.*, output.*, cache_dir and logging keys may change) or start a new run in another "
+                          f"{key}")
     # The run goes on in its MLflow run only where it is the same line of training: the newest whole checkpoint of
     # this output directory (a kill and resume=auto; the steps the killed run logged after it repeat bit for bit
     # and are not logged twice). From another directory's checkpoint the steps after it are new, and logging them
@@ -242,6 +265,7 @@ class Checkpointer(L.Callback):
         self.root = root
         self.data = data or {}  # the task's data_keys: what the run read from its data files
         self.code = code or {}  # callables.source_keys: the files of its reward and gold functions
+        self.choices = group_choices()  # which option of each group: a resume that changes one names it
         self.every = every_n_steps
         self.keep = keep
         self.config_yaml = config_yaml
@@ -285,7 +309,7 @@ class Checkpointer(L.Callback):
         """Every rank gives its state (collective); rank 0 writes the checkpoint, after the metrics of every step
         it holds (a resumed run re-runs only the steps after it, so buffered metrics up to here must be kept)."""
         tensors, optimizer, state = module.checkpoint_state()
-        state = {**state, "data": self.data, "code": self.code}
+        state = {**state, "data": self.data, "code": self.code, "choices": self.choices}
         self.saved_at = module.updates
         if distributed.is_main():
             if hasattr(module.logger, "flush"):  # rlhflab's RunLogger: metrics up to this step, written now
