@@ -98,8 +98,9 @@ def test_a_rank_stopped_by_a_signal_outside_the_rl_loop_ends_the_run_killed_not_
                                          tmp_path, stage_cache)
     assert rc == 130, output[-4000:]
     assert output.strip().splitlines()[-1] == (
-        "stopped: rank 1 of 2 was stopped by SIGINT (exit code 130); rank 0 stopped the run; the MLflow run is KILLED "
-        "(resume=auto continues it from its newest checkpoint, if it wrote one)"), output[-2000:]
+        "stopped: rank 1 of 2 was stopped by SIGINT (exit code 130); rank 0 stopped the run; the MLflow run is KILLED: "
+        "it stopped before its first checkpoint, so there is nothing to resume; the same command starts a new run (the "
+        "stages that finished are cached)"), output[-2000:]
     assert status == "KILLED"
 
 

@@ -52,12 +52,14 @@ def claim_end(owner: str) -> bool:
 
 
 @contextmanager
-def one_job(on_lost: Callable[[str], None] = lambda status: None):
+def one_job(on_lost: Callable[[str], None] = lambda status: None,
+            how_to_continue: Callable[[], str] = lambda: " (resume=auto continues it from its newest checkpoint, if it wrote one)"):
     """A job that may start ranks (every `train(cfg)`): afterwards its process group is gone and the
     launcher's variables are as before, so the next job of a sweep in this process starts its own ranks
     (Lightning launches none while LOCAL_RANK is set, and would reuse a group whose peers have exited).
     `on_lost(status)` (mark the MLflow run FAILED, or KILLED where the ranks were stopped by a signal) runs if a
-    launched rank fails while this rank does not end."""
+    launched rank fails while this rank does not end; `how_to_continue()` ends the line said when the ranks were stopped
+    by a signal (resume=auto, or nothing to resume where no checkpoint was written)."""
     global _end_owner, _launched, _job
     from lightning.pytorch.strategies.launchers import subprocess_script as launcher
 
@@ -65,7 +67,7 @@ def one_job(on_lost: Callable[[str], None] = lambda status: None):
     _end_owner, _launched, _job = None, None, _job + 1
     observer = getattr(launcher, "_launch_process_observer", None)  # absent in another Lightning: its own stays
     if observer is not None:
-        launcher._launch_process_observer = lambda procs: _start_watch(procs, on_lost)
+        launcher._launch_process_observer = lambda procs: _start_watch(procs, on_lost, how_to_continue)
     try:
         yield
     finally:
@@ -83,14 +85,14 @@ def one_job(on_lost: Callable[[str], None] = lambda status: None):
 _launched: list | None = None  # the rank processes this one launched (Lightning's launcher's list)
 
 
-def _start_watch(procs: list, on_lost: Callable[[str], None]) -> None:
+def _start_watch(procs: list, on_lost: Callable[[str], None], how_to_continue: Callable[[], str]) -> None:
     """Instead of Lightning's observer: a thread of rank 0 that watches the ranks it launched."""
     global _launched
     _launched = procs
-    threading.Thread(target=_watch, args=(procs, on_lost, _job), daemon=True, name="rlhflab-rank-watch").start()
+    threading.Thread(target=_watch, args=(procs, on_lost, _job, how_to_continue), daemon=True, name="rlhflab-rank-watch").start()
 
 
-def _watch(procs: list, on_lost: Callable[[str], None], job: int) -> None:
+def _watch(procs: list, on_lost: Callable[[str], None], job: int, how_to_continue: Callable[[], str]) -> None:
     """Until every launched rank exits 0. When one exits otherwise, this rank usually ends the run itself: its
     next collective fails at once (gloo; as_rank_error), or the exit was an agreed stop it is acting on too
     (writing the checkpoint). If it has not begun to end within GRACE_S (busy in a long forward, or waiting in an
@@ -123,8 +125,11 @@ def _watch(procs: list, on_lost: Callable[[str], None], job: int) -> None:
     except Exception as err:  # the tracking store gone too: still say what happened, and end
         said = f"; the MLflow run could not be marked {status} ({type(err).__name__}: {err})"
     if signum:
-        print(f"stopped: {lost}; rank 0 stopped the run{said} (resume=auto continues it from its newest checkpoint, "
-              "if it wrote one)", file=sys.stderr, flush=True)
+        try:
+            how = how_to_continue()
+        except Exception:  # (a hint must not keep the ranks from ending)
+            how = ""
+        print(f"stopped: {lost}; rank 0 stopped the run{said}{how}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
     print(f"error: {lost}; rank 0 stopped the run{said}", file=sys.stderr, flush=True)
     os._exit(1)

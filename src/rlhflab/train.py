@@ -176,7 +176,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     ckpt.announce(resume)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
-    with distributed.one_job(on_lost=tracker.finish), STOP.installed():
+    with distributed.one_job(on_lost=tracker.finish, how_to_continue=lambda: how_to_continue(cfg, out, run_made=True)), STOP.installed():
         status = "FAILED"
         try:  # from the run's start: a signal that lands while it logs its params still ends it KILLED
             if distributed.is_main():  # the other ranks log nothing to MLflow (their tracker has no run)
@@ -553,19 +553,7 @@ def main(cfg: DictConfig) -> float | None:
             result = train(cfg)
     except RunInterrupted as err:
         out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
-        if sweeping:  # the same -m command would send every job to this job's directory
-            # hydra.mode=RUN: a sweep preset (experiment=sweep_*) sets MULTIRUN itself
-            job = shlex.join(["python", "src/train.py", *HydraConfig.get().overrides.task, "hydra.mode=RUN", "resume=auto",
-                              f"output.dir={out}"])
-            how = f", and the sweep stops here. Continue this job alone: {job}"
-        elif STOP.run_made and out and ckpt.newest(ckpt.directory(Path(out))) is None:  # a stop in a stage, or RL's
-            # first step: resume=auto started a new run, and the KILLED one stayed empty
-            how = (": it stopped before its first checkpoint, so there is nothing to resume; the same command starts a "
-                   "new run (the stages that finished are cached)")
-        elif STOP.run_made:
-            how = f". Continue with the same command and resume=auto output.dir={out}"
-        else:
-            how = ": there is nothing to resume; run the command again"
+        how = how_to_continue(cfg, out, STOP.run_made)
         # A stop while the run was being set up (an unanswered tracking server, a slow hub) has no run to mark.
         what = "; the MLflow run is KILLED" if STOP.run_made else " before its MLflow run was made"
         if distributed.is_main():  # every rank stops alike; one says so
@@ -585,6 +573,26 @@ def main(cfg: DictConfig) -> float | None:
             raise  # the job's error: the sweep lists it, and its sweeper is told the trial failed
         log.warning("%s", err)
         return None
+
+
+def how_to_continue(cfg: DictConfig, out, run_made: bool) -> str:
+    """The end of a stopped run's line: how to continue it (resume=auto, a sweep's job alone), or that there is
+    nothing to resume. Said by main, and by rank 0's watch where the other ranks were stopped by a signal."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:  # the same -m command would send
+        # every job to this job's directory; hydra.mode=RUN: a sweep preset (experiment=sweep_*) sets MULTIRUN itself
+        job = shlex.join(["python", "src/train.py", *HydraConfig.get().overrides.task, "hydra.mode=RUN", "resume=auto",
+                          f"output.dir={out}"])
+        return f", and the sweep stops here. Continue this job alone: {job}"
+    if run_made and out and ckpt.newest(ckpt.directory(Path(out))) is None:  # a stop in a stage, or RL's first step:
+        # resume=auto started a new run, and the KILLED one stayed empty
+        return (": it stopped before its first checkpoint, so there is nothing to resume; the same command starts a "
+                "new run (the stages that finished are cached)")
+    if run_made:
+        return f". Continue with the same command and resume=auto output.dir={out}"
+    return ": there is nothing to resume; run the command again"
 
 
 def resume_hint(err: Exception, cfg: DictConfig) -> str:
