@@ -249,6 +249,11 @@ def test_a_new_line_of_training_is_refused_a_directory_that_holds_a_saved_policy
     assert all(torch.equal(saved[k], v) for k, v in tensors(run / "policy").items())
     on = train(make_cfg("trainer.max_steps=2", f"model.sft_path={run}/policy", f"output.dir={tmp_path}/on"))  # the fix
     assert on.module.updates == 2 and (tmp_path / "on" / "policy").is_dir()
+    lora = tmp_path / "lora"  # an adapter is no model.sft_path: the line says how to get one that is
+    train(make_cfg("memory=lora", "trainer.max_steps=1", f"output.dir={lora}"))
+    with pytest.raises(ConfigError, match=r"give this run another output.dir \(an adapter: to train on from it, save it "
+                                          r"merged with output.merge_lora=true\), or remove "):
+        train(make_cfg("memory=lora", "trainer.max_steps=1", f"output.dir={lora}"))
 
 
 def test_resume_of_a_finished_run_without_checkpoints_says_there_is_nothing_to_resume(make_cfg, tmp_path):

@@ -170,8 +170,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     check_budget_reaches(cfg, plan, resume, out, key)
     plan.data = plan.task.data_keys() if hasattr(plan.task, "data_keys") else {}
     ckpt.check_same_data(resume, plan.data)
-    plan.code = source_keys([(getattr(plan.reward, "key", "reward.fn"), fn) for _, fn in getattr(plan.reward, "functions", [])]
-                            + ([("task.gold_fn", plan.task.gold_fn)] if getattr(plan.task, "gold_fn", None) else []))
+    plan.code = code_keys(plan)
     ckpt.check_same_code(resume, plan.code)
     ckpt.announce(resume)
     tracker = plan.tracker
@@ -307,6 +306,14 @@ def step_budget(cfg: DictConfig, plan: Plan) -> int:
     return -(-cfg.trainer.max_steps // per_batch) * per_batch
 
 
+def code_keys(plan: Plan) -> dict[str, str]:
+    """callables.source_keys of the reward functions and task.gold_fn the run calls (a checkpoint keeps them)."""
+    functions = [(getattr(plan.reward, "key", "reward.fn"), fn) for _, fn in getattr(plan.reward, "functions", [])]
+    if getattr(plan.task, "gold_fn", None):
+        functions.append(("task.gold_fn", plan.task.gold_fn))
+    return source_keys(functions)
+
+
 def check_saved_policy(given: str | None, resume: ckpt.Checkpoint | None, out: Path, key: str) -> None:
     """A new line of training (a new run, resume=auto where no checkpoint is left, a branch from another directory's
     checkpoint) is refused a directory that holds the policy a run saved: it would replace it without a word."""
@@ -323,8 +330,11 @@ def check_saved_policy(given: str | None, resume: ckpt.Checkpoint | None, out: P
         what = f"resume=auto: {ckpt.directory(out)} holds no checkpoint to continue, and {what}"
     else:
         what = f"{key}: {what}"
-    raise ConfigError(f"{what}, which this run would replace; give this run another {key} (to train on from that policy: "
-                      f"model.sft_path={policy} {key}=<new dir>), or remove {policy} to replace it")
+    whole = policy / "merged" if (policy / "merged").is_dir() else policy  # an adapter (memory=lora, hydra) is no sft_path
+    on = (f"to train on from that policy: model.sft_path={whole} {key}=<new dir>" if (whole / "config.json").is_file()
+          else "an adapter: to train on from it, save it merged with output.merge_lora=true")
+    raise ConfigError(f"{what}, which this run would replace; give this run another {key} ({on}), or remove {policy} to "
+                      "replace it")
 
 
 def check_new_run_dir(cfg: DictConfig, out: Path) -> None:
