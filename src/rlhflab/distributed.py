@@ -53,7 +53,7 @@ def claim_end(owner: str) -> bool:
 
 @contextmanager
 def one_job(on_lost: Callable[[str], None] = lambda status: None,
-            how_to_continue: Callable[[], str] = lambda: " (resume=auto continues it from its newest checkpoint, if it wrote one)"):
+            how_to_continue: Callable[[], str] = lambda: ""):
     """A job that may start ranks (every `train(cfg)`): afterwards its process group is gone and the
     launcher's variables are as before, so the next job of a sweep in this process starts its own ranks
     (Lightning launches none while LOCAL_RANK is set, and would reuse a group whose peers have exited).
