@@ -427,15 +427,20 @@ def test_a_reward_function_edited_before_a_resume_is_said(make_cfg, tmp_path, ca
     fn = tmp_path / "words.py"
     fn.write_text("def score(prompts, completions, **columns):\n    return [float(c.count('good')) for c in completions]\n")
     args = ["reward=function", f"reward.fn={fn}:score", "checkpoint.every_n_steps=2"]
-    train(make_cfg(*args, "trainer.max_steps=2"))
+    first = train(make_cfg(*args, "trainer.max_steps=2"))
     with caplog.at_level(logging.WARNING, logger="rlhflab"):
-        train(make_cfg(*args, "trainer.max_steps=4", "resume=auto"))  # the same file: nothing said
+        train(make_cfg(*args, "trainer.max_steps=3", "resume=auto"))  # the same file: nothing said (step 3 logged)
         assert not [r for r in caplog.records if "edited" in r.getMessage()]
-        fn.write_text(fn.read_text() + "# edited\n")
-        train(make_cfg(*args, "trainer.max_steps=6", "resume=auto"))
+        fn.write_text(fn.read_text().replace("float(", "2 * float("))  # step 3, from the step-2 checkpoint, again
+        train(make_cfg(*args, "trainer.max_steps=4", "resume=auto"))
     (said,) = [r.getMessage() for r in caplog.records if "edited" in r.getMessage()]
-    assert said == (f"resume: {fn} (reward.fn) was edited since {tmp_path}/run/checkpoints/step-00000004 was written; "
-                    "RL steps after 4 use the edited function, those before it the old one")
+    assert said == (f"resume: {fn} (reward.fn) was edited since {tmp_path}/run/checkpoints/step-00000002 was written; "
+                    "RL steps after 2 use the edited function, those before it the old one (the steps after it that "
+                    "the run logged are logged again: MLflow keeps both values of each)")
+    # step 3 was trained on other rewards: both are in the history (they were logged once, the old function's)
+    uri = make_cfg().logger.tracking_uri
+    assert [s for s, _ in history(uri, first.run_id, "train/reward")] == [1, 2, 3, 3, 4]
+    assert MlflowClient(uri).get_run(first.run_id).data.tags["rlhflab.edited_at_step"] == f"2: {fn} (reward.fn)"
 
 
 def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_does(make_cfg, tmp_path, capsys):
@@ -469,6 +474,8 @@ def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_
     assert 0 < before["rl_s"] < before["total_s"]
     done = train(make_cfg(*args, "resume=auto"))  # the function no longer fails: as the line says
     assert done.run_id == failed and client.get_run(failed).info.status == "FINISHED"
+    tags = client.get_run(failed).data.tags  # a FINISHED run kept the failure's tag, and read as failed
+    assert "rlhflab.error" not in tags and tags["rlhflab.error_before_resume"].startswith("RewardError: reward function score")
     assert [step for step, _ in history(make_cfg().logger.tracking_uri, failed, "train/reward")] == list(range(1, 9))
     # perf/rl_s and perf/total_s were the time since the resume; now the whole run's: the checkpoint's count, then more
     assert done.module.elapsed_before == before and done.metrics["perf/rl_s"] > before["rl_s"]

@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError, WriteFailed
-from rlhflab.naming import (PARENT_RUN_ENV, SWEPT_ENV, absolute_uri, behind_server, check_server, default_run_name,
+from rlhflab.naming import (ERROR_TAG, PARENT_RUN_ENV, SWEPT_ENV, absolute_uri, behind_server, check_server, default_run_name,
                             named_run, redact, sqlite_path)
 
 log = logging.getLogger(__name__)
@@ -275,6 +275,10 @@ class MlflowTracker:
             client.update_run(resume_run_id, status="RUNNING")
             self.run_id = resume_run_id
             self.logged_steps = self._logged_steps()
+            failed = client.get_run(resume_run_id).data.tags.get(ERROR_TAG)
+            if failed:  # the failure it goes on from: kept apart, so a run that finishes does not read as failed
+                client.set_tag(self.run_id, f"{ERROR_TAG}_before_resume", failed)
+                client.delete_tag(self.run_id, ERROR_TAG)
             client.set_tag(self.run_id, "rlhflab.resumed_at", time.strftime("%Y-%m-%d %H:%M:%S"))
             log.info("mlflow: resuming run %s at %s", self.run_id, redact(self.tracking_uri))
             self._start_system_metrics()
@@ -301,6 +305,11 @@ class MlflowTracker:
         log.info("mlflow: run %s (%s) in experiment '%s' at %s", self.run_id, name, self.experiment_name, redact(self.tracking_uri))
         self._start_system_metrics()
         return self.run_id
+
+    def log_again_after(self, step: int) -> None:
+        """The steps after `step` are logged again, not passed over as the ones the run holds: a resume whose reward
+        function was edited retrains them on other values (MLflow then keeps both values of each)."""
+        self.logged_steps = {key: min(last, step) for key, last in self.logged_steps.items()}
 
     def _logged_steps(self) -> dict[str, int]:
         """The last step of every metric the run already holds."""

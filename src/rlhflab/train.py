@@ -171,7 +171,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     plan.data = plan.task.data_keys() if hasattr(plan.task, "data_keys") else {}
     ckpt.check_same_data(resume, plan.data)
     plan.code = code_keys(plan)
-    ckpt.check_same_code(resume, plan.code)
+    edited = ckpt.check_same_code(resume, plan.code)
     ckpt.announce(resume)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
@@ -191,6 +191,9 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
                                           "(or MLFLOW_TRACKING_URI) at the store that holds it, or continue as a new MLflow "
                                           f"run in another directory: resume={resume.path} output.dir=<another dir>")
                 run_id = tracker.start(cfg, tags, hydra_overrides(), out, continued)
+                if continued and edited:  # the steps after the checkpoint are retrained on other rewards
+                    tracker.log_again_after(resume.updates)
+                    tracker.set_tag("rlhflab.edited_at_step", f"{resume.updates}: {', '.join(edited)}"[:MAX_TAG])
                 if continued:  # what the stopped run could not write (its store stopped answering), first
                     tracker.replay(resume.state.get("unwritten_metrics", []))
                 (out / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(absolute_uri(tracker.tracking_uri)),

@@ -235,15 +235,19 @@ def check_same_data(checkpoint: Checkpoint | None, data: dict[str, str]) -> None
                       f"resume={checkpoint.path} output.dir=<new dir>")
 
 
-def check_same_code(checkpoint: Checkpoint | None, code: dict[str, str]) -> None:
+def check_same_code(checkpoint: Checkpoint | None, code: dict[str, str]) -> list[str]:
     """A reward or gold function edited since the checkpoint is said, not refused: fixing the function that failed
-    a run and continuing it with resume=auto is what that failure's line says to do."""
+    a run and continuing it with resume=auto is what that failure's line says to do. -> what was edited."""
     saved = checkpoint.state.get("code") if checkpoint is not None else None
     if saved is None:  # a checkpoint written before the functions' files were kept
-        return
-    for what in sorted(k for k in saved.keys() & code.keys() if saved[k] != code[k]):
+        return []
+    edited = sorted(k for k in saved.keys() & code.keys() if saved[k] != code[k])
+    for what in edited:
         log.warning("resume: %s was edited since %s was written; RL steps after %d use the edited function, those "
-                    "before it the old one", what, checkpoint.path, checkpoint.updates)
+                    "before it the old one%s", what, checkpoint.path, checkpoint.updates,
+                    "" if checkpoint.forked else " (the steps after it that the run logged are logged again: MLflow "
+                    "keeps both values of each)")
+    return edited
 
 
 class SignalsOurs(L.Callback):
