@@ -225,7 +225,7 @@ def test_a_policy_an_earlier_run_left_in_the_directory_does_not_bound_a_resume(m
     assert train(make_cfg("trainer.max_steps=3", "seed=3", "resume=auto", f"output.dir={run}")).module.updates == 3
 
 
-def test_a_new_line_of_training_is_refused_a_directory_that_holds_a_saved_policy(make_cfg, tmp_path):
+def test_a_new_line_of_training_is_refused_a_directory_that_holds_a_saved_policy(make_cfg, tmp_path, caplog):
     """A second run with the same output.dir, or resume=auto where the finished run kept no checkpoint, replaced the
     policy/ that run had saved without a word (only its MLflow copy was left). Each is one line before any run is
     made, and its first fix trains on from that policy."""
@@ -239,7 +239,9 @@ def test_a_new_line_of_training_is_refused_a_directory_that_holds_a_saved_policy
         train(make_cfg("trainer.max_steps=2", "seed=3", f"output.dir={run}"))
     with pytest.raises(ConfigError, match=rf"^resume=auto: {run}/checkpoints holds no checkpoint to continue, and {run} "
                                           rf"holds the policy a run saved \({policy}\){tail}"):
-        train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={run}"))
+        with caplog.at_level(logging.INFO, logger="rlhflab"):
+            train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={run}"))
+    assert "starting a new run" not in caplog.text  # it said so, then refused it
     branch = tmp_path / "branch"
     train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={branch}"))
     with pytest.raises(ConfigError, match=rf"^output.dir: {run} holds the policy a run saved"):
@@ -249,6 +251,11 @@ def test_a_new_line_of_training_is_refused_a_directory_that_holds_a_saved_policy
     assert all(torch.equal(saved[k], v) for k, v in tensors(run / "policy").items())
     on = train(make_cfg("trainer.max_steps=2", f"model.sft_path={run}/policy", f"output.dir={tmp_path}/on"))  # the fix
     assert on.module.updates == 2 and (tmp_path / "on" / "policy").is_dir()
+    done = tmp_path / "done"  # a finished run with checkpoints: its policy is named, not 'another run's checkpoints'
+    train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={done}"))
+    with pytest.raises(ConfigError, match=rf"^output.dir: {done} holds the policy a run saved .* or remove {done}/policy "
+                                          rf"and {done}/checkpoints to replace them$"):
+        train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={done}"))
     lora = tmp_path / "lora"  # an adapter is no model.sft_path: the line says how to get one that is
     train(make_cfg("memory=lora", "trainer.max_steps=1", f"output.dir={lora}"))
     with pytest.raises(ConfigError, match=r"give this run another output.dir \(an adapter: to train on from it, save it "
@@ -357,6 +364,7 @@ def test_a_new_line_of_training_is_refused_a_directory_holding_another_runs_chec
     first = train(make_cfg("trainer.max_steps=6", "checkpoint.every_n_steps=2", f"output.dir={out}"))
     held = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert held == ["step-00000004", "step-00000006"]
+    shutil.rmtree(out / "policy")  # as a stopped run left it (a finished one's policy is named first)
     refusals = {
         "null": f"output.dir: {out} already holds another run's checkpoints (step-00000004 .. step-00000006); continue "
                 f"that run with resume=auto, or give this run another output.dir (or remove {out}/checkpoints)",
@@ -418,6 +426,19 @@ def test_a_resume_that_changes_a_group_names_the_group(tmp_path, stage_cache):
         (line,) = [l for l in output.splitlines() if l.startswith("error: ")]
         assert proc.returncode == 2 and line.startswith(start), line
         assert "algo._target_" not in line
+
+
+def test_a_reward_that_fails_before_any_checkpoint_says_what_to_do(make_cfg, tmp_path, capsys):
+    """Without a checkpoint the failure's line said only what failed, where a Ctrl-C says there is nothing to resume."""
+    import rlhflab.train as entry
+
+    fn = tmp_path / "early.py"
+    fn.write_text("def score(prompts, completions, **columns):\n    raise OSError('the reward server went away')\n")
+    with pytest.raises(SystemExit):
+        entry.main(make_cfg("reward=function", f"reward.fn={fn}:score", "trainer.max_steps=4"))
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("; no checkpoint was written before it (set checkpoint.every_n_steps to keep some), so once fixed "
+                        "the same command starts anew (the stages that finished are cached)"), err
 
 
 def test_a_reward_function_edited_before_a_resume_is_said(make_cfg, tmp_path, caplog):

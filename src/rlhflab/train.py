@@ -165,6 +165,8 @@ def train(cfg: DictConfig) -> Result:
 
 def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     """train(cfg) from the checkpoint it resumes on: the MLflow run, the stages and RL, its end."""
+    if not cfg.resume:  # a finished run's directory: its policy first (its checkpoints' line would offer resume=auto)
+        check_saved_policy(None, None, out, key)
     resume = ckpt.find(cfg.resume, out, cfg, key)
     check_saved_policy(cfg.resume, resume, out, key)
     check_budget_reaches(cfg, plan, resume, out, key)
@@ -172,7 +174,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     ckpt.check_same_data(resume, plan.data)
     plan.code = code_keys(plan)
     edited = ckpt.check_same_code(resume, plan.code)
-    ckpt.announce(resume)
+    ckpt.announce(resume, cfg.resume, out)
     tracker = plan.tracker
     relaunch_as_one_job(cfg, out)
     with distributed.one_job(on_lost=tracker.finish, how_to_continue=lambda: how_to_continue(cfg, out, run_made=True)), STOP.installed():
@@ -336,15 +338,16 @@ def check_saved_policy(given: str | None, resume: ckpt.Checkpoint | None, out: P
     whole = policy / "merged" if (policy / "merged").is_dir() else policy  # an adapter (memory=lora, hydra) is no sft_path
     on = (f"to train on from that policy: model.sft_path={whole} {key}=<new dir>" if (whole / "config.json").is_file()
           else "an adapter: to train on from it, save it merged with output.merge_lora=true")
-    raise ConfigError(f"{what}, which this run would replace; give this run another {key} ({on}), or remove {policy} to "
-                      "replace it")
+    held = ckpt.directory(out) if any(ckpt.directory(out).glob("step-*")) else None
+    raise ConfigError(f"{what}, which this run would replace; give this run another {key} ({on}), or remove {policy}"
+                      + (f" and {held} to replace them" if held else " to replace it"))
 
 
 def check_new_run_dir(cfg: DictConfig, out: Path) -> None:
     """What _train_job refuses a new run's output directory (another run's checkpoints or saved policy), for a sweep's
     jobs before the sweep starts."""
-    ckpt.find(None, out, cfg)
     check_saved_policy(None, None, out, "output.dir")
+    ckpt.find(None, out, cfg)
 
 
 def check_budget_reaches(cfg: DictConfig, plan: Plan, resume: ckpt.Checkpoint | None, out: Path, key: str = "output.dir") -> None:
@@ -619,6 +622,11 @@ def resume_hint(err: Exception, cfg: DictConfig) -> str:
         return ""
     out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
     last = out and ckpt.newest(ckpt.directory(Path(out)))
+    if not last and isinstance(err, RewardError):  # the line said nothing of what to do
+        every = cfg.checkpoint.every_n_steps
+        return ("; no checkpoint was written before it" + (f" (checkpoint.every_n_steps={every})" if every else
+                                                          " (set checkpoint.every_n_steps to keep some)")
+                + ", so once fixed the same command starts anew (the stages that finished are cached)")
     if not last:
         return ""
     return f"; its newest checkpoint is {last}: once fixed, the same command with resume=auto output.dir={out} continues from it"

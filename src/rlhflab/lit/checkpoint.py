@@ -157,8 +157,7 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "outp
         if path is None and held:  # a new run's checkpoints would fall below theirs (checkpoint.keep)
             raise ConfigError(f"resume=auto: every checkpoint in {directory(output_dir)} is damaged (named above); "
                               f"remove them to start a new run there, or give another {key}")
-        if path is None:
-            log.info("resume=auto: no checkpoint in %s; starting a new run", directory(output_dir))
+        if path is None:  # (announce says so, once the other checks of a new run passed)
             return None
     else:
         path = given_path(resume)
@@ -184,9 +183,11 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "outp
     return checkpoint
 
 
-def announce(checkpoint: Checkpoint | None) -> None:
+def announce(checkpoint: Checkpoint | None, given: str | None = None, output_dir: Path | None = None) -> None:
     """Where the run goes on from, once every check of it passed (it was said just before a refusal)."""
     if checkpoint is None:
+        if given == "auto":
+            log.info("resume=auto: no checkpoint in %s; starting a new run", directory(output_dir))
         return
     if checkpoint.forked:
         log.info("resume: starting from %s (RL step %d) in a new MLflow run, tagged rlhflab.resumed_from_run=%s: %s",
