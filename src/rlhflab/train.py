@@ -168,7 +168,8 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     if not cfg.resume:  # a finished run's directory: its policy first (its checkpoints' line would offer resume=auto)
         check_saved_policy(None, None, out, key)
     resume = ckpt.find(cfg.resume, out, cfg, key)
-    check_saved_policy(cfg.resume, resume, out, key)
+    if cfg.resume:  # resume=auto with no checkpoint left, or a branch from another directory: a new line too
+        check_saved_policy(cfg.resume, resume, out, key)
     check_budget_reaches(cfg, plan, resume, out, key)
     plan.data = plan.task.data_keys() if hasattr(plan.task, "data_keys") else {}
     ckpt.check_same_data(resume, plan.data)
