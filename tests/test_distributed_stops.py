@@ -54,9 +54,9 @@ def test_a_signal_stops_both_ranks_with_one_checkpoint_and_resumes(tmp_path, sta
     assert staleness == [0.0] + [1.0] * (step + 1), staleness  # the ranks' mean, across the resume too
 
 
-def run_with_rank_1(does: str, tmp_path, stage_cache) -> tuple[int, str, str]:
+def run_with_rank_1(does: str, tmp_path, stage_cache, *more: str) -> tuple[int, str, str]:
     """A 2-rank run whose reward function on rank 1 `does` this while rank 0's is busy far longer than the watch
-    waits: (exit code, output, the MLflow run's status)."""
+    waits: (exit code, output, the MLflow run's status). `more`: further arguments (-m: a sweep of one job)."""
     (tmp_path / "rank_reward.py").write_text(
         "import os, time\n"
         "def score(prompts, completions, **columns):\n"
@@ -64,7 +64,7 @@ def run_with_rank_1(does: str, tmp_path, stage_cache) -> tuple[int, str, str]:
         f"        {does}\n"
         "    time.sleep(600)\n")
     out = tmp_path / "run"
-    args = ["trainer=ddp", *SHORT, "reward=function", "reward.fn=rank_reward.py:score", f"output.dir={out}"]
+    args = [*more, "trainer=ddp", *SHORT, "reward=function", "reward.fn=rank_reward.py:score", f"output.dir={out}"]
     with cli_run(args, tmp_path, clean_env(tmp_path, stage_cache)) as proc:
         rc = proc.wait(timeout=300)
         output = proc.stdout.read()
@@ -87,6 +87,18 @@ def test_a_rank_that_fails_while_rank_0_is_busy_ends_the_run_failed_in_one_line(
     assert errors[1] == ("error: rank 1 of 2 exited with code 1 (its error is above); rank 0 stopped the run; "
                          "the MLflow run is FAILED"), errors
     assert status == "FAILED"
+
+
+@pytest.mark.slow
+def test_a_sweep_whose_rank_failed_while_rank_0_was_busy_ends_its_parent_failed(tmp_path, stage_cache):
+    """Rank 0's watch ends its process with os._exit, which runs no atexit hook: in a sweep, the hook that ends the
+    parent run when the sweep dies did not run, and the parent stayed RUNNING forever (its job's run was FAILED)."""
+    rc, output, status = run_with_rank_1("raise ValueError('rank 1 refuses')", tmp_path, stage_cache, "-m")
+    assert rc == 1 and status == "FAILED", output[-4000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (parent,) = client.search_runs([client.get_experiment_by_name("rlhflab").experiment_id], "tags.`rlhflab.sweep` = '1'")
+    assert parent.info.status == "FAILED", output[-4000:]
+    assert "The sweep was ended by an error before its last job." in parent.data.tags["mlflow.note.content"]
 
 
 @pytest.mark.slow

@@ -39,6 +39,16 @@ GRACE_S = 10.0
 _end_lock = threading.Lock()
 _end_owner: str | None = None  # who ends this job after a failure: "run" (its own unwinding) or "watch"
 _job = 0  # which job of this process (a sweep runs several): a watch ends with its job
+_at_watch_exit: list[Callable[[], None]] = []  # run before the watch ends this process: os._exit runs no atexit hook
+
+
+def at_watch_exit(fn: Callable[[], None], register: bool = True) -> None:
+    """Run `fn` (as well as at exit: register it with atexit too) if rank 0's watch ends this process, whose
+    os._exit runs no atexit hook: a sweep's parent run is ended by one. register=False takes it back."""
+    if register:
+        _at_watch_exit.append(fn)
+    elif fn in _at_watch_exit:
+        _at_watch_exit.remove(fn)
 
 
 def claim_end(owner: str) -> bool:
@@ -124,6 +134,11 @@ def _watch(procs: list, on_lost: Callable[[str], None], job: int, how_to_continu
         said = f"; the MLflow run is {status}"
     except Exception as err:  # the tracking store gone too: still say what happened, and end
         said = f"; the MLflow run could not be marked {status} ({type(err).__name__}: {err})"
+    for fn in list(_at_watch_exit):
+        try:
+            fn()
+        except Exception as err:  # (nor must a hook)
+            print(f"warning: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
     if signum:
         try:
             how = how_to_continue()

@@ -12,7 +12,8 @@ How it fits together:
   a failed job's exception and would end the sweep (and skip
   on_multirun_end) at the first bad configuration.
 - on_multirun_end writes the best child into the parent and marks it FINISHED.
-  If the sweep dies first, an atexit hook marks the parent KILLED (a signal stopped its job) or FAILED.
+  If the sweep dies first, an atexit hook marks the parent KILLED (a signal stopped its job) or FAILED; so
+  does rank 0's watch when it ends a job of several ranks (and the sweep) with os._exit.
 
 The job-to-run match is by start time after on_job_start, which is exact for
 launchers that run jobs one at a time in this process (Hydra's basic launcher).
@@ -103,6 +104,9 @@ class MlflowSweepCallback(Callback):
         self.parent_run_id = run.info.run_id
         client.log_text(self.parent_run_id, OmegaConf.to_yaml(config), "sweep_config.yaml")
         atexit.register(self._abandon)
+        from rlhflab import distributed  # (torch: only once a sweep with a parent starts)
+
+        distributed.at_watch_exit(self._abandon)  # a rank failed and rank 0's watch ends the sweep with os._exit
         log.info("mlflow sweep: parent run %s (%s) at %s", self.parent_run_id, run.info.run_name, self._uri)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -136,6 +140,9 @@ class MlflowSweepCallback(Callback):
         self._summarise(client)
         client.set_terminated(self.parent_run_id, "FINISHED")
         atexit.unregister(self._abandon)
+        from rlhflab import distributed
+
+        distributed.at_watch_exit(self._abandon, register=False)
         if self.failed:
             log.warning("mlflow sweep: %d job(s) failed:\n  %s", len(self.failed), "\n  ".join(self.failed))
         log.info("mlflow sweep: done; report with: %s", self._report_command())
