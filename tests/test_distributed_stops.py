@@ -50,6 +50,10 @@ def test_a_signal_stops_both_ranks_with_one_checkpoint_and_resumes(tmp_path, sta
     assert client.get_run(run_id).info.status == "FINISHED"
     losses = [m.step for m in client.get_metric_history(run_id, "train/loss")]
     assert losses == list(range(1, step + 3)), losses  # every step once, the resumed ones in the same run
+    # The resume's ranks started in its RL stage's fit (the stages were cached): that start-up was in perf/rl_s, and
+    # in perf/stages_s where the stages trained. Now it is in perf/stages_s either way, and said.
+    perf = client.get_run(run_id).data.metrics
+    assert 0 < perf["perf/launch_s"] <= perf["perf/stages_s"], perf
     staleness = [m.value for m in client.get_metric_history(run_id, "rollout/staleness")]
     assert staleness == [0.0] + [1.0] * (step + 1), staleness  # the ranks' mean, across the resume too
 

@@ -448,6 +448,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     remaining = budget - done
     if remaining > 0:
         trainer = _make_trainer(cfg, logger, "rl", callbacks=[saver], max_steps=remaining)
+        module.fit_called = None if distributed.initialized() else time.perf_counter()  # this fit may start the ranks
         with STOP.at_step_boundaries():
             try:
                 trainer.fit(module)
@@ -488,9 +489,10 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
         judged: after,
         "eval/kl": final_kl,
         **(module.timing_summary() if module.step_times else {}),
-        "perf/stages_s": t_stages,
+        "perf/stages_s": t_stages + module.launch_s,  # the ranks' start-up, wherever it happened
         "perf/rl_s": t_rl,
         "perf/total_s": module.elapsed()["total_s"],
+        **({"perf/launch_s": module.launch_s} if module.launch_s else {}),  # ranks started by the RL stage's fit
     }
     summaries = {k: v for k, v in metrics.items() if k not in (judged, "eval/kl")}  # those have curves
     tracker.log_metrics(summaries, step=0)  # single values: step 0, so no chart draws them as the end of a curve

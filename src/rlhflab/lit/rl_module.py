@@ -95,6 +95,10 @@ class RLHFModule(L.LightningModule):
         # perf/total_s are the whole run's, not the time since the resume.
         self.clock: tuple[float, float] | None = None
         self.elapsed_before = {"rl_s": 0.0, "total_s": 0.0}
+        # perf_counter() as train() called fit, where that fit starts the ranks (stages from the cache, a resume), and
+        # the seconds until they were up (setup): moved from RL's clock to the stages', where they are otherwise.
+        self.fit_called: float | None = None
+        self.launch_s = 0.0
         self._reference_worker = None  # mode.reference=thread/process (sync): lit/reference.py
 
     def prompt_batches(self, start: int | None = None) -> PromptBatches:
@@ -105,6 +109,14 @@ class RLHFModule(L.LightningModule):
 
     def train_dataloader(self):
         return prompt_loader(self.prompt_batches())
+
+    def setup(self, stage: str) -> None:
+        """Every rank is up (Lightning calls it after the process group's set-up)."""
+        if self.fit_called is not None and distributed.world_size() > 1 and self.clock is not None:
+            self.launch_s = time.perf_counter() - self.fit_called
+            started, rl_started = self.clock
+            self.clock = (started, rl_started + self.launch_s)
+        self.fit_called = None
 
     def configure_model(self) -> None:
         """trainer=fsdp: shard every model over the data-parallel ranks (Lightning gives the mesh)."""
