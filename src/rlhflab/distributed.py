@@ -43,8 +43,8 @@ _at_watch_exit: list[Callable[[], None]] = []  # run before the watch ends this 
 
 
 def at_watch_exit(fn: Callable[[], None], register: bool = True) -> None:
-    """Run `fn` (as well as at exit: register it with atexit too) if rank 0's watch ends this process, whose
-    os._exit runs no atexit hook: a sweep's parent run is ended by one. register=False takes it back."""
+    """Run `fn` if rank 0's watch ends this process: its os._exit runs no atexit hook, such as the one that ends a
+    sweep's parent run (register `fn` with atexit as well, for every other end). register=False takes it back."""
     if register:
         _at_watch_exit.append(fn)
     elif fn in _at_watch_exit:
