@@ -40,6 +40,8 @@ BAD_VALUES = [
     ("model.dtype=float8", "model.dtype"),
     ("trainer.max_steps=0", "trainer.max_steps"),
     ("logger.experiment_name=", "logger.experiment_name"),  # an AttributeError traceback from MLflow
+    # MLflow's default store took the run, then Lightning's logger met the refused ./mlruns: a 50-line traceback
+    ("logger.tracking_uri=", "logger.tracking_uri: empty"),
     ("trainer.devices=0", "trainer.devices"),  # passed, made an MLflow run, then Lightning's MisconfigurationException
     ("trainer.devices=[0,1]", "trainer.devices"),  # GPU indices on CPU
     ("trainer=gpu trainer.devices=[0,0]", "trainer.devices"),

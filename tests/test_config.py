@@ -619,3 +619,29 @@ def test_a_model_arch_beside_a_given_sft_path_builds_nothing_and_is_said(tmp_pat
     assert not (tmp_path / "cache" / "models").exists()  # nothing built
     run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id_of(tmp_path / "run"))
     assert run.data.params["rlhflab.base_model"] == "None" and run.data.params["rlhflab.policy_start"] == f"{tmp_path}/sft"
+
+
+def test_a_sqlite_store_that_is_a_directory_is_one_line_at_once(tmp_path):
+    """sqlite:///<a directory>: MLflow retried 'unable to open database file' for ~100 s, printing every retry."""
+    import time
+
+    from rlhflab.tracking import ensure_experiment
+
+    uri = f"sqlite:///{tmp_path}"
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=re.escape(f"logger.tracking_uri: '{uri}' names a directory, not a database file; "
+                                                    f"give a file in it, e.g. logger.tracking_uri=sqlite:///{tmp_path}/mlflow.db")):
+        ensure_experiment(uri, "rlhflab")
+    assert time.monotonic() - start < 10
+    assert list(tmp_path.iterdir()) == []  # no store, no lock file
+
+
+def test_an_empty_tracking_uri_from_the_environment_is_one_line(tmp_path):
+    """MLFLOW_TRACKING_URI= (set, empty): the run was made in MLflow's default store, then a 50-line traceback."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": ""}
+    out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), f"cache_dir={tmp_path}/cache"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith("error: logger.tracking_uri: empty (from MLFLOW_TRACKING_URI= or logger.tracking_uri=)"), \
+        out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()

@@ -552,6 +552,10 @@ def check(cfg: DictConfig) -> None:
     check_trainer_devices(cfg.trainer)
     if not str(OmegaConf.select(cfg, "logger.experiment_name", default="x")).strip():  # MLflow's AttributeError
         raise SettingError("logger.experiment_name", "empty; give the MLflow experiment a name, e.g. logger.experiment_name=rlhflab")
+    if not str(OmegaConf.select(cfg, "logger.tracking_uri", default="x")).strip():  # MLflow's default store, then Lightning's
+        # refused ./mlruns: a run made, then a 50-line traceback (an empty MLFLOW_TRACKING_URI= in the environment too)
+        raise SettingError("logger.tracking_uri", "empty (from MLFLOW_TRACKING_URI= or logger.tracking_uri=); give a store, e.g. "
+                           "logger.tracking_uri=sqlite:///mlflow.db, or unset MLFLOW_TRACKING_URI for that default")
     mode = OmegaConf.get_type(cfg.mode)
     if mode is SyncMode and cfg.staleness != 0:
         raise SettingError("staleness", f"{cfg.staleness}: mode=sync runs with staleness 0; use mode=async for staleness > 0 (or staleness=0)")

@@ -130,6 +130,10 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
     tags = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": EXPERIMENT_NOTE,
             f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(VIEW_STATE)}
     check_server(tracking_uri)  # the command line's preflight did too; train(cfg) may be called without it
+    db = sqlite_path(tracking_uri)
+    if db is not None and db.is_dir():  # MLflow retried 'unable to open database file' for ~100 s, printing each retry
+        raise ConfigError(f"logger.tracking_uri: '{redact(tracking_uri)}' names a directory, not a database file; give a "
+                          f"file in it, e.g. logger.tracking_uri=sqlite:///{(db / 'mlflow.db').absolute()}")
     opened = False
     try:
         with store_lock(tracking_uri):
