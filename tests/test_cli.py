@@ -42,6 +42,9 @@ BAD_VALUES = [
     ("logger.experiment_name=", "logger.experiment_name"),  # an AttributeError traceback from MLflow
     # MLflow's default store took the run, then Lightning's logger met the refused ./mlruns: a 50-line traceback
     ("logger.tracking_uri=", "logger.tracking_uri: empty"),
+    # an in-memory store: the run ended FINISHED, linking a database that had gone with the process
+    ("logger.tracking_uri=sqlite://", "logger.tracking_uri: sqlite:// is an in-memory database"),
+    ("logger.tracking_uri=sqlite:///:memory:", "logger.tracking_uri: sqlite:///:memory: is an in-memory database"),
     ("trainer.devices=0", "trainer.devices"),  # passed, made an MLflow run, then Lightning's MisconfigurationException
     ("trainer.devices=[0,1]", "trainer.devices"),  # GPU indices on CPU
     ("trainer=gpu trainer.devices=[0,0]", "trainer.devices"),

@@ -552,7 +552,11 @@ def check(cfg: DictConfig) -> None:
     check_trainer_devices(cfg.trainer)
     if not str(OmegaConf.select(cfg, "logger.experiment_name", default="x")).strip():  # MLflow's AttributeError
         raise SettingError("logger.experiment_name", "empty; give the MLflow experiment a name, e.g. logger.experiment_name=rlhflab")
-    if not str(OmegaConf.select(cfg, "logger.tracking_uri", default="x")).strip():  # MLflow's default store, then Lightning's
+    uri = str(OmegaConf.select(cfg, "logger.tracking_uri", default="x")).strip()
+    if uri in ("sqlite://", "sqlite:///:memory:"):  # the run 'FINISHED' and its closing line linked a store that was gone
+        raise SettingError("logger.tracking_uri", f"{uri} is an in-memory database, gone when the run ends (its metrics, "
+                           "params and record with it); give a file, e.g. logger.tracking_uri=sqlite:///mlflow.db")
+    if not uri:  # MLflow's default store, then Lightning's
         # refused ./mlruns: a run made, then a 50-line traceback (an empty MLFLOW_TRACKING_URI= in the environment too)
         raise SettingError("logger.tracking_uri", "empty (from MLFLOW_TRACKING_URI= or logger.tracking_uri=); give a store, e.g. "
                            "logger.tracking_uri=sqlite:///mlflow.db, or unset MLFLOW_TRACKING_URI for that default")
