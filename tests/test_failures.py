@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -311,13 +312,20 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_resume_continues(tmp_pa
         assert (out / "policy" / "model.safetensors").is_file()
 
 
-def test_a_full_disk_for_the_policy_or_the_cache_is_one_line_and_leaves_no_part(make_cfg, tmp_path):
+def test_a_full_disk_for_the_policy_or_the_cache_is_one_line_and_leaves_no_part(make_cfg, tmp_path, capsys):
     """The policy at the end of a run and a cache entry (here the base model) met save_pretrained's
-    'SafetensorError: Error while serializing: I/O error: No space left on device (os error 28)' in a traceback."""
+    'SafetensorError: Error while serializing: I/O error: No space left on device (os error 28)' in a traceback.
+    The policy's line did not say that the trained weights were gone with it, so that the run is to do again."""
+    import rlhflab.train as entry
+
     with small_disk(tmp_path / "disk", "300K") as disk:  # less than the tiny policy's 345 KiB of weights
-        with pytest.raises(WriteFailed, match=rf"^policy: could not write {disk}/run/policy: No space left on device "
-                                              r"\(\d+\.\d KiB free on its disk\); make room on that disk$"):
-            train(make_cfg("trainer.max_steps=1", f"output.dir={disk}/run"))
+        with pytest.raises(SystemExit):
+            entry.main(make_cfg("trainer.max_steps=1", f"output.dir={disk}/run"))
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert re.fullmatch(rf"error: policy: could not write {disk}/run/policy: No space left on device \(\d+\.\d KiB free "
+                            r"on its disk\); make room on that disk; no checkpoint was written before it \(set "
+                            r"checkpoint\.every_n_steps to keep some\), so once fixed the same command starts anew \(the "
+                            r"stages that finished are cached\)", line), line
         assert not (disk / "run" / "policy").exists()  # half a policy would load as garbage
         with pytest.raises(WriteFailed, match=rf"^model: could not write {disk}/cache/models/tiny-\w+: No space left on "
                                               r"device \(.* free on its disk\); make room on that disk, or set cache_dir="):

@@ -625,7 +625,8 @@ def resume_hint(err: Exception, cfg: DictConfig) -> str:
         return ""
     out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
     last = out and ckpt.newest(ckpt.directory(Path(out)))
-    if not last and isinstance(err, RewardError):  # the line said nothing of what to do
+    if not last and isinstance(err, (RewardError, WriteFailed)):  # the line said nothing of what to do (a policy not
+        # written at the end: that its weights are gone, and the whole run is to do again)
         every = cfg.checkpoint.every_n_steps
         return ("; no checkpoint was written before it" + (f" (checkpoint.every_n_steps={every})" if every else
                                                           " (set checkpoint.every_n_steps to keep some)")
