@@ -170,6 +170,24 @@ BAD_VALUES = [
     ('-m seed=1,2 hydra.sweep.dir="~/sweeps/a"', "hydra.sweep.dir: '~/sweeps/a' would be a directory named '~'"),
     # a comma list without -m: Hydra's ways out (list, quoted string, --multirun) were cut from its message
     ("algo=rloo,grpo", "algo=rloo,grpo: a comma list is a sweep, which needs -m"),
+    # an Optuna search on the command line (docs/SWEEPS.md: "Without a preset, ... give the search on the command
+    # line"): it passed the preflight unread, then Optuna's ValueError (29 lines) or Hydra's 'Could not override'
+    # ended the sweep and left an empty FAILED parent run; a linear search ran under an unknown tag without a word
+    ("-m hydra/sweeper=rlhflab_optuna algo.kl_coef=interval(0.1,0.01)", "algo.kl_coef: interval(0.1,0.01) is empty; give "
+     "interval(low, high) with low below high"),
+    ("-m hydra/sweeper=rlhflab_optuna algo.kl_coef=tag(log,interval(0,0.1))", "algo.kl_coef: tag(log,interval(0,0.1)) "
+     "searches on a log scale from 0.0; give a low above 0"),
+    ("-m hydra/sweeper=rlhflab_optuna algo.kl_coef=tag(lg,interval(0.01,0.1))", "algo.kl_coef: tag(lg,interval(0.01,0.1)) "
+     "has the tag lg"),
+    ("-m hydra/sweeper=rlhflab_optuna algo.kl_cof=interval(0.01,0.1)", "algo.kl_cof: not a setting of algo"),
+    ("-m hydra/sweeper=rlhflab_optuna algo.kl_coef=interval(-1,-0.5)", "algo.kl_coef: -1.0 must be >= 0"),
+    # an interval over a whole-number setting: each trial failed on e.g. 1.5488 (Optuna's sweeper reads no int tag)
+    ("-m hydra/sweeper=rlhflab_optuna stages.sft.epochs=interval(1,4)", "stages.sft.epochs: '1.0' is not a whole number"),
+    ("-m hydra/sweeper=rlhflab_optuna stages.sft.epochs=tag(int,interval(1,4))", "stages.sft.epochs: tag(int,interval(1,4)): "
+     "Optuna's sweeper searches an interval over real numbers"),
+    # without an Optuna sweeper: 'BasicSweeper does not support sweep type : INTERVAL_SWEEP' and an empty FAILED parent
+    ("-m algo.kl_coef=interval(0.01,0.1)", "algo.kl_coef=interval(0.01,0.1): a search, which Hydra's basic sweeper "
+     "cannot run"),
 ]
 
 RUNNER = r'''

@@ -46,6 +46,9 @@ def preflight(argv: list[str]) -> None:
     multirun = "-m" in argv or "--multirun" in argv
     try:
         jobs = sweep_jobs(overrides, multirun)
+        searches = command_line_searches(overrides) if multirun else {}
+    except ConfigError as err:  # a search on the command line that no sweeper can run
+        fail(str(err))
     except Exception as err:  # an override Hydra's grammar cannot parse
         fail(composition_error(err, overrides))
     servers: set[str] = set()
@@ -68,6 +71,8 @@ def preflight(argv: list[str]) -> None:
             sweeping = sweeping or str(cfg.hydra.mode) == "RunMode.MULTIRUN"  # -m, or a preset's hydra.mode
             check_hydra_dirs(cfg.hydra)
             check_optuna(cfg.hydra)
+            if searches and optuna_space(cfg.hydra) is None:  # the command line's own words, not a job's
+                fail(no_search(searches))
             searched = sweep_searches(cfg)
             check_typed(cfg, searched["choices"])
             check_launcher(searched["choices"])
@@ -203,7 +208,6 @@ def check_hydra_dirs(hydra) -> None:
 def check_optuna(hydra) -> None:
     """hydra-optuna-sweeper reads its settings only once the sweep's MLflow parent run is made: n_trials=0, a misspelt
     direction, a log interval from 0 or SQL storage each left an empty FAILED parent and 22-32 lines of traceback."""
-    from hydra.core.override_parser.types import IntervalSweep
     from omegaconf import OmegaConf
 
     space = optuna_space(hydra)
@@ -232,17 +236,45 @@ def check_optuna(hydra) -> None:
                           "(an AssertionError once the sweep starts); leave it null (the study in memory; every trial's "
                           "numbers are in MLflow)")
     for key, parsed in space.items():
-        value = sweeper.params[key]
-        unknown = sorted(set(getattr(parsed, "tags", None) or ()) - {"log", "int"})  # hydra-optuna-sweeper's two
-        if unknown:  # tag(lg, ...) searched a linear scale without a word
-            raise ConfigError(f"hydra.sweeper.params.{key}: {value} has the tag {', '.join(unknown)}, which Optuna's sweeper "
-                              "does not know; give tag(log, ...) for a log scale, tag(int, ...) for whole numbers")
-        if isinstance(parsed, IntervalSweep):
-            if parsed.start >= parsed.end:
-                raise ConfigError(f"hydra.sweeper.params.{key}: {value} is empty; give interval(low, high) with low below high")
-            if "log" in (parsed.tags or set()) and parsed.start <= 0:
-                raise ConfigError(f"hydra.sweeper.params.{key}: {value} searches on a log scale from {parsed.start}; give "
-                                  "a low above 0")
+        check_search(f"hydra.sweeper.params.{key}", sweeper.params[key], parsed)
+
+
+def check_search(key: str, value, parsed) -> None:
+    """One key's Optuna search (`value` as written, `parsed` as Hydra reads it): a tag Optuna's sweeper knows, an
+    interval that is not empty, a log one above 0 (Optuna raised each once the sweep's parent run was made)."""
+    from hydra.core.override_parser.types import IntervalSweep
+
+    tags = set(getattr(parsed, "tags", None) or ())
+    if "int" in tags and isinstance(parsed, IntervalSweep):  # hydra-optuna-sweeper reads no int tag, and Hydra reads an
+        # interval's ends as floats: each trial of a whole-number setting failed on a value such as 1.5488
+        raise ConfigError(f"{key}: {value}: Optuna's sweeper searches an interval over real numbers, whatever its "
+                          "tag; for whole numbers give range(low, high) (each whole number from low to high-1)")
+    unknown = sorted(tags - {"log", "int"})  # hydra-optuna-sweeper's one (int: on a range or choice, it is not read)
+    if unknown:  # tag(lg, ...) searched a linear scale without a word
+        raise ConfigError(f"{key}: {value} has the tag {', '.join(unknown)}, which Optuna's sweeper "
+                          "does not know; give tag(log, ...) for a log scale")
+    if isinstance(parsed, IntervalSweep):
+        if parsed.start >= parsed.end:
+            raise ConfigError(f"{key}: {value} is empty; give interval(low, high) with low below high")
+        if "log" in (parsed.tags or set()) and parsed.start <= 0:
+            raise ConfigError(f"{key}: {value} searches on a log scale from {parsed.start}; give a low above 0")
+
+
+def command_line_searches(overrides: list[str]) -> dict[str, str]:
+    """{key: its search as written} of the command line's sweeps that are no list of values (interval(...))."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return {str(o.get_key_element()): text.partition("=")[2] for text, o in zip(overrides, parsed)
+            if o.is_sweep_override() and not o.is_discrete_sweep()}
+
+
+def no_search(searches: dict[str, str]) -> str:
+    """A search on the command line under a sweeper that runs lists (Hydra's basic one): 'BasicSweeper does not
+    support sweep type : INTERVAL_SWEEP' once the sweep's MLflow parent run was made, which it left FAILED and empty."""
+    key, value = next(iter(searches.items()))
+    return (f"{key}={value}: a search, which Hydra's basic sweeper cannot run (it runs comma lists and range(...)); "
+            f"add hydra/sweeper=rlhflab_optuna for an Optuna study of it, or give the values to run, e.g. {key}=a,b,c")
 
 
 def home_fix(key: str, value: str) -> str:
@@ -372,11 +404,13 @@ def what_composes(overrides: list[str]) -> list[str]:
 
 
 def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
-    """The command line's jobs: each combination of a sweep's comma lists and ranges. Overrides
-    with a continuous search space (interval(...), for Optuna) are left to each job's own check."""
+    """The command line's jobs: each combination of a sweep's comma lists and ranges. A continuous search
+    (interval(...), for Optuna) is checked (check_search) and gives the jobs of its two ends: it was left out of
+    every job, and a typo in its key or a value out of the setting's range passed to fail the sweep once it ran."""
     if not multirun:
         return [overrides]
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import IntervalSweep
 
     choices = []
     for text, parsed in zip(overrides, OverridesParser.create().parse_overrides(overrides)):
@@ -384,6 +418,11 @@ def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
             choices.append([text])
         elif parsed.is_discrete_sweep():
             choices.append([f"{parsed.get_key_element()}={value}" for value in parsed.sweep_string_iterator()])
+        else:
+            search = parsed.value()
+            check_search(str(parsed.get_key_element()), text.partition("=")[2], search)
+            if isinstance(search, IntervalSweep):  # its ends as the sweeper gives values: floats
+                choices.append([f"{parsed.get_key_element()}={float(end)!r}" for end in (search.start, search.end)])
     return [list(job) for job in itertools.islice(itertools.product(*choices), MAX_SWEEP_JOBS)]
 
 
