@@ -91,6 +91,22 @@ def test_the_tables_headers_name_the_metric_the_runs_are_judged_by():
     assert "| reward (eval; the task has no gold_fn) |" in header and "| RL s to baseline's final reward |" in header
 
 
+def test_a_failed_jobs_error_is_whole_in_the_table_with_its_fix():
+    """The table cut every cell at 200 characters: a failed job's error lost its fix mid-word ('download it where
+    the hub is reacha'), and a resume=auto refusal (~600 characters) kept only what was wrong."""
+    from rlhflab.naming import ERROR_TAG
+    from rlhflab.report import markdown_table
+
+    runs = staleness_sweep(lrs=("0.001",))[:2]
+    runs[1].info.status = "FAILED"
+    runs[1].data.metrics.clear()
+    error = ("ConfigError: model.name_or_path: 'nonexistent-org/nope' is not in the local Hugging Face cache and the "
+             "hub cannot be reached ([Errno -2] Name or service not known); download it where the hub is reachable "
+             "(hf download nonexistent-org/nope) or give a local directory")
+    runs[1].data.tags[ERROR_TAG] = error
+    assert len(error) > 200 and f"| {error} |" in markdown_table(summary_rows(runs)).splitlines()[3]
+
+
 def test_a_run_without_gold_in_a_sweep_judged_by_gold_shows_its_eval_reward():
     """In a sweep where one job's task has a gold_fn and another's not, the second's eval/reward showed nowhere."""
     from rlhflab.report import markdown_table

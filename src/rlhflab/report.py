@@ -197,11 +197,18 @@ COLUMNS = [  # (row key, header, number format)
 ]
 
 
-def _cell(value, fmt: str | None) -> str:
+def _cell(value, fmt: str | None, limit: int | None = 200) -> str:
+    """A table cell: '–' for no value, at most `limit` characters (None: all; a cut one ends in '…')."""
     if value is None or value == "" or (isinstance(value, float) and math.isnan(value)):
         return "–"
-    text = format(value, fmt) if fmt else str(value)
-    return text.replace("|", "\\|").replace("\n", " ")[:200]
+    text = (format(value, fmt) if fmt else str(value)).replace("\n", " ")
+    if limit is not None and len(text) > limit:
+        text = text[:limit - 1] + "…"
+    return text.replace("|", "\\|")
+
+
+# Cells kept whole: a failed job's error ends in its fix, which a cut at 200 characters dropped mid-word
+WHOLE_CELLS = {"error"}
 
 
 def markdown_table(rows: list[dict], key: str = GOLD) -> str:
@@ -210,7 +217,7 @@ def markdown_table(rows: list[dict], key: str = GOLD) -> str:
     if key != GOLD:  # the runs' eval/reward: 'gold reward' and 'final gold' say what they are not
         cols = [(k, quality_words(key) if k == "gold" else h.replace("gold", "reward"), f) for k, h, f in cols]
     lines = ["| " + " | ".join(h for _, h, _ in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(r[k], f) for k, _, f in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(_cell(r[k], f, None if k in WHOLE_CELLS else 200) for k, _, f in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
