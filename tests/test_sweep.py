@@ -633,3 +633,22 @@ def test_a_sweeps_name_says_what_its_jobs_share_from_the_command_line(experiment
     assert sweep_name(config, swept_params(config)) == name
     config.hydra.sweep.dir = "runs/ablation"  # a fixed sweep dir: each sweep there was named '... runs_ablation'
     assert re.fullmatch(re.escape(name.rpartition(" ")[0]) + r" \d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", sweep_name(config, swept_params(config)))
+
+
+@pytest.mark.parametrize("hydra, task, recorded", [
+    # a preset's grid narrowed on the command line: recorded as 'experiment=sweep_algos trainer.max_steps=50', the
+    # command of the preset's 7 algorithms; the summary's 'sweep overrides' line said the same
+    (['hydra.sweeper.params.algo="rloo,grpo"'], ["experiment=sweep_algos", "trainer.max_steps=50"],
+     'experiment=sweep_algos trainer.max_steps=50 hydra.sweeper.params.algo="rloo,grpo"'),
+    # an Optuna search on the command line: without its sweeper, its interval is refused by the basic one
+    (["hydra/sweeper=rlhflab_optuna", "hydra.sweeper.n_trials=2", "hydra.mode=MULTIRUN"], ["algo.kl_coef=interval(0.01,0.1)"],
+     "algo.kl_coef=interval(0.01,0.1) hydra/sweeper=rlhflab_optuna hydra.sweeper.n_trials=2"),
+    (["hydra.mode=MULTIRUN"], ["algo=rloo,remax"], "algo=rloo,remax"),  # -m's own: the sweep is one anyway
+])
+def test_the_parents_overrides_are_the_sweeps_whole_command_line(hydra, task, recorded):
+    from hydra_plugins.rlhflab_mlflow.callback import _sweep_tags
+
+    config = OmegaConf.create({"hydra": {"runtime": {"choices": {"experiment": None}}, "sweep": {"dir": "multirun/x"},
+                                         "overrides": {"hydra": hydra, "task": task},
+                                         "sweeper": {"_target_": "BasicSweeper", "params": None}}})
+    assert _sweep_tags(config, {})["rlhflab.sweep.overrides"] == recorded

@@ -332,12 +332,22 @@ def compact_search(value: str) -> str:
     return re.sub(interval, r"[\1,\2]", value)
 
 
+def sweep_overrides(config: DictConfig) -> str:
+    """The sweep's command line: the task's overrides, then Hydra's own (the sweeper, a narrowed grid, n_trials) but
+    the `hydra.mode=MULTIRUN` of -m. Without those, `experiment=sweep_algos 'hydra.sweeper.params.algo="rloo,grpo"'`
+    was recorded (and its report's summary said) `experiment=sweep_algos`, the preset's 7 algorithms, and an Optuna
+    search on the command line lost the sweeper it needs."""
+    hydra = OmegaConf.select(config, "hydra.overrides.hydra")
+    own = [o for o in (OmegaConf.to_container(hydra) if hydra is not None else []) if o != "hydra.mode=MULTIRUN"]
+    return " ".join([*OmegaConf.to_container(config.hydra.overrides.task), *own])
+
+
 def _sweep_tags(config: DictConfig, swept: dict[str, str]) -> dict[str, str]:
     experiment = OmegaConf.select(config, "hydra.runtime.choices.experiment")
     return {
         SWEEP_TAG: "1",
         "rlhflab.sweep.dir": os.path.abspath(str(config.hydra.sweep.dir)),
-        SWEEP_OVERRIDES_TAG: " ".join(OmegaConf.to_container(config.hydra.overrides.task))[:MAX_TAG],
+        SWEEP_OVERRIDES_TAG: sweep_overrides(config)[:MAX_TAG],
         "rlhflab.sweep.params": json.dumps(swept)[:MAX_TAG],
         "rlhflab.sweep.sweeper": str(OmegaConf.select(config, "hydra.sweeper._target_")),
         # only where a preset was chosen (it was the string 'None' without one)
