@@ -478,7 +478,7 @@ def test_a_sweep_with_a_job_it_cannot_run_or_nest_stops_before_it_starts(tmp_pat
 def test_a_rerun_of_a_sweep_into_its_jobs_directories_stops_before_it_starts(tmp_path, capsys, left):
     """A job's output.dir that holds another run's checkpoints or saved policy (the same -m command with
     'output.dir=runs/${hydra:job.num}' run twice) is refused as a single run's is, before the sweep starts: each job
-    failed at its start as a FAILED child."""
+    failed at its start as a FAILED child. The same with resume=auto, where the job finished without a checkpoint."""
     from rlhflab.cli import preflight
 
     (tmp_path / "runs" / "1" / left).mkdir(parents=True)
@@ -487,7 +487,18 @@ def test_a_rerun_of_a_sweep_into_its_jobs_directories_stops_before_it_starts(tmp
     said = capsys.readouterr().err
     assert said.startswith(f"error: output.dir: {tmp_path}/runs/1 ") and " (sweep job: seed=1 output.dir=" in said, said
     assert said.count("\n") == 1 and ("the policy a run saved" if left == "policy" else "checkpoints (step-00000004)") in said
-    preflight(["-m", "seed=0,1", f"output.dir={tmp_path}/runs/${{hydra:job.num}}", "resume=auto"])  # each goes on (or not) alone
+    resumed = ["-m", "seed=0,1", f"output.dir={tmp_path}/runs/${{hydra:job.num}}", "resume=auto"]
+    if left != "policy":
+        preflight(resumed)  # the job goes on from its checkpoint
+        return
+    # A finished job without a checkpoint: the sweep began, that job failed as a FAILED child of a new parent (its line
+    # said to give it another output.dir), and the stopped jobs went on under the first sweep's parent
+    with pytest.raises(SystemExit):
+        preflight(resumed)
+    said = capsys.readouterr().err
+    assert said.startswith(f"error: resume=auto: {tmp_path}/runs/1 holds the policy a run saved and no checkpoint to "
+                           "continue, so this sweep would refuse that job; sweep only the values that have not run "), said
+    assert said.count("\n") == 1 and " (sweep job: seed=1 output.dir=" in said, said
 
 
 def test_an_optuna_sweep_from_the_command_line_is_checked_and_the_plugins_own_config_is_refused(capsys):

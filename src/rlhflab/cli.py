@@ -108,7 +108,7 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str]) -> None:
     from omegaconf import OmegaConf, open_dict
 
     from rlhflab.models.build import check_arch
-    from rlhflab.train import check_job, check_new_run_dir
+    from rlhflab.train import check_job, check_new_run_dir, check_sweep_resume_dir
 
     tokenizers = {}  # the task's own tokenizer, for model.arch's vocabulary: one per task setting
     logging.disable(logging.WARNING)
@@ -126,6 +126,8 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str]) -> None:
                     plan = check_job(cfg)
                     if cfg.output.dir and not cfg.resume:  # a rerun of `-m ... output.dir=runs/${hydra:job.num}`
                         check_new_run_dir(cfg, Path(cfg.output.dir))
+                    elif cfg.output.dir and cfg.resume == "auto":  # the same, to continue it: a job that finished
+                        check_sweep_resume_dir(Path(cfg.output.dir))
                     if not (cfg.model.get("name_or_path") or cfg.model.get("sft_path")):  # one train() builds from model.arch
                         task = OmegaConf.to_yaml(cfg.task)
                         if task not in tokenizers:

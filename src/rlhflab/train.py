@@ -351,6 +351,24 @@ def check_new_run_dir(cfg: DictConfig, out: Path) -> None:
     ckpt.find(None, out, cfg)
 
 
+def check_sweep_resume_dir(out: Path) -> None:
+    """A sweep job's output directory under resume=auto (cli.check_sweep_jobs, before the sweep starts): where a run
+    saved its policy and kept no checkpoint (it finished), that job was refused at its start as a FAILED child of a
+    new parent, while the sweep's stopped jobs went on in their own runs under the first parent."""
+    policy = out / "policy"
+    if not policy.is_dir() or any(ckpt.directory(out).glob("step-*")):
+        return
+    try:
+        saved = json.loads((policy / POLICY_STEP_FILE).read_text())
+        which = f" (RL step {saved['rl_step']} of MLflow run {saved['run_id']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        which = ""
+    raise ConfigError(f"resume=auto: {out} holds the policy a run saved{which} and no checkpoint to continue, so this "
+                      "sweep would refuse that job; sweep only the values that have not run (without resume=auto, in "
+                      "new directories), and continue a stopped job alone with the command its line gave "
+                      "(<its overrides> hydra.mode=RUN resume=auto output.dir=<its directory>)")
+
+
 def check_budget_reaches(cfg: DictConfig, plan: Plan, resume: ckpt.Checkpoint | None, out: Path, key: str = "output.dir") -> None:
     """A checkpoint past the step budget cannot go back to it. Its policy (of its step) replaced the one in the
     output directory, which a finished run had trained further, and the run's curves went on past it."""
