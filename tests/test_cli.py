@@ -45,6 +45,7 @@ BAD_VALUES = [
     # an in-memory store: the run ended FINISHED, linking a database that had gone with the process
     ("logger.tracking_uri=sqlite://", "logger.tracking_uri: sqlite:// is an in-memory database"),
     ("logger.tracking_uri=sqlite:///:memory:", "logger.tracking_uri: sqlite:///:memory: is an in-memory database"),
+    ("cache_dir=", "cache_dir: empty"),  # models/ and stages/ were written into the working directory, without a word
     ("trainer.devices=0", "trainer.devices"),  # passed, made an MLflow run, then Lightning's MisconfigurationException
     ("trainer.devices=[0,1]", "trainer.devices"),  # GPU indices on CPU
     ("trainer=gpu trainer.devices=[0,0]", "trainer.devices"),

@@ -560,6 +560,10 @@ def check(cfg: DictConfig) -> None:
         # refused ./mlruns: a run made, then a 50-line traceback (an empty MLFLOW_TRACKING_URI= in the environment too)
         raise SettingError("logger.tracking_uri", "empty (from MLFLOW_TRACKING_URI= or logger.tracking_uri=); give a store, e.g. "
                            "logger.tracking_uri=sqlite:///mlflow.db, or unset MLFLOW_TRACKING_URI for that default")
+    if not str(OmegaConf.select(cfg, "cache_dir", default="x")).strip():  # built models and stages in the working directory
+        raise SettingError("cache_dir", "empty (from RLHFLAB_CACHE= or cache_dir=), which would cache models and stages in "
+                           "the working directory; give a directory, e.g. cache_dir=.cache/rlhflab, or unset RLHFLAB_CACHE "
+                           "for that default")
     mode = OmegaConf.get_type(cfg.mode)
     if mode is SyncMode and cfg.staleness != 0:
         raise SettingError("staleness", f"{cfg.staleness}: mode=sync runs with staleness 0; use mode=async for staleness > 0 (or staleness=0)")
