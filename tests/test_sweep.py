@@ -572,7 +572,8 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     env = {"MLFLOW_TRACKING_URI": uri, "RLHFLAB_CACHE": str(stage_cache), "OMP_WAIT_POLICY": "PASSIVE"}
     lines: list[str] = []
-    with cli_run(["-m", "algo=rloo,grpo", *TINY, "trainer.max_steps=100000", "rl.eval_every=1"], tmp_path, env) as proc:
+    sweep = ["-m", "algo=rloo,grpo", *TINY, "trainer.max_steps=100000", "rl.eval_every=1", "output.dir=runs/${hydra:job.num}"]
+    with cli_run(sweep, tmp_path, env) as proc:
         reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
         reader.start()
         wait_for(lambda: any("eval after 2 RL steps" in line for line in lines), 300, "the first job's RL", proc)
@@ -592,6 +593,8 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
     (stopped,) = [line for line in output.splitlines() if line.startswith("stopped: ")]
     command = stopped.partition("Continue this job alone: ")[2]
     assert command.startswith("python src/train.py algo=rloo ") and "hydra.mode=RUN resume=auto output.dir=" in command, stopped
+    assert command.count("output.dir=") == 1 and command.endswith(" output.dir=runs/0"), stopped  # the
+    # sweep's own 'output.dir=runs/$\{hydra\:job.num\}' (as Hydra keeps it) was given before the job's
     step = int(re.search(r"checkpoint: \S+/step-(\d+)", output).group(1))
     args = shlex.split(command)[2:] + [f"trainer.max_steps={step + 2}"]  # the job's command, with a budget it ends at
     out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), *args], cwd=tmp_path, env=os.environ | env,
