@@ -310,8 +310,10 @@ def test_a_tracking_store_that_cannot_be_opened_is_one_line_for_a_run_and_a_swee
     a_file.write_text("")
     uri = f"sqlite:///{a_file}/mlflow.db"
     with pytest.raises(ConfigError, match=re.escape(f"logger.tracking_uri: MLflow cannot open '{uri}' (from MLFLOW_TRACKING_URI "
-                                                    "or logger.tracking_uri=): FileExistsError: ")):
+                                                    "or logger.tracking_uri=): FileExistsError: ")) as said:
         ensure_experiment(uri, "rlhflab")
+    assert str(said.value).endswith("; give a database file in a directory this user can write, e.g. "
+                                    "logger.tracking_uri=sqlite:///mlflow.db")  # the cause alone said no fix
     for args in (["trainer.max_steps=2"], ["-m", "seed=0,1"]):
         out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), *args, f"logger.tracking_uri={uri}",
                               f"cache_dir={tmp_path}/cache"], cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -159,6 +159,8 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
         why = " ".join(str(err.message if isinstance(err, MlflowException) else f"{type(err).__name__}: {err}").split())
         if isinstance(err, ImportError):
             why += " (the store's database driver; pip install it)"
+        elif isinstance(err, OSError) and sqlite_path(tracking_uri) is not None:  # its directory, or the lock file beside it
+            why += "; give a database file in a directory this user can write, e.g. logger.tracking_uri=sqlite:///mlflow.db"
         raise ConfigError(f"logger.tracking_uri: MLflow cannot open '{redact(tracking_uri)}' (from MLFLOW_TRACKING_URI or "
                           f"logger.tracking_uri=): {redact(why)}") from None
 
