@@ -142,6 +142,7 @@ def test_one_run_per_bar_group_gets_a_plain_bar():
 def test_report_on_fake_runs_says_how_bars_group_and_lists_every_plot(tmp_path):
     runs = staleness_sweep(lrs=("0.001", "0.01"))
     runs[-1].data.tags["reward"] = "rule"  # one run optimised the rule: its own train/reward panel
+    runs[-2].data.tags["reward"] = "function"  # one its own functions' (it was 'as reward', as the rule's)
     client = FakeClient(runs)
     report = write_report(client, fake_parent("mode=async"), tmp_path)
     names = ["summary.md", "gold_vs_step.png", "gold_vs_time.png", "train_curves.png", "gold_vs_kl.png",
@@ -151,7 +152,8 @@ def test_report_on_fake_runs_says_how_bars_group_and_lists_every_plot(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert md.startswith("# sweep_fake\n")  # the parent's name, which says "sweep" once
     assert md.count("one bar per run, up to 4 runs per algo x memory, told apart by lr, staleness") == 2
-    assert "(as reward-model score (standardised) or reward, a panel each)" in report.captions["train_curves.png"]
+    assert ("(as reward-model score (standardised) or your reward functions' weighted sum or reward, a panel each)"
+            in report.captions["train_curves.png"]), report.captions["train_curves.png"]
     for name in names[1:]:
         assert f"- `{name}`: " in md and f"]({name})" in md
     assert sum(line.startswith("| ") for line in md.splitlines()) == 1 + len(runs)

@@ -59,7 +59,8 @@ def quality_metric(runs) -> str:
 def quality_words(key: str) -> str:
     return "gold reward" if key == GOLD else "reward (eval; the task has no gold_fn)"
 TIME_AXIS = "wall-clock since the first evaluation (s)"
-REWARD_AXIS = {"model": "reward-model score (standardised)", "rule": "reward"}
+REWARD_AXIS = {"model": "reward-model score (standardised)", "rule": "reward",
+               "function": "your reward functions' weighted sum"}  # ('reward', as a rule's: it said nothing)
 
 
 @dataclass
