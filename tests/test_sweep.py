@@ -609,6 +609,20 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
     report([f"sweep={parent.info.run_id}", f"tracking_uri={uri}", f"out_dir={tmp_path}/report"])
     summary = (tmp_path / "report" / "summary.md").read_text()
     assert f"`{parent.info.run_id}` at `{uri}`, KILLED; stopped by a signal: jobs after the last child never ran" in summary
+    # The whole sweep again with resume=auto: the job that ran goes on in its run (it has nothing left to train), the
+    # other starts. The job that went on stayed under the first parent, and the new one's summary left it out.
+    again = [*sweep, "resume=auto", f"trainer.max_steps={step + 2}", "checkpoint.every_n_steps=2"]
+    again.remove("trainer.max_steps=100000")
+    out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), *again], cwd=tmp_path, env=os.environ | env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    experiment = client.get_experiment_by_name("rlhflab").experiment_id
+    (second,) = [p for p in client.search_runs([experiment], "tags.`rlhflab.sweep` = '1'") if p.info.run_id != parent.info.run_id]
+    moved = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{second.info.run_id}'")
+    assert sorted((r.data.tags["algo"], r.info.status) for r in moved) == [("grpo", "FINISHED"), ("rloo", "FINISHED")]
+    assert resumed.info.run_id in [r.info.run_id for r in moved]  # the same run, now this sweep's child
+    assert client.get_run(resumed.info.run_id).data.tags["rlhflab.sweep.moved_from"] == parent.info.run_id
+    assert second.info.status == "FINISHED" and client.get_run(second.info.run_id).data.metrics["sweep/jobs"] == 2
 
 
 @pytest.mark.parametrize("experiment, params, task, name", [

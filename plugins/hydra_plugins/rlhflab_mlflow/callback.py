@@ -44,6 +44,8 @@ from rlhflab.naming import (
 
 log = logging.getLogger("rlhflab.sweep")
 
+MOVED_FROM_TAG = "rlhflab.sweep.moved_from"  # on a job's run continued by a later sweep: the parent it was under
+
 
 
 def tracking_uri(config: DictConfig) -> str | None:
@@ -173,7 +175,31 @@ class MlflowSweepCallback(Callback):
             if run.info.run_id not in self._claimed:
                 self._claimed.add(run.info.run_id)
                 return run
-        return None
+        return self._continued_child(client, config)
+
+    def _continued_child(self, client, config: DictConfig):
+        """A job that continued its own run (resume=auto: a job stopped in an earlier sweep), which its directory's
+        mlflow_run.json names once the job has started: moved under this sweep's parent, its first parent in the tag
+        rlhflab.sweep.moved_from. It stayed under the first sweep's parent, and this one's summary and report left
+        it out (sweep/jobs counted only the jobs that started anew)."""
+        out = OmegaConf.select(config, "output.dir") or OmegaConf.select(config, "hydra.runtime.output_dir")
+        record = Path(out) / "mlflow_run.json" if out else None
+        try:
+            if record is None or record.stat().st_mtime * 1000 < self._job_started_ms:
+                return None  # no run, or not this job's (a new run that failed before it wrote one)
+            run = client.get_run(json.loads(record.read_text())["run_id"])
+        except Exception:  # unreadable, or a run the store does not hold: as no run
+            return None
+        if run.info.run_id in self._claimed:
+            return None
+        self._claimed.add(run.info.run_id)
+        first = run.data.tags.get("mlflow.parentRunId")
+        if first != self.parent_run_id:
+            client.set_tag(run.info.run_id, "mlflow.parentRunId", self.parent_run_id)
+            if first:
+                client.set_tag(run.info.run_id, MOVED_FROM_TAG, first)
+            run = client.get_run(run.info.run_id)
+        return run
 
     def _tag_child(self, client, config: DictConfig):
         """(the job's run, or None; its overrides): the run tagged with its job number and overrides."""
