@@ -496,8 +496,9 @@ def test_a_rerun_of_a_sweep_into_its_jobs_directories_stops_before_it_starts(tmp
     with pytest.raises(SystemExit):
         preflight(resumed)
     said = capsys.readouterr().err
-    assert said.startswith(f"error: resume=auto: {tmp_path}/runs/1 holds the policy a run saved and no checkpoint to "
-                           "continue, so this sweep would refuse that job; sweep only the values that have not run "), said
+    assert said.startswith(f"error: resume=auto: {tmp_path}/runs/1 holds the policy a run saved ({tmp_path}/runs/1/policy) "
+                           "and no checkpoint to continue, so this sweep would refuse that job; sweep only the values "
+                           "that have not run "), said
     assert said.count("\n") == 1 and " (sweep job: seed=1 output.dir=" in said, said
 
 

@@ -320,18 +320,22 @@ def code_keys(plan: Plan) -> dict[str, str]:
     return source_keys(functions)
 
 
+def saved_words(policy: Path) -> str:
+    """', RL step N of MLflow run X' for the policy a run saved there (POLICY_STEP_FILE), or '' where it says nothing."""
+    try:
+        saved = json.loads((policy / POLICY_STEP_FILE).read_text())
+        return f", RL step {saved['rl_step']} of MLflow run {saved['run_id']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def check_saved_policy(given: str | None, resume: ckpt.Checkpoint | None, out: Path, key: str) -> None:
     """A new line of training (a new run, resume=auto where no checkpoint is left, a branch from another directory's
     checkpoint) is refused a directory that holds the policy a run saved: it would replace it without a word."""
     policy = out / "policy"
     if (resume is not None and not resume.forked) or not policy.is_dir():
         return  # a run going on replaces its own policy (check_budget_reaches says where it would go back)
-    try:
-        saved = json.loads((policy / POLICY_STEP_FILE).read_text())
-        which = f", RL step {saved['rl_step']} of MLflow run {saved['run_id']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        which = ""
-    what = f"{out} holds the policy a run saved ({policy}{which})"
+    what = f"{out} holds the policy a run saved ({policy}{saved_words(policy)})"
     if given == "auto" and resume is None:
         what = f"resume=auto: {ckpt.directory(out)} holds no checkpoint to continue, and {what}"
     else:
@@ -353,20 +357,15 @@ def check_new_run_dir(cfg: DictConfig, out: Path) -> None:
 
 def check_sweep_resume_dir(out: Path) -> None:
     """A sweep job's output directory under resume=auto (cli.check_sweep_jobs, before the sweep starts): where a run
-    saved its policy and kept no checkpoint (it finished), that job was refused at its start as a FAILED child of a
-    new parent, while the sweep's stopped jobs went on in their own runs under the first parent."""
+    saved its policy and kept no checkpoint (it finished), check_saved_policy refused that job at its start, a FAILED
+    child of the new parent, whose line said to retrain it in another directory."""
     policy = out / "policy"
     if not policy.is_dir() or any(ckpt.directory(out).glob("step-*")):
         return
-    try:
-        saved = json.loads((policy / POLICY_STEP_FILE).read_text())
-        which = f" (RL step {saved['rl_step']} of MLflow run {saved['run_id']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        which = ""
-    raise ConfigError(f"resume=auto: {out} holds the policy a run saved{which} and no checkpoint to continue, so this "
-                      "sweep would refuse that job; sweep only the values that have not run (without resume=auto, in "
-                      "new directories), and continue a stopped job alone with the command its line gave "
-                      "(<its overrides> hydra.mode=RUN resume=auto output.dir=<its directory>)")
+    raise ConfigError(f"resume=auto: {out} holds the policy a run saved ({policy}{saved_words(policy)}) and no checkpoint "
+                      "to continue, so this sweep would refuse that job; sweep only the values that have not run "
+                      "(without resume=auto, in new directories), and continue a stopped job alone with the command its "
+                      "line gave (<its overrides> hydra.mode=RUN resume=auto output.dir=<its directory>)")
 
 
 def check_budget_reaches(cfg: DictConfig, plan: Plan, resume: ckpt.Checkpoint | None, out: Path, key: str = "output.dir") -> None:
