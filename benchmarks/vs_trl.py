@@ -319,7 +319,9 @@ def rlhflab_cmd(a, algo: str, sft: str | None, steps: int, out_dir: Path, extra:
            f"rl.lr={a.lr}", f"generator.temperature={a.temperature}", "model.dtype=float32",
            f"generator.max_new_tokens={a.max_new_tokens if a.max_new_tokens else 'null'}",
            f"rl.eos_penalty={'null' if a.eos_penalty is None else a.eos_penalty}", f"seed={a.seed}",
-           f"task.response_words={a.response_words}", f"output.dir={out_dir}", *EVAL.get(a.model, []), *extra]
+           f"task.response_words={a.response_words}", f"output.dir={out_dir}",
+           f"hydra.run.dir={out_dir}",  # Hydra's train.log and .hydra/ as well: else outputs/<date>/<time>/ in ROOT, one a run
+           *EVAL.get(a.model, []), *extra]
     if sft:
         cmd.append(f"model.sft_path={sft}")
     return cmd
