@@ -722,6 +722,17 @@ def parse_child(argv):
     return p.parse_args(argv)
 
 
+def stop_on_signals() -> None:
+    """SIGTERM (`timeout`, `kill`, a scheduler) or SIGHUP ended the benchmark at once, without its `finally`s: the
+    running child, in a session of its own, trained on alone (and with mode=async its generator), its work directory
+    kept without a word. Now they end as Ctrl-C does: the child's process group killed, the work directory named."""
+    def stop(signum, frame):
+        raise SystemExit(f"vs_trl.py: stopped by {signal.Signals(signum).name}")
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_trl"]:
@@ -729,6 +740,7 @@ def main(argv=None) -> None:
     if argv[:1] == ["_eval"]:
         return eval_child(argv[1:])
     a = parse(argv)
+    stop_on_signals()
     if any(side in TRL_SIDE for side in a.sides):  # rlhflab's sides alone run without it
         try:
             import trl  # noqa: F401

@@ -221,3 +221,39 @@ def test_rlhflab_runs_write_only_into_their_directory_and_the_readme_gives_the_s
     readme = (ROOT / "README.md").read_text()
     shown = re.search(r"import_rss\.py --json \$W/rlhflab\.json -- src/train\.py (.*?)\n    python", readme, re.S)
     assert shown and shown.group(1).replace("\\\n", " ").split() == cmd[2:]
+
+
+def test_a_terminated_benchmark_takes_its_running_child_with_it(tmp_path):
+    """SIGTERM to vs_trl.py (`timeout`, `kill`) ended it without its `finally`s: the child run, in a session of its
+    own, trained on alone (with mode=async, its generator as well)."""
+    import os
+    import signal
+    import time
+
+    log = tmp_path / "log.txt"
+    parent = ("import importlib.util, sys\n"
+              f"spec = importlib.util.spec_from_file_location('vs_trl', {str(ROOT / 'benchmarks' / 'vs_trl.py')!r})\n"
+              "vs_trl = importlib.util.module_from_spec(spec); spec.loader.exec_module(vs_trl)\n"
+              "vs_trl.stop_on_signals()\n"
+              "child = [sys.executable, '-c', 'import os, time; print(os.getpid(), flush=True); time.sleep(120)']\n"
+              f"vs_trl.run_child(child, vs_trl.Path({str(log)!r}), 300, {{}})\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(300):
+            if log.is_file() and log.read_text().strip():
+                break
+            time.sleep(0.1)
+        child = int(log.read_text())
+        proc.send_signal(signal.SIGTERM)
+        assert "vs_trl.py: stopped by SIGTERM" in proc.communicate(timeout=60)[1]
+        for _ in range(100):  # killed and reaped by the parent's wait4
+            if not Path(f"/proc/{child}").exists():
+                break
+            time.sleep(0.1)
+        assert not Path(f"/proc/{child}").exists(), "the child outlived the benchmark"
+    finally:
+        proc.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (NameError, ProcessLookupError):
+            pass
