@@ -643,15 +643,19 @@ def parse(argv=None):
     p.add_argument("--model", default="tiny", help="rlhflab model preset (tiny, llama100m)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="completion budget (default: the task's, 9)")
     p.add_argument("--response-words", type=int, default=8, help="the sentiment task's response length (gold denominator)")
-    p.add_argument("--prompts-per-step", type=int, default=32)
+    p.add_argument("--prompts-per-step", type=int, default=32, help="prompts per RL step, both sides")
     p.add_argument("--k", type=int, default=4, help="samples per prompt for RLOO and GRPO (online DPO: always 2)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, constant, both sides")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, both sides and the policy reward")
     p.add_argument("--eos-penalty", type=float, default=None, help="score of a completion without EOS, both sides (default none)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the SFT policy, prompts, sampling and the policy reward")
+    def judge(i: int) -> str:  # --eval-samples said 'default: None', though tiny's is 8
+        return ", ".join(f"{model} {n[i]}" for model, n in JUDGE.items()) + f", other models {JUDGE['tiny'][i]}"
+
     p.add_argument("--eval-prompts", type=int, default=None,
-                   help="held-out prompts for the policy reward (0: do not judge; default per model, JUDGE)")
-    p.add_argument("--eval-samples", type=int, default=None, help="samples per held-out prompt for the policy reward")
+                   help=f"held-out prompts for the policy reward (0: do not judge; default per model: {judge(0)})")
+    p.add_argument("--eval-samples", type=int, default=None,
+                   help=f"samples per held-out prompt for the policy reward (default per model: {judge(1)})")
     p.add_argument("--sft", default=None, help="a ready SFT policy directory (default: rlhflab's stage sft, made into --cache)")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "rlhflab" / "vs_trl", help="RLHFLAB_CACHE of the runs")
     p.add_argument("--prep-override", action="append", default=[], help="extra rlhflab override for the SFT-making run")
@@ -673,6 +677,10 @@ def parse(argv=None):
     bad = [x for x in a.sides if x not in SIDES]
     if bad:
         p.error(f"unknown sides {bad}; choose from {', '.join(SIDES)}")
+    for name in ("algos", "sides"):  # a name given twice ran twice into one median, and its table row or column twice
+        twice = sorted({x for x in getattr(a, name) if getattr(a, name).count(x) > 1})
+        if twice:
+            p.error(f"--{name}: {', '.join(twice)} given more than once")
     # Each of these failed in a child after minutes (or gave an empty table, or a traceback), if at all.
     if not a.algos or not a.sides:
         p.error(f"--{'algos' if not a.algos else 'sides'}: none given; name at least one")

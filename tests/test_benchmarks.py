@@ -134,6 +134,8 @@ def test_import_rss_charges_each_package_its_own_load(tmp_path):
     (["--eval-samples", "0"], "--eval-samples 0: give 1 or more"),  # a policy reward from 0 samples
     (["--max-new-tokens", "0"], "--max-new-tokens 0: give 1 or more"),  # read as the task's budget
     (["--model", "bogus"], "--model bogus: not an rlhflab model preset; choose from llama100m"),  # failed in the SFT run
+    (["--sides", "trl,rlhflab,trl"], "--sides: trl given more than once"),  # ran twice into one median, two columns
+    (["--algos", "rloo,rloo"], "--algos: rloo given more than once"),  # the same, and the table's row twice
 ])
 def test_vs_trl_refuses_bad_arguments_before_any_run(capsys, args, said):
     vs_trl = load_vs_trl()
@@ -257,3 +259,14 @@ def test_a_terminated_benchmark_takes_its_running_child_with_it(tmp_path):
             os.kill(child, signal.SIGKILL)
         except (NameError, ProcessLookupError):
             pass
+
+
+def test_vs_trl_help_gives_every_default():
+    """--prompts-per-step, --lr, --temperature and --seed had no help, so --help gave no default; --eval-samples said
+    'default: None' though tiny's is 8."""
+    shown = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--help"], capture_output=True,
+                           text=True, timeout=60).stdout
+    text = " ".join(shown.split())
+    for said in ("(default: 32)", "(default: 0.001)", "(default: 1.0)", "(default: 0)", "tiny 512", "tiny 8"):
+        assert said in text, said
+    assert "None" not in text.split("--eval-samples EVAL_SAMPLES ")[1].split("--sft")[0]
