@@ -107,9 +107,14 @@ def main(argv=None) -> None:
     a = p.parse_args(argv[:cut])  # --help here: the whole docstring
     if a.top < 0:  # a negative count dropped the last rows without a word
         p.error(f"--top {a.top}: give 0 or more")
+    if a.json is not None:  # found only when it was written, after the whole program: a traceback, the JSON lost
+        if a.json.is_dir():
+            p.error(f"--json {a.json}: a directory; give a file path")
+        if not a.json.parent.is_dir() or not os.access(a.json.parent, os.W_OK | os.X_OK):
+            p.error(f"--json {a.json}: {a.json.parent} is not a writable directory")
     script, *args = argv[cut + 1:] or [None]
     if script is None or not Path(script).is_file():
-        raise SystemExit(f"import_rss.py: no script file {script!r} after --")
+        raise SystemExit(f"import_rss.py: no script file {script!r} after --" if script else "import_rss.py: no script after --")
     meter = ImportMeter()
     start = rss_mb(meter.statm)
     t0 = time.perf_counter()

@@ -182,12 +182,15 @@ def test_vs_trl_refuses_an_out_path_it_could_not_write_before_any_run(tmp_path, 
 
 
 def test_import_rss_help_and_bad_arguments():
-    """--help printed a bare usage line to stderr and exited 1; --top -3 dropped the last three rows."""
+    """--help printed a bare usage line to stderr and exited 1; --top -3 dropped the last three rows; a --json it could
+    not write was a traceback after the whole program had run, its JSON lost."""
     script = str(ROOT / "benchmarks" / "import_rss.py")
     shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "Where a Python program's peak RSS goes" in shown.stdout and "--top" in shown.stdout
     for args, said in ((["--top", "-3", "--", script], "--top -3: give 0 or more"), ([], "give the program after --"),
-                       ([script, "reward=rule"], "give the program after --")):  # 'unrecognized arguments
+                       ([script, "reward=rule"], "give the program after --"),  # 'unrecognized arguments
+                       (["--json", str(ROOT), "--", script], "a directory; give a file path"),
+                       (["--json", str(ROOT / "README.md" / "x.json"), "--", script], "is not a writable directory")):
         out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and said in out.stderr, out.stderr
 
