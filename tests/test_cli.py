@@ -472,3 +472,19 @@ def test_a_relative_path_that_is_not_there_says_where_it_was_looked_for(tmp_path
     assert out.returncode == 2, out.stderr[-2000:]
     said = [x for x in out.stderr.splitlines() if x.startswith("error:")]
     assert len(said) == 1 and said[0].startswith(line.format(cwd=tmp_path)), said
+
+
+def test_the_optuna_sweeper_not_installed_is_one_line_naming_the_extra(tmp_path):
+    """hydra-optuna-sweeper is the dev extra's. Without it, hydra/sweeper=rlhflab_optuna was Hydra's "In
+    'hydra/sweeper/rlhflab_optuna': Could not load 'hydra/sweeper/optuna'", after five lines of Hydra's warning that
+    rlhflab's plugin was 'incompatible with this Hydra version or buggy'. Hidden here as an absent package is."""
+    code = ("import sys\n"
+            "sys.modules['hydra_plugins.hydra_optuna_sweeper'] = None\n"
+            "sys.argv = ['train.py']\n"
+            "from rlhflab.cli import preflight\n"
+            "preflight(['-m', 'hydra/sweeper=rlhflab_optuna', 'algo.kl_coef=interval(0.01,0.1)'])\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr == (
+        "error: hydra/sweeper=rlhflab_optuna: Optuna's sweeper is not installed (hydra-optuna-sweeper, which `pip install "
+        "-e \".[dev]\"` installs); install it, or sweep lists of values with Hydra's basic sweeper (sweep job: "
+        "hydra/sweeper=rlhflab_optuna algo.kl_coef=0.01)\n"), out.stderr

@@ -454,6 +454,9 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
             group, option = found.groups()
             options = sorted({p.stem for p in (CONFIG_DIR / group).glob("*.yaml")} | registered_options(group))
             return f"{group}={option}: no such option; choose one of {', '.join(options)}"
+    if re.search(r"Could not load 'hydra/sweeper/optuna'", str(err)):  # hydra-optuna-sweeper is the dev extra's
+        return ("hydra/sweeper=rlhflab_optuna: Optuna's sweeper is not installed (hydra-optuna-sweeper, which "
+                "`pip install -e \".[dev]\"` installs); install it, or sweep lists of values with Hydra's basic sweeper")
     unregistered = re.search(r"In '([^']+)': Could not load 'schema/([^'/]+)/([^']+)'", str(err))
     if unregistered:
         option, group, name = unregistered.groups()

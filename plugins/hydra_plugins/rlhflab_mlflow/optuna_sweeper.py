@@ -10,7 +10,7 @@ import logging
 try:
     from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
 except ModuleNotFoundError as err:  # hydra-optuna-sweeper is the dev extra's: `pip install -e .` or `.[bench]` lacks it
-    if err.name != "hydra_plugins.hydra_optuna_sweeper":
+    if not (err.name or "").startswith("hydra_plugins.hydra_optuna_sweeper"):
         raise
     # Hydra's plugin scan warned 'Error importing ... Plugin is incompatible with this Hydra version or buggy' at every
     # start then (and into the error lines vs_trl.py's preflight passes on). Without it the class below is no plugin
