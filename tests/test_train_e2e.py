@@ -240,3 +240,21 @@ def test_the_rl_bar_ends_on_the_last_evaluations_gold(make_cfg, capfd):
     shown = re.findall(r"gold: (-?\d+\.\d{3})", capfd.readouterr().out)
     assert [step for step, _, _ in result.module.eval_history] == [0, 3, 4]
     assert shown and float(shown[-1]) == round(result.metrics["eval/gold_reward"], 3), shown
+
+
+def test_the_run_names_hydras_directory_where_output_dir_moves_the_run_elsewhere(tmp_path, stage_cache):
+    """With output.dir set, Hydra still writes train.log and .hydra/ to its own run directory. The run's description
+    called output.dir 'Hydra output directory', and the directory holding the log was named nowhere in the run."""
+    from conftest import SHRINK, cli_run, run_id_of
+
+    out, hydra_dir = tmp_path / "out", tmp_path / "hydra"
+    env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    with cli_run([*SHRINK, "trainer.max_steps=1", f"output.dir={out}", f"hydra.run.dir={hydra_dir}"], tmp_path, env) as proc:
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()[-3000:]
+    assert (hydra_dir / "train.log").is_file() and not (out / "train.log").exists()
+    tags = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id_of(out)).data.tags
+    assert tags["rlhflab.output_dir"] == str(out)
+    assert tags["rlhflab.hydra_dir"] == str(hydra_dir)
+    note = tags["mlflow.note.content"]
+    assert f"Output directory (output.dir): `{out}`" in note
+    assert f"Hydra output directory (train.log, .hydra/): `{hydra_dir}`" in note

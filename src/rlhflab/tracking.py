@@ -41,6 +41,13 @@ EXPERIMENT_NOTE = ("RLHF runs from rlhflab (python src/train.py). Each run holds
                    "eval/gold_reward is the task's own judgement of held-out completions.")
 
 
+def hydra_run_dir() -> Path | None:
+    """Hydra's run (or sweep job) directory, where train.log and .hydra/ go; None when Hydra does not run us."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir).resolve() if HydraConfig.initialized() else None
+
+
 def flatten(cfg: dict, prefix: str = "") -> dict[str, str]:
     out = {}
     for key, value in cfg.items():
@@ -297,6 +304,12 @@ class MlflowTracker:
         command = " ".join(["python src/train.py", *map(redact, overrides)])
         tags |= {"rlhflab.overrides": " ".join(map(redact, overrides)), "rlhflab.output_dir": str(output_dir),
                  "mlflow.note.content": f"`{command}`\n\nHydra output directory: `{output_dir}`"}
+        hydra_dir = hydra_run_dir()
+        if hydra_dir is not None and hydra_dir != Path(output_dir).resolve():  # output.dir moved the run: train.log,
+            # .hydra/ stay in Hydra's own directory, which the run would otherwise name nowhere
+            tags |= {"rlhflab.hydra_dir": str(hydra_dir),
+                     "mlflow.note.content": f"`{command}`\n\nOutput directory (output.dir): `{output_dir}`\n\n"
+                                            f"Hydra output directory (train.log, .hydra/): `{hydra_dir}`"}
         swept = json.loads(os.environ.get(SWEPT_ENV) or "{}") if os.environ.get(PARENT_RUN_ENV) else {}
         name = redact(named_run(self.run_name, tags.get("algo", ""), overrides, swept) or default_run_name(tags))
         run = client.create_run(experiment_id, run_name=name, tags=resolve_tags(tags))  # + source, git commit, user
