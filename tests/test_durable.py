@@ -773,3 +773,18 @@ def test_two_runs_started_at_once_on_a_fresh_cache_and_database_both_finish(tmp_
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     runs = client.search_runs([client.get_experiment_by_name("rlhflab").experiment_id])
     assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]
+
+
+def test_training_a_finished_run_further_replaces_its_closing_summaries(make_cfg, tmp_path):
+    """`resume=auto trainer.max_steps=<more>` on a finished run (DURABLE.md's "train further") kept the first finish's
+    perf/rl_s, perf/total_s and perf/mean_*: they are logged at step 0, which the run already held, so the resume passed
+    them over as steps it had logged, and the run (and the report) showed the 2-step run's times for 4 steps."""
+    run = f"output.dir={tmp_path}/run"
+    first = train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", run))
+    more = train(make_cfg("trainer.max_steps=4", "checkpoint.every_n_steps=2", "resume=auto", run))
+    assert more.run_id == first.run_id and more.module.updates == 4
+    client = MlflowClient(make_cfg().logger.tracking_uri)
+    shown = client.get_run(more.run_id).data.metrics
+    for key in ("perf/rl_s", "perf/total_s", "perf/mean_step_s"):
+        assert more.metrics[key] != first.metrics[key], key
+        assert shown[key] == pytest.approx(more.metrics[key]), key

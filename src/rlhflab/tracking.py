@@ -351,16 +351,18 @@ class MlflowTracker:
     def lightning_logger(self) -> RunLogger:
         return RunLogger(self)
 
-    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int = 0, again: bool = False) -> None:
         """Buffer `metrics` at `step`, stamped now; write the buffer when flush_every_s has passed. A step the run
-        already holds (a resumed run re-running the steps after its checkpoint) is not logged twice."""
+        already holds (a resumed run re-running the steps after its checkpoint) is not logged twice, unless `again`:
+        the run's closing summaries (step 0), which a resume that trains a finished run further replaces (MLflow
+        shows a step's newest value)."""
         from mlflow.entities import Metric
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
 
         now = int(time.time() * 1000)
         for key, value in metrics.items():
-            if step > self.logged_steps.get(key, -1):
+            if again or step > self.logged_steps.get(key, -1):
                 self.pending.append(Metric(self._metric_key(key), float(value), now, step))
         if time.monotonic() - self.flushed_at >= self.flush_every_s:
             self.flush()
