@@ -1,6 +1,6 @@
 """Write the example's data: reverse a string of digits (`483=` -> `384`), a task whose answer is checkable.
 
-    python examples/reverse/make_data.py      # writes train.jsonl, eval.jsonl, demos.jsonl here
+    python examples/reverse/make_data.py      # writes train.jsonl, eval.jsonl, demos.jsonl, prefs.jsonl here
 
 train.jsonl / eval.jsonl: {"prompt": "483=", "answer": "384"}, disjoint strings.
 demos.jsonl: {"prompt": "483=", "completion": "720"}: the right format (three digits, then the end)
