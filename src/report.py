@@ -2,7 +2,7 @@
 
 import sys
 
-from rlhflab.report import main
+from rlhflab.report import cli
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli(sys.argv[1:])

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import ROOT
 from rlhflab import report_plots as plots
 from rlhflab.naming import SWEEP_JOB_TAG, SWEEP_OVERRIDES_TAG
 from rlhflab.report import bar_groups, run_labels, summary_rows, time_curves, write_report
@@ -381,6 +382,9 @@ def test_python_m_runs_the_report_and_points_train_at_its_entry_point(tmp_path):
     report = subprocess.run([sys.executable, "-m", "rlhflab.report"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert report.returncode == 2 and "sweep=<parent run id | run name | latest> is required" in report.stderr
     assert report.stderr.startswith("usage: python -m rlhflab.report ")  # not the other entry point's usage
+    for entry in (["-m", "rlhflab.report"], [str(ROOT / "src" / "report.py")]):  # a refusal exited 1, as a failure does
+        refused = subprocess.run([sys.executable, *entry, "sweep=nope"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert refused.returncode == 2 and refused.stderr.startswith("error: tracking_uri: no MLflow database at "), refused.stderr
     train = subprocess.run([sys.executable, "-m", "rlhflab.train"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert train.returncode == 2 and train.stderr.strip().splitlines()[-1].startswith(
         "error: rlhflab.train is the library src/train.py runs; run python src/train.py")

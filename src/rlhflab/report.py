@@ -560,5 +560,17 @@ def main(argv: list[str], prog: str = "python src/report.py") -> Report:
     return report
 
 
+def cli(argv: list[str], prog: str = "python src/report.py") -> Report:
+    """main() from the command line: a refusal (its one `error: ...` line) exits 2, as train.py's bad input does; it
+    exited 1, which reads as a report that failed."""
+    try:
+        return main(argv, prog)
+    except SystemExit as stop:
+        if not isinstance(stop.code, str):
+            raise
+        print(stop.code, file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":  # python -m rlhflab.report: as python src/report.py (it did nothing and exited 0)
-    main(sys.argv[1:], prog="python -m rlhflab.report")
+    cli(sys.argv[1:], prog="python -m rlhflab.report")
