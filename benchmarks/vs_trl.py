@@ -465,6 +465,32 @@ def child_failed(what: str, code: int, wall: float, log: Path, timeout: float) -
     return SystemExit(f"{what} failed ({why}): {said}\n  its log: {log}")
 
 
+# What both sides run from one flag (rlhflab_cmd gives rlhflab the flag's value; the TRL child reads the same flag):
+# an --rlhflab-override of it changes one side only
+SHARED_KEYS = {"rl.lr": "--lr", "generator.temperature": "--temperature", "algo.samples_per_prompt": "--k",
+               "rl.prompts_per_step": "--prompts-per-step", "trainer.max_steps": "--steps",
+               "generator.max_new_tokens": "--max-new-tokens", "rl.eos_penalty": "--eos-penalty", "seed": "--seed",
+               "task.response_words": "--response-words", "model.dtype": "float32 on both sides"}
+
+
+def one_sided(overrides: list[str]) -> list[str]:
+    """A warning for each --rlhflab-override that changes what the TRL side runs alike (a shared flag's key, the
+    task's settings, the algorithm's matched ones): the table then compares unequal settings, without a word."""
+    said = []
+    for override in overrides:
+        key = override.partition("=")[0].lstrip("+~")
+        if key in SHARED_KEYS:
+            why = f"the TRL side keeps {SHARED_KEYS[key]}" + ("" if " " in SHARED_KEYS[key] else "'s value; give that flag instead")
+        elif key.startswith("task."):
+            why = "the TRL side keeps conf/task/sentiment.yaml's task"
+        elif key.startswith(("algo.", "off_policy.")):
+            why = "the TRL side keeps its matched settings (TRL_ALGO in benchmarks/vs_trl.py)"
+        else:
+            continue
+        said.append(f"vs_trl.py: warning: --rlhflab-override {override}: {why}; the sides no longer run the same setting")
+    return said
+
+
 def check_commands(a) -> None:
     """Every rlhflab command the benchmark will run, through rlhflab's own preflight (no model, ~0.5 s each), before
     the SFT policy is made: a bad --model, --k or --rlhflab-override failed only in its child, after the SFT run
@@ -659,7 +685,7 @@ def parse(argv=None):
     p.add_argument("--sft", default=None, help="a ready SFT policy directory (default: rlhflab's stage sft, made into --cache)")
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "rlhflab" / "vs_trl", help="RLHFLAB_CACHE of the runs")
     p.add_argument("--prep-override", action="append", default=[], help="extra rlhflab override for the SFT-making run")
-    p.add_argument("--rlhflab-override", action="append", default=[], help="extra rlhflab override for every rlhflab run")
+    p.add_argument("--rlhflab-override", action="append", default=[], help="extra rlhflab override for every rlhflab run (one of a setting both sides share, e.g. rl.lr, is warned: give its flag)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a child run is killed")
     p.add_argument("--keep", action="store_true", help="keep the runs' work directory (logs, MLflow dbs, JSON); a failed "
                    "benchmark keeps it always")
@@ -755,6 +781,8 @@ def main(argv=None) -> None:
         except ImportError:
             raise SystemExit('TRL is not installed: pip install -e ".[bench]" (or --sides with rlhflab\'s sides only)') from None
     check_commands(a)
+    for line in one_sided(a.rlhflab_override) if any(side in TRL_SIDE for side in a.sides) else []:
+        print(line, file=sys.stderr)
     env = child_env()
     work = Path(tempfile.mkdtemp(prefix="vs_trl-"))
     print(f"work directory: {work}", flush=True)

@@ -273,3 +273,22 @@ def test_vs_trl_help_gives_every_default():
     for said in ("(default: 32)", "(default: 0.001)", "(default: 1.0)", "(default: 0)", "tiny 512", "tiny 8"):
         assert said in text, said
     assert "None" not in text.split("--eval-samples EVAL_SAMPLES ")[1].split("--sft")[0]
+
+
+def test_an_override_of_what_both_sides_share_is_warned():
+    """--rlhflab-override rl.lr=... (or a task or algorithm setting) changed the rlhflab side alone, and the table
+    compared unequal settings without a word."""
+    vs_trl = load_vs_trl()
+    said = vs_trl.one_sided(["rl.lr=0.01", "task.prompt_words=3", "algo.kl_coef=0.1", "torch_threads=2", "model.dtype=bfloat16"])
+    assert said == [
+        "vs_trl.py: warning: --rlhflab-override rl.lr=0.01: the TRL side keeps --lr's value; give that flag instead; the "
+        "sides no longer run the same setting",
+        "vs_trl.py: warning: --rlhflab-override task.prompt_words=3: the TRL side keeps conf/task/sentiment.yaml's task; "
+        "the sides no longer run the same setting",
+        "vs_trl.py: warning: --rlhflab-override algo.kl_coef=0.1: the TRL side keeps its matched settings (TRL_ALGO in "
+        "benchmarks/vs_trl.py); the sides no longer run the same setting",
+        "vs_trl.py: warning: --rlhflab-override model.dtype=bfloat16: the TRL side keeps float32 on both sides; the sides "
+        "no longer run the same setting"]  # torch_threads: rlhflab's own (the TRL child has --threads)
+    parsed = vs_trl.parse([])
+    for key, flag in vs_trl.SHARED_KEYS.items():  # each is what rlhflab_cmd sets from the shared flag
+        assert any(arg.startswith(f"{key}=") for arg in vs_trl.rlhflab_cmd(parsed, "rloo", None, 1, ROOT, [])), key
