@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -721,6 +722,10 @@ def parse(argv=None):
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: give {least} or more{why}")
     if a.timeout <= 0:
         p.error(f"--timeout {a.timeout:g}: give a number of seconds above 0")
+    for name in ("lr", "temperature", "eos_penalty"):  # nan or inf: refused by the first run, after the SFT run's ~10 s
+        value = getattr(a, name)
+        if value is not None and not math.isfinite(value):
+            p.error(f"--{name.replace('_', '-')} {value}: give a finite number")
     if a.out is not None:  # found only when the table was written, after the whole benchmark (its JSON lost)
         from rlhflab.errors import ConfigError
         from rlhflab.schema import writable_dir

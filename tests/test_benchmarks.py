@@ -136,6 +136,8 @@ def test_import_rss_charges_each_package_its_own_load(tmp_path):
     (["--model", "bogus"], "--model bogus: not an rlhflab model preset; choose from llama100m"),  # failed in the SFT run
     (["--sides", "trl,rlhflab,trl"], "--sides: trl given more than once"),  # ran twice into one median, two columns
     (["--algos", "rloo,rloo"], "--algos: rloo given more than once"),  # the same, and the table's row twice
+    (["--eos-penalty", "nan"], "--eos-penalty nan: give a finite number"),  # refused by the first run, after the SFT run
+    (["--lr", "inf"], "--lr inf: give a finite number"),
 ])
 def test_vs_trl_refuses_bad_arguments_before_any_run(capsys, args, said):
     vs_trl = load_vs_trl()
