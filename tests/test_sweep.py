@@ -610,20 +610,39 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
     report([f"sweep={parent.info.run_id}", f"tracking_uri={uri}", f"out_dir={tmp_path}/report"])
     summary = (tmp_path / "report" / "summary.md").read_text()
     assert f"`{parent.info.run_id}` at `{uri}`, KILLED; stopped by a signal: jobs after the last child never ran" in summary
-    # The whole sweep again with resume=auto: the job that ran goes on in its run (it has nothing left to train), the
-    # other starts. The job that went on stayed under the first parent, and the new one's summary left it out.
-    again = [*sweep, "resume=auto", f"trainer.max_steps={step + 2}", "checkpoint.every_n_steps=2"]
-    again.remove("trainer.max_steps=100000")
-    out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), *again], cwd=tmp_path, env=os.environ | env,
+    # The whole sweep again with resume=auto, stopped in the job it continues: its atexit hook read the job's
+    # 'output.dir=runs/${hydra:job.num}' after Hydra had cleared its config (an InterpolationResolutionError), and the
+    # new parent stayed RUNNING forever
+    again = [*sweep, "resume=auto", "checkpoint.every_n_steps=2"]
+    lines.clear()
+    with cli_run(again, tmp_path, env) as proc:
+        reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
+        reader.start()
+        wait_for(lambda: any(f"eval after {step + 3} RL steps" in line for line in lines), 300, "the continued job's RL", proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=120)
+        reader.join(timeout=30)
+    output = "".join(lines)
+    assert rc == 130 and "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
+    experiment = client.get_experiment_by_name("rlhflab").experiment_id
+    parents = lambda: client.search_runs([experiment], "tags.`rlhflab.sweep` = '1'", order_by=["attributes.start_time ASC"])
+    second = parents()[1]
+    assert second.info.status == "KILLED"
+    assert client.get_run(resumed.info.run_id).data.tags["mlflow.parentRunId"] == second.info.run_id  # moved there
+    stopped_at = int(re.findall(r"checkpoint: \S+/step-(\d+)", output)[-1])
+    # Once more, to the end: the job that ran goes on in its run, the other starts, both under the last parent. The
+    # job that went on stayed under the first parent, and the new one's summary and report left it out.
+    final = [*again, f"trainer.max_steps={stopped_at + 2}"]
+    final.remove("trainer.max_steps=100000")
+    out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), *final], cwd=tmp_path, env=os.environ | env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    experiment = client.get_experiment_by_name("rlhflab").experiment_id
-    (second,) = [p for p in client.search_runs([experiment], "tags.`rlhflab.sweep` = '1'") if p.info.run_id != parent.info.run_id]
-    moved = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{second.info.run_id}'")
+    third = parents()[2]
+    moved = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{third.info.run_id}'")
     assert sorted((r.data.tags["algo"], r.info.status) for r in moved) == [("grpo", "FINISHED"), ("rloo", "FINISHED")]
     assert resumed.info.run_id in [r.info.run_id for r in moved]  # the same run, now this sweep's child
-    assert client.get_run(resumed.info.run_id).data.tags["rlhflab.sweep.moved_from"] == parent.info.run_id
-    assert second.info.status == "FINISHED" and client.get_run(second.info.run_id).data.metrics["sweep/jobs"] == 2
+    assert client.get_run(resumed.info.run_id).data.tags["rlhflab.sweep.moved_from"] == second.info.run_id
+    assert third.info.status == "FINISHED" and client.get_run(third.info.run_id).data.metrics["sweep/jobs"] == 2
 
 
 @pytest.mark.parametrize("experiment, params, task, name", [

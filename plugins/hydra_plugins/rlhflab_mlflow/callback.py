@@ -71,6 +71,7 @@ class MlflowSweepCallback(Callback):
         self._uri: str | None = None
         self._job_started_ms = 0
         self._job: DictConfig | None = None  # the running job's config (between on_job_start and on_job_end)
+        self._job_dir: Path | None = None  # its output directory (on_job_start), where mlflow_run.json names its run
         self._claimed: set[str] = set()
         self.swept: dict[str, str] = {}  # what the sweep varies (swept_params), for its jobs' run names
         self.objective: str | None = None  # OBJECTIVE in words, where jobs return a KL-penalised metric
@@ -118,6 +119,13 @@ class MlflowSweepCallback(Callback):
         os.environ[SWEPT_ENV] = json.dumps(self.swept)
         self._job_started_ms = int(time.time() * 1000)
         self._job = config
+        # Its directory, read now: at exit (_abandon) Hydra has cleared its config, and 'output.dir=runs/${hydra:job.num}'
+        # no longer resolves (an InterpolationResolutionError in the atexit hook, which left the parent RUNNING)
+        try:
+            out = OmegaConf.select(config, "output.dir") or OmegaConf.select(config, "hydra.runtime.output_dir")
+            self._job_dir = Path(out) if out else None
+        except Exception:
+            self._job_dir = None
         job_uri = tracking_uri(config)
         if job_uri != self._uri:
             log.warning("mlflow sweep: job logs to %s, the parent is at %s; it will not be nested", job_uri, self._uri)
@@ -182,8 +190,7 @@ class MlflowSweepCallback(Callback):
         mlflow_run.json names once the job has started: moved under this sweep's parent, its first parent in the tag
         rlhflab.sweep.moved_from. It stayed under the first sweep's parent, and this one's summary and report left
         it out (sweep/jobs counted only the jobs that started anew)."""
-        out = OmegaConf.select(config, "output.dir") or OmegaConf.select(config, "hydra.runtime.output_dir")
-        record = Path(out) / "mlflow_run.json" if out else None
+        record = self._job_dir / "mlflow_run.json" if self._job_dir else None
         try:
             if record is None or record.stat().st_mtime * 1000 < self._job_started_ms:
                 return None  # no run, or not this job's (a new run that failed before it wrote one)
@@ -301,7 +308,11 @@ class MlflowSweepCallback(Callback):
         client = self._client()
         if client.get_run(self.parent_run_id).info.status != "RUNNING":
             return
-        child = self._tag_child(client, self._job)[0] if self._job is not None else None
+        try:
+            child = self._tag_child(client, self._job)[0] if self._job is not None else None
+        except Exception as err:  # whatever it was, the parent is still ended below (RUNNING forever otherwise)
+            log.warning("mlflow sweep: could not find the stopped job's run (%s)", " ".join(str(err).split())[:200])
+            child = None
         stopped = child is not None and client.get_run(child.info.run_id).info.status == "KILLED"
         ended = "KILLED" if stopped else "FAILED"
         try:  # what ran until then: a stopped sweep's parent had no sweep/jobs, best run or note
