@@ -788,3 +788,8 @@ def test_training_a_finished_run_further_replaces_its_closing_summaries(make_cfg
     for key in ("perf/rl_s", "perf/total_s", "perf/mean_step_s"):
         assert more.metrics[key] != first.metrics[key], key
         assert shown[key] == pytest.approx(more.metrics[key]), key
+    # The same again, nothing left to train (a sweep's finished job under resume=auto): that process's closing values
+    # replaced the run's (perf/stages_s became the cached load's 0.07 s, perf/rl_s moved at every rerun)
+    train(make_cfg("trainer.max_steps=4", "checkpoint.every_n_steps=2", "resume=auto", run))
+    again = client.get_run(more.run_id).data.metrics
+    assert all(again[k] == shown[k] for k in ("perf/rl_s", "perf/total_s", "perf/stages_s", "perf/mean_step_s")), (again, shown)

@@ -512,8 +512,9 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
         **({"perf/launch_s": module.launch_s} if module.launch_s else {}),  # ranks started by the RL stage's fit
     }
     summaries = {k: v for k, v in metrics.items() if k not in (judged, "eval/kl")}  # those have curves
-    # single values: step 0, so no chart draws them as the end of a curve; again: a finished run trained further holds them
-    tracker.log_metrics(summaries, step=0, again=True)
+    # single values: step 0, so no chart draws them as the end of a curve; again: a finished run trained further holds
+    # them (one with nothing left to train keeps its own: this process trained nothing)
+    tracker.log_metrics(summaries, step=0, again=remaining > 0)
     if distributed.is_main() and module.generation_rows:  # beside the policy too: read without MLflow, kept if it is lost
         with writing("generations.json", out / "generations.json"):
             (out / "generations.json").write_text(json.dumps(module.generation_rows, indent=1))
