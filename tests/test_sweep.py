@@ -641,8 +641,14 @@ def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job
     moved = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{third.info.run_id}'")
     assert sorted((r.data.tags["algo"], r.info.status) for r in moved) == [("grpo", "FINISHED"), ("rloo", "FINISHED")]
     assert resumed.info.run_id in [r.info.run_id for r in moved]  # the same run, now this sweep's child
-    assert client.get_run(resumed.info.run_id).data.tags["rlhflab.sweep.moved_from"] == second.info.run_id
+    assert client.get_run(resumed.info.run_id).data.tags["rlhflab.sweep.moved_from"] == parent.info.run_id  # the first
     assert third.info.status == "FINISHED" and client.get_run(third.info.run_id).data.metrics["sweep/jobs"] == 2
+    # The second parent's one run moved on: its report said no job of it had begun
+    with pytest.raises(SystemExit) as stop:
+        report([f"sweep={second.info.run_id}", f"tracking_uri={uri}", f"out_dir={tmp_path}/report2"])
+    assert str(stop.value.code).endswith(f"has no child runs left: a sweep continued it with resume=auto, and its jobs' "
+                                         f"runs moved to that one's parent {third.info.run_id}; report that: python "
+                                         f"src/report.py sweep={third.info.run_id}"), stop.value.code
 
 
 @pytest.mark.parametrize("experiment, params, task, name", [

@@ -26,6 +26,7 @@ from rlhflab.naming import (
     NOT_IN_NAMES,
     OBJECTIVE,
     SWEEP_BEST_RUN_NAME_TAG,
+    SWEEP_CONTINUED_BY_TAG,
     SWEEP_JOB_TAG,
     SWEEP_METRIC_TAG,
     SWEEP_OBJECTIVE_TAG,
@@ -424,6 +425,11 @@ def gather(client, parent, baseline=None, report: Report | None = None) -> tuple
 def _children(client, parent, key: str) -> list:
     """A sweep's child runs; none (it was stopped or died before its first job began) is one line, not an empty report."""
     runs = child_runs(client, parent)
+    later = parent.data.tags.get(SWEEP_CONTINUED_BY_TAG)
+    if not runs and later:  # it said no job had begun: they had, and moved to the sweep that continued them
+        raise SystemExit(f"error: {key}: sweep {parent.info.run_name!r} ({parent.info.run_id}, {parent.info.status}) "
+                         f"has no child runs left: a sweep continued it with resume=auto, and its jobs' runs moved to "
+                         f"that one's parent {later}; report that: python src/report.py {key}={later}")
     if not runs:
         raise SystemExit(f"error: {key}: sweep {parent.info.run_name!r} ({parent.info.run_id}, {parent.info.status}) "
                          "has no child runs: no job of it began, so there is nothing to report")

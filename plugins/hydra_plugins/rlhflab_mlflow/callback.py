@@ -37,14 +37,14 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
-    ERROR_TAG, MAX_TAG, OBJECTIVE, PARENT_RUN_ENV, SWEPT_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_OBJECTIVE_TAG,
+    ERROR_TAG, MAX_TAG, OBJECTIVE, PARENT_RUN_ENV, SWEPT_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_CONTINUED_BY_TAG,
+    SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_MOVED_FROM_TAG, SWEEP_OBJECTIVE_TAG,
     SWEEP_OVERRIDES_TAG, SWEEP_TAG, clipped, default_run_name, run_name, home_expanded, model_tag, named_run, redact,
     short_override,
 )
 
 log = logging.getLogger("rlhflab.sweep")
 
-MOVED_FROM_TAG = "rlhflab.sweep.moved_from"  # on a job's run continued by a later sweep: the parent it was under
 
 
 
@@ -188,7 +188,7 @@ class MlflowSweepCallback(Callback):
     def _continued_child(self, client, config: DictConfig):
         """A job that continued its own run (resume=auto: a job stopped in an earlier sweep), which its directory's
         mlflow_run.json names once the job has started: moved under this sweep's parent, its first parent in the tag
-        rlhflab.sweep.moved_from. It stayed under the first sweep's parent, and this one's summary and report left
+        rlhflab.sweep.moved_from, this parent in the parent it left (rlhflab.sweep.continued_by). It stayed under the first sweep's parent, and this one's summary and report left
         it out (sweep/jobs counted only the jobs that started anew)."""
         record = self._job_dir / "mlflow_run.json" if self._job_dir else None
         try:
@@ -200,11 +200,13 @@ class MlflowSweepCallback(Callback):
         if run.info.run_id in self._claimed:
             return None
         self._claimed.add(run.info.run_id)
-        first = run.data.tags.get("mlflow.parentRunId")
-        if first != self.parent_run_id:
+        before = run.data.tags.get("mlflow.parentRunId")
+        if before != self.parent_run_id:
             client.set_tag(run.info.run_id, "mlflow.parentRunId", self.parent_run_id)
-            if first:
-                client.set_tag(run.info.run_id, MOVED_FROM_TAG, first)
+            if before:  # the run names the first parent; each parent names the sweep that took its runs on
+                if SWEEP_MOVED_FROM_TAG not in run.data.tags:
+                    client.set_tag(run.info.run_id, SWEEP_MOVED_FROM_TAG, before)
+                client.set_tag(before, SWEEP_CONTINUED_BY_TAG, self.parent_run_id)
             run = client.get_run(run.info.run_id)
         return run
 
