@@ -252,6 +252,27 @@ def test_skip_batch_goes_on_past_a_non_finite_batch(make_cfg):
     assert skipped == [(2, 1.0)]  # logged at the step it happened after
 
 
+def test_skip_batch_stops_a_run_whose_every_batch_is_skipped(make_cfg):
+    """A cause in every batch (a NaN reward weight, a reward that is always NaN): skip_batch skipped 47,664 rollout
+    batches over 460 s, one warning each, and the run ended FINISHED with nothing trained."""
+    with pytest.raises(NonFiniteError, match=r"^rl.on_nonfinite=skip_batch: 20 rollout batches in a row had non-finite "
+                                             r"values \(the last at RL step 1\), so nothing is being trained; fix what "
+                                             r"the warnings above name"):
+        train(make_cfg(*nan_reward(*range(1, 10_000)), "trainer.max_steps=4", "rl.on_nonfinite=skip_batch"))
+    assert NaNReward.calls == 20
+
+
+def test_a_nan_reward_weight_is_one_line_before_any_model_loads(make_cfg, tmp_path):
+    """reward.weights=[nan] passed the checks: every reward NaN, found at RL step 1 (or, under skip_batch, the run
+    above); a weight is checked with their count now."""
+    fn = tmp_path / "r.py"
+    fn.write_text("def score(prompts, completions, **columns):\n    return [1.0 for _ in completions]\n")
+    for weight in ("nan", "inf"):
+        with pytest.raises(ConfigError, match=rf"^reward.weights: {weight} is not a finite number; give each function a "
+                                              "finite weight$"):
+            train(make_cfg("reward=function", f"reward.fn={fn}:score", f"reward.weights=[{weight}]"))
+
+
 def test_a_batch_skipped_after_its_forward_leaves_no_activations_counted(make_cfg, tmp_path):
     """A batch whose loss is NaN is skipped after its policy forward saved activations for a backward that never
     runs: the meter forgets them, so the run's activation peak is that of the same run skipping the same batch

@@ -30,6 +30,7 @@ from rlhflab.rollout.sources import current_autocast
 log = logging.getLogger(__name__)
 
 FLAT_STEPS_WARNING = 10
+SKIP_LIMIT = 20  # rl.on_nonfinite=skip_batch: rollout batches skipped in a row that stop the run
 
 
 def saved_step_times(rows: list) -> list[tuple]:
@@ -85,6 +86,7 @@ class RLHFModule(L.LightningModule):
         self.constants_logged = False
         self.resume = resume
         self.skipped_batches = 0  # rl.on_nonfinite=skip_batch
+        self.skipped_in_a_row = 0  # ... since the last update: SKIP_LIMIT of them stop the run
         self.flat_steps = 0  # consecutive steps in which every completion scored the same (no learning signal)
         self.progress: dict[str, float] = {}  # what the progress bar shows
         self.consistent = True  # False while a batch's updates are under way (no checkpoint can be taken then)
@@ -286,6 +288,7 @@ class RLHFModule(L.LightningModule):
             return self._skip(rollout)
         metrics = metrics | algo_metrics | updates | reward_parts
         self._watch_signal(scores, metrics)
+        self.skipped_in_a_row = 0
         self.policy_version += 1
         t_sync = time.monotonic()
         self.source.after_update(self.memory.generation_model, self.policy_version)
@@ -342,6 +345,12 @@ class RLHFModule(L.LightningModule):
         """A batch given up on (non-finite values): the weights do not change, the stream goes on."""
         self.activations.reset()  # a forward that ran before the check saved tensors no backward will free
         self.skipped_batches += 1
+        self.skipped_in_a_row += 1
+        if self.skipped_in_a_row >= SKIP_LIMIT:  # a cause in every batch (a NaN reward weight): skipped for minutes,
+            # 47,664 batches, then FINISHED with nothing trained
+            raise NonFiniteError(f"rl.on_nonfinite=skip_batch: {self.skipped_in_a_row} rollout batches in a row had "
+                                 f"non-finite values (the last at RL step {self.updates + 1}), so nothing is being "
+                                 "trained; fix what the warnings above name", shared=True)
         self.policy_version += 1
         self.source.after_update(self.memory.generation_model, self.policy_version)
         self.consistent = True

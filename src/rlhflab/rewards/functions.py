@@ -17,6 +17,7 @@ function and the row.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -55,6 +56,9 @@ class FunctionReward:
         self.weights = [1.0] * len(specs) if weights is None else [float(w) for w in weights]
         if len(self.weights) != len(specs):
             raise ConfigError(f"reward.weights: {len(self.weights)} weights for {len(specs)} functions; give one per function")
+        bad = next((w for w in self.weights if not math.isfinite(w)), None)
+        if bad is not None:  # every reward then NaN: a failed step 1 after the model loaded (skip_batch: minutes, FINISHED)
+            raise ConfigError(f"reward.weights: {bad} is not a finite number; give each function a finite weight")
         self.components: dict[str, float] = {}
         self.warned = False
 
