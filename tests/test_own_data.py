@@ -384,6 +384,12 @@ def test_a_missing_column_names_the_setting_that_picks_it_and_an_empty_parquet_h
                                           r"are prompt, response: name the one to read with task.completion_field=<column>$"):
         PromptsTask(path=str(train), demonstrations_path=str(demos))
     assert PromptsTask(path=str(train), demonstrations_path=str(demos), completion_field="response").demonstrations()
+    # the prompt column of demonstrations: task.prompt_field, which would then miss task.path's (its fix said to set it)
+    other = write(tmp_path / "other.jsonl", [{"q": "1=", "completion": "1"}])
+    with pytest.raises(ConfigError, match=r"^task.demonstrations_path: no column 'prompt' in '.*other.jsonl'; its columns "
+                                          r"are q, completion: every file's prompts are its column task.prompt_field="
+                                          r"'prompt', task.path's too: rename that file's prompt column to 'prompt'$"):
+        PromptsTask(path=str(train), demonstrations_path=str(other))
     empty = write(tmp_path / "empty.parquet", [])
     with pytest.raises(ConfigError, match=rf"^task.path: '{empty}' has no rows$"):
         PromptsTask(path=str(empty))

@@ -222,8 +222,11 @@ def warn_missing_values(table, prompt_field: str, key: str, path: str) -> None:
 def _column(table, field: str, key: str, path: str, setting: str = "task.prompt_field") -> list:
     """The column `field` of `table` (read from `key`'s `path`), which `setting` names."""
     if field not in table.column_names:  # the line named the columns, not the setting that picks one
-        raise ConfigError(f"{key}: no column '{field}' in '{path}'; its columns are {', '.join(table.column_names)}: "
-                          f"name the one to read with {setting}=<column>")
+        fix = f"name the one to read with {setting}=<column>"
+        if setting == "task.prompt_field" and key != "task.path":  # that setting would then miss task.path's column
+            fix = (f"every file's prompts are its column {setting}='{field}', task.path's too: rename that file's "
+                   f"prompt column to '{field}'")
+        raise ConfigError(f"{key}: no column '{field}' in '{path}'; its columns are {', '.join(table.column_names)}: {fix}")
     values = list(table[field])
     for i, v in enumerate(values):
         if v is None or (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
