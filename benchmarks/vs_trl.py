@@ -786,8 +786,9 @@ def main(argv=None) -> None:
         except ImportError:
             raise SystemExit('TRL is not installed: pip install -e ".[bench]" (or --sides with rlhflab\'s sides only)') from None
     check_commands(a)
-    for line in one_sided(a.rlhflab_override) if any(side in TRL_SIDE for side in a.sides) else []:
-        print(line, file=sys.stderr)
+    if any(side in TRL_SIDE for side in a.sides):  # (rlhflab's sides alone all get the same overrides)
+        for line in one_sided(a.rlhflab_override):
+            print(line, file=sys.stderr)
     env = child_env()
     work = Path(tempfile.mkdtemp(prefix="vs_trl-"))
     print(f"work directory: {work}", flush=True)

@@ -42,6 +42,7 @@ SWEEP_OVERRIDES_TAG = f"{SWEEP_TAG}.overrides"  # on a child: its overrides; on 
 SWEEP_METRIC_TAG = f"{SWEEP_TAG}.metric"  # on the parent: the metric that picks the best child
 SWEEP_BEST_RUN_NAME_TAG = f"{SWEEP_TAG}.best_run_name"
 SWEEP_OBJECTIVE_TAG = f"{SWEEP_TAG}.objective"  # on the parent: what OBJECTIVE is, in words
+RUN_RECORD = "mlflow_run.json"  # in a run's output directory: its MLflow run id, tracking URI and experiment
 SWEEP_MOVED_FROM_TAG = f"{SWEEP_TAG}.moved_from"  # on a job's run a later sweep continued: the first parent it was under
 SWEEP_CONTINUED_BY_TAG = f"{SWEEP_TAG}.continued_by"  # on a parent: the later sweep its jobs' runs moved to
 ERROR_TAG = "rlhflab.error"  # on a FAILED run: what ended it, in one line (`<type>: <message>`)

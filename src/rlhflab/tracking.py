@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError, WriteFailed
-from rlhflab.naming import (ERROR_TAG, PARENT_RUN_ENV, SWEPT_ENV, absolute_uri, behind_server, check_server, default_run_name,
+from rlhflab.naming import (ERROR_TAG, PARENT_RUN_ENV, RUN_RECORD, SWEPT_ENV, absolute_uri, behind_server, check_server, default_run_name,
                             named_run, redact, sqlite_path)
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ class MlflowTracker:
         if run is not None:
             return f"its MLflow run {run_id} was deleted in {here} (mlflow runs restore --run-id {run_id} brings it back)"
         try:
-            then = json.loads((output_dir / "mlflow_run.json").read_text())["tracking_uri"]
+            then = json.loads((output_dir / RUN_RECORD).read_text())["tracking_uri"]
         except (OSError, ValueError, KeyError):
             then = None
         return f"its MLflow run {run_id} is not in {here}" + (f"; it was logged to {then}" if then else "")

@@ -36,7 +36,7 @@ from rlhflab.lit.progress import StageProgressBar
 from rlhflab.lit.rl_module import RLHFModule
 from rlhflab.models.build import check_arch, check_vocabulary, ensure_base_model, load_tokenizer
 from rlhflab.models.checks import check_hub, check_hub_dataset
-from rlhflab.naming import ERROR_TAG, MAX_TAG, absolute_uri, redact
+from rlhflab.naming import ERROR_TAG, MAX_TAG, RUN_RECORD, absolute_uri, redact
 from rlhflab.quiet import quiet_libraries
 from rlhflab.rng import fixed_seed
 from rlhflab.schema import ranks, trainer_devices, writable_dir
@@ -199,7 +199,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
                     tracker.set_tag("rlhflab.edited_at_step", f"{resume.updates}: {', '.join(edited)}"[:MAX_TAG])
                 if continued:  # what the stopped run could not write (its store stopped answering), first
                     tracker.replay(resume.state.get("unwritten_metrics", []))
-                (out / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(absolute_uri(tracker.tracking_uri)),
+                (out / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(absolute_uri(tracker.tracking_uri)),
                                                                  "experiment": tracker.experiment_name}, indent=1))
             result = _run(cfg, plan, tracker, out, resume)
             status = "FINISHED"
@@ -322,11 +322,8 @@ def code_keys(plan: Plan) -> dict[str, str]:
 
 def saved_words(policy: Path) -> str:
     """', RL step N of MLflow run X' for the policy a run saved there (POLICY_STEP_FILE), or '' where it says nothing."""
-    try:
-        saved = json.loads((policy / POLICY_STEP_FILE).read_text())
-        return f", RL step {saved['rl_step']} of MLflow run {saved['run_id']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
+    saved = saved_record(policy)
+    return f", RL step {saved['rl_step']} of MLflow run {saved['run_id']}" if saved and saved["run_id"] else ""
 
 
 def check_saved_policy(given: str | None, resume: ckpt.Checkpoint | None, out: Path, key: str) -> None:
@@ -560,14 +557,20 @@ def save_policy(module: RLHFModule, tokenizer, path: Path, cfg: DictConfig, trac
 POLICY_STEP_FILE = "rlhflab.json"  # beside the saved policy: the RL step it was trained to
 
 
+def saved_record(policy: Path) -> dict | None:
+    """{'rl_step': int, 'run_id': ...} that POLICY_STEP_FILE beside the saved policy holds, or None (none, or unreadable)."""
+    try:
+        saved = json.loads((policy / POLICY_STEP_FILE).read_text())
+        return {"rl_step": int(saved["rl_step"]), "run_id": saved.get("run_id")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def saved_step(policy: Path, run_id: str | None) -> int | None:
     """The RL step of the policy saved in `policy` by the MLflow run `run_id` (None where none was, or another run
     left it: an earlier run in the same directory, which a new run there replaces)."""
-    try:
-        saved = json.loads((policy / POLICY_STEP_FILE).read_text())
-        return int(saved["rl_step"]) if saved.get("run_id") == run_id else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+    saved = saved_record(policy)
+    return saved["rl_step"] if saved and saved["run_id"] == run_id else None
 
 
 def browse_hint(tracker: MlflowTracker) -> str:

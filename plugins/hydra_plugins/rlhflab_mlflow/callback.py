@@ -37,7 +37,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
-    ERROR_TAG, MAX_TAG, OBJECTIVE, PARENT_RUN_ENV, SWEPT_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_CONTINUED_BY_TAG,
+    ERROR_TAG, MAX_TAG, OBJECTIVE, PARENT_RUN_ENV, RUN_RECORD, SWEPT_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_CONTINUED_BY_TAG,
     SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_MOVED_FROM_TAG, SWEEP_OBJECTIVE_TAG,
     SWEEP_OVERRIDES_TAG, SWEEP_TAG, clipped, default_run_name, run_name, home_expanded, model_tag, named_run, redact,
     short_override,
@@ -190,7 +190,7 @@ class MlflowSweepCallback(Callback):
         mlflow_run.json names once the job has started: moved under this sweep's parent, its first parent in the tag
         rlhflab.sweep.moved_from, this parent in the parent it left (rlhflab.sweep.continued_by). It stayed under the first sweep's parent, and this one's summary and report left
         it out (sweep/jobs counted only the jobs that started anew)."""
-        record = self._job_dir / "mlflow_run.json" if self._job_dir else None
+        record = self._job_dir / RUN_RECORD if self._job_dir else None
         try:
             if record is None or record.stat().st_mtime * 1000 < self._job_started_ms:
                 return None  # no run, or not this job's (a new run that failed before it wrote one)

@@ -28,6 +28,7 @@ from rlhflab import distributed
 from rlhflab.errors import ConfigError, RunInterrupted, TrackingLost, writing
 from rlhflab.interrupts import STOP
 from rlhflab.models.cache import damage, write_manifest
+from rlhflab.naming import RUN_RECORD
 from rlhflab.naming import redact
 from rlhflab.tracking import flatten
 
@@ -206,7 +207,7 @@ def given_path(resume: str) -> Path:
         raise ConfigError(f"resume: '{resume}' is a run's output directory, not a checkpoint; continue that run with "
                           f"resume=auto output.dir={resume}" + (f", or start from its newest checkpoint with resume={inside}"
                                                                  " output.dir=<new dir>" if inside else ""))
-    if (path / "policy").is_dir() or (path / "mlflow_run.json").is_file():  # a finished run's, without checkpoints
+    if (path / "policy").is_dir() or (path / RUN_RECORD).is_file():  # a finished run's, without checkpoints
         raise ConfigError(f"resume: '{resume}' is a run's output directory with no checkpoints, so there is nothing to "
                           f"resume; start from its trained policy as a new run with model.sft_path={path / 'policy'} (its "
                           "policy/merged for adapters saved with output.merge_lora=true)")
