@@ -431,6 +431,20 @@ def test_a_function_that_cannot_take_the_datas_columns_is_one_line_before_anythi
         validate(compose_cfg(overrides, shrink=False))
 
 
+def test_which_of_several_reward_fns_cannot_take_the_columns_or_be_loaded_is_named_by_its_index(tmp_path):
+    """Before the run, a signature error (or a missing file) in the second of reward.fns was keyed `reward.fns`, which
+    did not say which one; errors during RL said reward.fns[1]."""
+    (tmp_path / "fns.py").write_text("def f(prompts, completions):\n    return [0.0] * len(completions)\n")
+    train = write(tmp_path / "train.jsonl", [{"prompt": f"{i}=", "answer": str(i)} for i in range(60)])
+    overrides = ["task=prompts", f"task.path={train}", "task.tokenizer=char", "reward=function"]
+    from rlhflab.config import validate
+
+    with pytest.raises(ConfigError, match=r"^reward.fns\[1\]: f\(prompts, completions\) cannot be called as "):
+        validate(compose_cfg([*overrides, f"reward.fns=[{EXAMPLE}/reward.py:exact,{tmp_path}/fns.py:f]"], shrink=False))
+    with pytest.raises(ConfigError, match=r"^reward.fns\[0\]: no such file"):
+        validate(compose_cfg([*overrides, f"reward.fns=[{tmp_path}/nope.py:f,{EXAMPLE}/reward.py:exact]"], shrink=False))
+
+
 def test_missing_preference_pairs_name_the_file_and_fixes_that_fit_the_memory_strategy():
     """memory=hydra reward=model without preference pairs said 'give a ready reward model or use reward=rule', and a
     reward model was then refused under memory=hydra; its own line said 'demonstrations or preference pairs', not

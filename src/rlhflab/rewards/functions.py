@@ -44,13 +44,13 @@ class FunctionReward:
         specs = ([fn] if fn else []) + list(fns or [])
         if not specs:
             raise ConfigError("reward.fn: no reward function; set reward.fn=module:function or reward.fns=[a:f,b:g]")
-        key = "reward.fn" if fn and not fns else "reward.fns"
-        self.key = key
-        self.functions = [(_name(spec), load_callable(spec, key)) for spec in specs]
+        # the setting that chose each function (reward.fns[1], not reward.fns, when there are several): what its errors name
+        settings = ["reward.fn"] * bool(fn) + [f"reward.fns[{i}]" if len(fns) > 1 else "reward.fns" for i in range(len(fns or []))]
+        self.settings = settings
+        self.functions = [(_name(spec), load_callable(spec, setting)) for spec, setting in zip(specs, settings)]
         names = [n for n, _ in self.functions]
         if len(set(names)) != len(names):  # two files' `score`: tell them apart by position
             self.functions = [(f"{n}{i}", f) for i, (n, f) in enumerate(self.functions)]
-        settings = ["reward.fn"] * bool(fn) + [f"reward.fns[{i}]" if len(fns) > 1 else "reward.fns" for i in range(len(fns or []))]
         # what its errors name: the function (as its train/reward/<name> metric does), the setting and spec that chose it
         self.subjects = [f"reward function {name} ({setting}={spec})" for (name, _), setting, spec in zip(self.functions, settings, specs)]
         self.weights = [1.0] * len(specs) if weights is None else [float(w) for w in weights]
@@ -65,8 +65,8 @@ class FunctionReward:
     def check_columns(self, task: Task) -> None:
         """Each function takes the columns of each split's file (task=prompts, once its files are read)."""
         for split, columns in getattr(task, "columns", dict)().items():
-            for _, fn in self.functions:
-                check_signature(fn, self.key, columns, task.sources[split])
+            for (_, fn), setting in zip(self.functions, self.settings):
+                check_signature(fn, setting, columns, task.sources[split])
 
     def _score(self, task: Task, split: str, prompts: list[str], texts: list[str], rows: torch.Tensor | None) -> torch.Tensor:
         prompts, completions, kwargs = task.reward_inputs(split, rows, prompts, texts)
