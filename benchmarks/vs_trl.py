@@ -657,6 +657,15 @@ def table(a, results: dict) -> str:
     return "\n".join(lines)
 
 
+def save(a, text: str, sft: str, results: dict) -> None:
+    """The table to a.out, and beside it a JSON of the arguments (as JSON values: lists, numbers, null), the SFT policy
+    and every run's numbers."""
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(text + "\n")
+    args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}
+    a.out.with_suffix(".json").write_text(json.dumps({"args": args, "sft": sft, "results": results}, indent=1))
+
+
 def parse(argv=None):
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         def _get_help_string(self, action):  # a help that says its default already is left as it is
@@ -804,10 +813,7 @@ def main(argv=None) -> None:
         text = table(a, results)
         print("\n" + text)
         if a.out:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(text + "\n")
-            a.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "sft": sft,
-                                                              "results": results}, indent=1))
+            save(a, text, sft, results)
         done = True
     finally:
         if a.keep or not done:  # a failed or stopped benchmark keeps its logs, which its error line names

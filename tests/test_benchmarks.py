@@ -71,6 +71,17 @@ def test_table_takes_ratios_against_the_fastest_trl_side():
     assert "TRL 2 threads: 2" in vs_trl.table(a, results)
 
 
+def test_the_results_json_keeps_the_arguments_as_json_values(tmp_path):
+    """args were Python text ("['rloo', 'grpo']", "None", "False"): a reader had to eval them."""
+    vs_trl = load_vs_trl()
+    a = vs_trl.parse(["--algos", "rloo,grpo", "--reps", "2", "--out", str(tmp_path / "t.md")])
+    vs_trl.save(a, "| table |", "/x/sft", {"rloo": {}})
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert saved["args"]["algos"] == ["rloo", "grpo"] and saved["args"]["reps"] == 2 and saved["args"]["keep"] is False
+    assert saved["args"]["out"] == str(tmp_path / "t.md") and saved["args"]["max_new_tokens"] is None
+    assert saved["sft"] == "/x/sft" and (tmp_path / "t.md").read_text() == "| table |\n"
+
+
 @pytest.mark.parametrize("favoured, expected", [("positive", 1.0), ("negative", -1.0), ("eos", 0.0)])
 def test_policy_reward_judges_only_the_completion(tmp_path, favoured, expected):
     """A policy that always emits one word (lm_head bias) scores that word's gold reward: 8/8, -8/8, or an empty
