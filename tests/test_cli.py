@@ -74,6 +74,8 @@ BAD_VALUES = [
     # Hydra's and its plugins' own options too: it offered only conf/'s slurm
     ("-m hydra/launcher=slrm seed=1,2", "hydra/launcher=slrm: no such option; choose one of basic, slurm, submitit_local, "
                                         "submitit_slurm (sweep job: hydra/launcher=slrm seed=1)"),
+    # a nested option was not offered (reward=examples/reverse)
+    ("reward=examples/revers", "reward=examples/revers: no such option; choose one of examples/reverse, function, model, rule"),
     # a setting of another option of the group: under reward=model (no settings) it said 'valid keys: ' and nothing
     ("reward.fn=my_pkg.rewards:score", "reward.fn: reward has no settings; reward.fn is a setting of reward=function: add reward=function"),
     # several options have it: it said 'add memory=hydra', the first by name
@@ -354,6 +356,8 @@ def test_help_lists_groups_options_and_their_comments(tmp_path):
     for path in (ROOT / "conf").glob("*/*.yaml"):  # every option, its name apart from its text
         shown = f"{path.parent.name}={path.stem}" if path.parent.name in ("experiment", "debug") else path.stem
         assert shown in words or f"*{shown}" in words, shown
+    # a nested option (reward=examples/reverse, in conf/reward/examples/) was left out
+    assert "examples/reverse" in words and "The reverse example's reward (experiment=reverse): your functions" in out.stdout
     # Hydra's launcher and sweeper groups, which the README's table lists, were left out
     for group in ("launcher", "sweeper"):
         assert f"hydra/{group}" in words and "*basic" in words

@@ -452,7 +452,14 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
         found = re.search(r"Could not find '([^']+)/([^']+)'", str(err))
         if found:
             group, option = found.groups()
-            options = sorted({p.stem for p in (CONFIG_DIR / group).glob("*.yaml")} | registered_options(group))
+            path = f"{group}/{option}"
+            for override in overrides:  # a nested option (reward=examples/revers) is the group's, not reward/examples'
+                key, _, value = override.partition("=")
+                key = key.lstrip("+~")
+                if path.startswith(f"{key}/") and path[len(key) + 1:] in value.split(","):
+                    group, option = key, path[len(key) + 1:]
+                    break
+            options = sorted(set(option_files(group)) | registered_options(group))
             return f"{group}={option}: no such option; choose one of {', '.join(options)}"
     if re.search(r"Could not load 'hydra/sweeper/optuna'", str(err)):  # hydra-optuna-sweeper is the dev extra's
         return ("hydra/sweeper=rlhflab_optuna: Optuna's sweeper is not installed (hydra-optuna-sweeper, which "
@@ -620,7 +627,7 @@ def not_a_setting(key: str, others: list[str]) -> str:
         return said
     rest = [o for o in others if o.partition("=")[0].lstrip("+~") != group]
     having = []
-    for option in sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")):
+    for option in (o for o in option_files(group) if "/" not in o):  # the nested are examples (reward=examples/reverse)
         try:
             if OmegaConf.select(compose([*rest, f"{group}={option}"]), key, default=_ABSENT) is not _ABSENT:
                 having.append(option)
@@ -675,20 +682,20 @@ def render_help() -> str:
         "groups and options (* = default):",
     ]
     groups = {g: _options(g, defaults[g]) for g in sorted(defaults, key=list(defaults).index) if g != "experiment"}
-    width = max(len(path.stem) for paths in groups.values() for path in paths) + 1  # a name never runs into its text
-    for group, paths in groups.items():
-        for i, path in enumerate(paths):
-            mark = "*" if path.stem == defaults[group] else " "
-            lines += _wrapped(f"  {group if i == 0 else '':<12}{mark}{path.stem:<{width}}", _summary(path))
+    width = max(len(name) for options in groups.values() for name, _ in options) + 1  # a name never runs into its text
+    for group, options in groups.items():
+        for i, (name, path) in enumerate(options):
+            mark = "*" if name == defaults[group] else " "
+            lines += _wrapped(f"  {group if i == 0 else '':<12}{mark}{name:<{width}}", _summary(path))
     lines += ["", "presets (experiment=NAME, debug=NAME):"]
-    presets = [(group, path) for group in ("experiment", "debug") for path in _options(group, None)]
-    width = max(len(f"{group}={path.stem}") for group, path in presets) + 1
-    for group, path in presets:
-        lines += _wrapped(f"  {group + '=' + path.stem:<{width}}", _summary(path))
+    presets = [(f"{group}={name}", path) for group in ("experiment", "debug") for name, path in _options(group, None)]
+    width = max(len(preset) for preset, _ in presets) + 1
+    for preset, path in presets:
+        lines += _wrapped(f"  {preset:<{width}}", _summary(path))
     lines += ["", "where the jobs of -m run, and how they are chosen (Hydra's groups):"]
     basic = {"launcher": "One job after another, in this process.", "sweeper": "Every combination of the comma lists (a grid)."}
     hydra = [(group, "*basic", basic[group]) for group in basic]
-    hydra += [(group, " " + path.stem, _summary(path)) for group in basic for path in _options(f"hydra/{group}", None)]
+    hydra += [(group, " " + name, _summary(path)) for group in basic for name, path in _options(f"hydra/{group}", None)]
     hydra.sort(key=lambda row: list(basic).index(row[0]))  # stable: basic first in each group
     width = max(len(option) for _, option, _ in hydra) + 1
     for i, (group, option, text) in enumerate(hydra):
@@ -715,6 +722,14 @@ def _wrapped(name: str, text: str) -> list[str]:
     return textwrap.wrap(text, columns - 1, initial_indent=name, subsequent_indent=" " * len(name)) or [name]
 
 
-def _options(group: str, default: str | None) -> list[Path]:
-    paths = sorted((CONFIG_DIR / group).glob("*.yaml"))
-    return sorted(paths, key=lambda p: p.stem != default)
+def option_files(group: str) -> dict[str, Path]:
+    """{option: its file} of a config group, by name; a nested one by its path in the group (reward=examples/reverse),
+    after the others."""
+    root = CONFIG_DIR / group
+    named = {path.relative_to(root).with_suffix("").as_posix(): path for path in root.rglob("*.yaml")}
+    return {name: named[name] for name in sorted(named, key=lambda name: (name.count("/"), name))}
+
+
+def _options(group: str, default: str | None) -> list[tuple[str, Path]]:
+    """(option, its file) of a group, the default first."""
+    return sorted(option_files(group).items(), key=lambda option: option[0] != default)
