@@ -28,7 +28,7 @@ from rlhflab.train import train
 
 @pytest.mark.parametrize("memory", ["full", "lora", "hydra"])
 def test_saved_policy_loads_with_from_pretrained_and_generates(make_cfg, memory, caplog):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     cfg = make_cfg(f"memory={memory}", "trainer.max_steps=2", "output.merge_lora=true")
     result = train(cfg)
@@ -55,6 +55,13 @@ def test_saved_policy_loads_with_from_pretrained_and_generates(make_cfg, memory,
                                               rf"whole model; give {path / 'merged'}, the merged model beside it$"):
             validate(make_cfg(f"model.sft_path={path}"))
         validate(make_cfg(f"model.sft_path={path / 'merged'}"))
+        # the merged copy had no generation_config.json (a hub model's eos_token_id list, sampling defaults) and no
+        # record of the run and step it came from
+        assert GenerationConfig.from_pretrained(path / "merged").to_dict() == module.memory.generation_model.generation_config.to_dict()
+        assert (path / "merged" / "rlhflab.json").read_text() == (path / "rlhflab.json").read_text()
+    else:
+        assert (path / "generation_config.json").is_file()
+    assert json.loads((path / "rlhflab.json").read_text()) == {"rl_step": 2, "run_id": result.run_id}
     client = MlflowClient(cfg.logger.tracking_uri)
     logged = {a.path for a in client.list_artifacts(result.run_id, "policy")}
     assert "policy/tokenizer.json" in logged and any(p.endswith(".safetensors") for p in logged)

@@ -545,7 +545,10 @@ def save_policy(module: RLHFModule, tokenizer, path: Path, cfg: DictConfig, trac
             elif cfg.output.merge_lora:  # it was ignored without a word (a sweep over memory may set it for all jobs)
                 log.warning("output.merge_lora: memory=full saves the whole policy, so there is no adapter to merge and "
                             "no policy/merged; policy/ is the model")
-            (path / POLICY_STEP_FILE).write_text(json.dumps({"rl_step": module.updates, "run_id": module.run_id}) + "\n")
+            record = json.dumps({"rl_step": module.updates, "run_id": module.run_id}) + "\n"
+            for saved in (path, path / "merged"):  # the merged copy too: it is the one copied away and trained on
+                if saved.is_dir():
+                    (saved / POLICY_STEP_FILE).write_text(record)
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)  # half a policy loads as garbage or not at all
             raise

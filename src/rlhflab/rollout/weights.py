@@ -59,7 +59,8 @@ def output_head_adapted(model: nn.Module) -> bool:
 
 
 def save_policy_checkpoint(model: nn.Module, path) -> Path:
-    """Write the merged policy as a `from_pretrained` directory (config.json + model.safetensors).
+    """Write the merged policy as a `from_pretrained` directory (config.json + model.safetensors, and the
+    generation_config.json the model has).
 
     With an adapter on a tied LM head, the written config unties the head and the
     checkpoint carries both matrices; otherwise an engine would read the head from
@@ -80,4 +81,7 @@ def save_policy_checkpoint(model: nn.Module, path) -> Path:
         base = _base(model)
         tensors.pop(f"{module_name(base, base.get_output_embeddings())}.weight", None)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    generation = getattr(_base(model), "generation_config", None)
+    if generation is not None:  # as save_pretrained writes it: a hub model's eos_token_id list, sampling defaults
+        generation.save_pretrained(path)
     return path
