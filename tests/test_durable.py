@@ -508,6 +508,12 @@ def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_
     # perf/rl_s and perf/total_s were the time since the resume; now the whole run's: the checkpoint's count, then more
     assert done.module.elapsed_before == before and done.metrics["perf/rl_s"] > before["rl_s"]
     assert done.metrics["perf/total_s"] > before["total_s"] + done.metrics["perf/stages_s"]
+    # each evaluation's seconds of RL (the report's time axis), counted on across the resume as perf/rl_s is: the
+    # axis was MLflow's timestamps, which count the time between the failure and the resume
+    clock = history(make_cfg().logger.tracking_uri, failed, "eval/rl_s")
+    gold = history(make_cfg().logger.tracking_uri, failed, "eval/gold_reward")
+    assert [step for step, _ in clock] == [step for step, _ in gold] and 0 <= clock[0][1] < 10
+    assert all(a <= b for (_, a), (_, b) in zip(clock, clock[1:])) and clock[-1][1] <= done.metrics["perf/rl_s"]
 
 
 def store_goes_away(monkeypatch, when) -> dict:

@@ -167,6 +167,26 @@ def test_time_axis_starts_at_each_runs_first_evaluation():
     assert curves[1].x[-1] == 2 * curves[0].x[-1]  # job 1 steps at half job 0's pace
 
 
+def test_time_axis_leaves_out_the_time_a_resumed_run_was_stopped():
+    """The axis was MLflow's timestamps: a run stopped overnight and resumed had a line with a night in it (and the
+    async table's 'RL s to baseline's final gold' counted it). Each evaluation's eval/rl_s, the run's own RL clock,
+    leaves it out; a run from before eval/rl_s keeps the timestamps."""
+    from rlhflab.report import rl_seconds_to_gold
+
+    runs = staleness_sweep()
+    resumed = runs[0]
+    gold = resumed.history["eval/gold_reward"]
+    night = 8 * 3600 * 1000
+    for m in gold[len(gold) // 2:]:  # stopped halfway, resumed 8 hours later
+        m.timestamp += night
+    clock = [SimpleNamespace(value=0.5 + m.step * 1.0, step=m.step, timestamp=m.timestamp) for m in gold]
+    resumed.history["eval/rl_s"] = clock
+    curves = time_curves(FakeClient(runs), runs, run_labels(runs), "eval/gold_reward")
+    assert curves[0].x == [m.step * 1.0 for m in gold]  # 1 s per step, from 0, without the night
+    assert curves[1].x[-1] == (runs[1].history["eval/gold_reward"][-1].timestamp - runs[1].history["eval/gold_reward"][0].timestamp) / 1000
+    assert rl_seconds_to_gold(FakeClient(runs), resumed, gold[-1].value) == gold[-1].step * 1.0
+
+
 # ---- every label inside the frame -----------------------------------------------------------
 
 

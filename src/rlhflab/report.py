@@ -59,7 +59,8 @@ def quality_metric(runs) -> str:
 
 def quality_words(key: str) -> str:
     return "gold reward" if key == GOLD else "reward (eval; the task has no gold_fn)"
-TIME_AXIS = "wall-clock since the first evaluation (s)"
+TIME_AXIS = "seconds of RL since the first evaluation"
+RL_CLOCK = "eval/rl_s"  # seconds of RL at each evaluation, a resumed run's stop left out (runs before 2026-11-27: none)
 REWARD_AXIS = {"model": "reward-model score (standardised)", "rule": "reward",
                "function": "your reward functions' weighted sum"}  # ('reward', as a rule's: it said nothing)
 
@@ -227,13 +228,19 @@ def _by_time(client, run, key: str) -> list:
     return sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.timestamp, m.step))
 
 
+def _seconds(client, run, history: list) -> list[float]:
+    """Seconds of RL since the run's first evaluation at each of `history` (its evaluations): the run's own RL clock
+    (RL_CLOCK), which leaves out the time a resumed run was stopped; MLflow's timestamps for a run that has none."""
+    clock = {m.step: m.value for m in client.get_metric_history(run.info.run_id, RL_CLOCK)}
+    if history and all(m.step in clock for m in history):
+        return [clock[m.step] - clock[history[0].step] for m in history]
+    return [(m.timestamp - history[0].timestamp) / 1000 for m in history]
+
+
 def rl_seconds_to_gold(client, run, target: float, key: str = GOLD) -> float | None:
     """Seconds from the first evaluation (the start of RL) until `key` (eval/gold_reward) first reaches `target`."""
     history = _by_time(client, run, key)
-    for m in history:
-        if m.value >= target:
-            return (m.timestamp - history[0].timestamp) / 1000
-    return None
+    return next((t for m, t in zip(history, _seconds(client, run, history)) if m.value >= target), None)
 
 
 # What a baseline run shares with the run it is compared to: all but mode and staleness, what a comparison is about.
@@ -301,8 +308,7 @@ def time_curves(client, runs, labels, key: str) -> list[Curve]:
     for run in runs:
         history = _by_time(client, run, key)
         if history:
-            t = [(m.timestamp - history[0].timestamp) / 1000 for m in history]
-            curves.append(Curve(labels[run.info.run_id], t, [m.value for m in history]))
+            curves.append(Curve(labels[run.info.run_id], _seconds(client, run, history), [m.value for m in history]))
     return curves
 
 
@@ -324,11 +330,11 @@ def gold_vs_time(client, runs, labels, path: Path, key: str = GOLD) -> str | Non
     curves = time_curves(client, runs, labels, key)
     if not curves:
         return None
-    fig = plots.lines([Panel(_axis(key), curves)], TIME_AXIS, f"{_axis(key).split(' (')[0].capitalize()} vs wall-clock",
+    fig = plots.lines([Panel(_axis(key), curves)], TIME_AXIS, f"{_axis(key).split(' (')[0].capitalize()} vs RL time",
                       list(labels.values()))
     plots.save(fig, path)
-    return f"{quality_words(key)} at each evaluation against wall-clock seconds since the run's first evaluation " \
-           "(the start of RL; stages sft/rm left out), one line per run"
+    return f"{quality_words(key)} at each evaluation against seconds of RL since the run's first evaluation " \
+           "(the start of RL; stages sft/rm, and the time a resumed run was stopped, left out), one line per run"
 
 
 def reward_panels(client, runs, labels) -> list[Panel]:

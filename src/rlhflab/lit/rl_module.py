@@ -597,7 +597,10 @@ class RLHFModule(L.LightningModule):
         label = "gold" if self.task.has_gold else "eval"  # the bar says what the number is, as the closing line does
         self.progress = {label: value, **{k: v for k, v in self.progress.items() if k != label}}
         judged = "eval/gold_reward" if self.task.has_gold else "eval/reward"
-        metrics = {judged: value, "eval/kl": float(kl_all.mean()), "eval/eos_rate": float(eos_all.mean())}
+        metrics = {judged: value, "eval/kl": float(kl_all.mean()), "eval/eos_rate": float(eos_all.mean()),
+                   # seconds of RL so far, a resumed run's stop left out: the report's time axis (MLflow's
+                   # timestamps counted the hours between a stop and its resume)
+                   "eval/rl_s": self.elapsed()["rl_s"]}
         if self.logger is not None:
             self.logger.log_metrics(metrics, step=self.updates)
         what = "gold reward" if self.task.has_gold else "reward (the task has no gold_fn)"
