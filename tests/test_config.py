@@ -620,7 +620,20 @@ def test_a_model_arch_beside_a_given_sft_path_builds_nothing_and_is_said(tmp_pat
             "and model.arch builds one only where neither model.name_or_path nor model.sft_path is given") in output
     assert not (tmp_path / "cache" / "models").exists()  # nothing built
     run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id_of(tmp_path / "run"))
-    assert run.data.params["rlhflab.base_model"] == "None" and run.data.params["rlhflab.policy_start"] == f"{tmp_path}/sft"
+    assert run.data.params["rlhflab.base_model"] == "null" and run.data.params["rlhflab.policy_start"] == f"{tmp_path}/sft"
+
+
+def test_params_are_written_as_the_config_writes_them():
+    """MLflow's params read 'None', 'True' and "['a.py:f', 'b.py:g']" (Python's str) where config.yaml and the command
+    line say null, true and a list; a search for params.model.sft_path = 'null' found nothing."""
+    from rlhflab.tracking import flatten
+
+    cfg = {"model": {"sft_path": None}, "output": {"log_policy": True, "merge_lora": False},
+           "reward": {"fns": ["a.py:f", "b.py:g"], "weights": [1.0, 0.5]}, "rl": {"lr": 0.001}, "seed": 0,
+           "logger": {"tracking_uri": "http://alice:secret@host:5000"}}
+    assert flatten(cfg) == {"model.sft_path": "null", "output.log_policy": "true", "output.merge_lora": "false",
+                            "reward.fns": '["a.py:f", "b.py:g"]', "reward.weights": "[1.0, 0.5]", "rl.lr": "0.001",
+                            "seed": "0", "logger.tracking_uri": "http://alice:***@host:5000"}
 
 
 def test_a_sqlite_store_that_is_a_directory_is_one_line_at_once(tmp_path):

@@ -324,7 +324,7 @@ def test_a_resume_on_edited_data_files_is_refused_and_a_branch_is_warned(make_cf
 
 def test_resume_refusal_says_which_settings_one_side_lacks():
     """A 2-rank DDP checkpoint resumed on one CPU: the strategy is a node on one side and a string on the other.
-    The keys one side lacks read '(not set)'; they read 'None -> None' (flatten writes a null as 'None')."""
+    The keys one side lacks read '(not set)'; they read 'None -> None' (flatten wrote a null as 'None', now 'null')."""
     from rlhflab.lit.checkpoint import differences
 
     saved = ("trainer:\n  devices: 2\n  max_steps: 80\n  strategy:\n    _target_: lightning.pytorch.strategies.DDPStrategy\n"
@@ -333,7 +333,7 @@ def test_resume_refusal_says_which_settings_one_side_lacks():
     assert differences(saved, now) == [
         "trainer.devices: 2 -> 1", "trainer.strategy: (not set) -> auto",
         "trainer.strategy._target_: lightning.pytorch.strategies.DDPStrategy -> (not set)",
-        "trainer.strategy.process_group_backend: None -> (not set)",
+        "trainer.strategy.process_group_backend: null -> (not set)",
     ]  # trainer.max_steps may change
 
 

@@ -62,6 +62,9 @@ def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_p
     for key, value in {"algo": "rloo", "mode": "sync", "staleness": "0", "memory": "full", "model": "tiny"}.items():
         assert run.data.tags[key] == value
     assert run.data.params["algo.kl_coef"] == "0.05"
+    # as config.yaml writes them, not Python's None, True and ['a', 'b']
+    assert run.data.params["model.sft_path"] == "null" and run.data.params["trainer.enable_checkpointing"] == "false"
+    assert run.data.params["output.log_policy"] == "true" and run.data.params["kl_budget"] == "null"
     assert run.data.params["rlhflab.ranks"] == "1"  # the processes that trained (trainer.devices=auto says nothing)
     for name in REQUIRED_METRICS:
         assert name in run.data.metrics, name

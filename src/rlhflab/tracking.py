@@ -48,6 +48,16 @@ def hydra_run_dir() -> Path | None:
     return Path(HydraConfig.get().runtime.output_dir).resolve() if HydraConfig.initialized() else None
 
 
+def param_text(value) -> str:
+    """A param's value as config.yaml and the command line write it (null, true, ["a", "b"]), not Python's None,
+    True, ['a', 'b']; secrets redacted, cut at MLflow's limit on a param value."""
+    if value is None or isinstance(value, (bool, list, tuple, dict)):
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    else:
+        text = str(value)
+    return redact(text)[:6000]
+
+
 def flatten(cfg: dict, prefix: str = "") -> dict[str, str]:
     out = {}
     for key, value in cfg.items():
@@ -55,7 +65,7 @@ def flatten(cfg: dict, prefix: str = "") -> dict[str, str]:
         if isinstance(value, dict):
             out |= flatten(value, f"{name}.")
         else:
-            out[name] = redact(str(value))[:6000]  # MLflow's limit on a param value
+            out[name] = param_text(value)
     return out
 
 
@@ -441,7 +451,7 @@ class MlflowTracker:
 
         def write():
             have = self.client.get_run(self.run_id).data.params
-            new = [Param(k, redact(str(v))[:6000]) for k, v in params.items() if k not in have]
+            new = [Param(k, param_text(v)) for k, v in params.items() if k not in have]
             if new:
                 self.client.log_batch(self.run_id, params=new)
 

@@ -112,7 +112,7 @@ def differences(saved_yaml: str, cfg: DictConfig) -> list[str]:
     """`key: old -> new` for every setting that differs and may not (see MAY_DIFFER)."""
     old = flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml), resolve=True))
     new = flatten(OmegaConf.to_container(cfg, resolve=True))
-    absent = "(not set)"  # a key one side lacks (a null is the string 'None' here)
+    absent = "(not set)"  # a key one side lacks (a null is the string 'null' here)
     keys = sorted(k for k in old.keys() | new.keys() if old.get(k, absent) != new.get(k, absent) and not k.startswith(MAY_DIFFER))
     return [f"{k}: {old.get(k, absent)} -> {new.get(k, absent)}" for k in keys]
 
