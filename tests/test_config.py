@@ -623,6 +623,19 @@ def test_a_model_arch_beside_a_given_sft_path_builds_nothing_and_is_said(tmp_pat
     assert run.data.params["rlhflab.base_model"] == "null" and run.data.params["rlhflab.policy_start"] == f"{tmp_path}/sft"
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_a_cache_dir_that_cannot_be_made_is_one_line_naming_it():
+    """cache_dir=/proc/x as root: os.access calls /proc writable, so the check before the run passed, and the first
+    entry's mkdir was a FileNotFoundError traceback."""
+    from rlhflab.models.cache import cached
+
+    built = []
+    with pytest.raises(ConfigError, match=r"^cache_dir: cannot write '/proc/rlhflab-x/models' \(.+\); give a directory "
+                                          r"you can write \(cache_dir=<dir>, or RLHFLAB_CACHE\)$"):
+        cached(Path("/proc/rlhflab-x"), "models", "tiny", "k", "model", built.append)
+    assert not built
+
+
 def test_params_are_written_as_the_config_writes_them():
     """MLflow's params read 'None', 'True' and "['a.py:f', 'b.py:g']" (Python's str) where config.yaml and the command
     line say null, true and a list; a search for params.model.sft_path = 'null' found nothing."""

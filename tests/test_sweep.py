@@ -263,6 +263,38 @@ def test_of_children_tied_on_the_metric_the_parent_names_the_first_job_as_optuna
     assert best.data.tags["rlhflab.sweep.job"] == "1"
 
 
+@pytest.mark.parametrize("one_line", [True, False])
+def test_a_failed_jobs_unexpected_error_is_logged_whole_and_a_one_line_error_alone(tmp_path, caplog, monkeypatch, one_line):
+    """A job's ConfigError is complete in its line (a traceback would bury it); anything else is shown with its
+    traceback. Both jobs get a FAILED run with the error, and the sweep goes on."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from hydra_plugins.rlhflab_mlflow.callback import MlflowSweepCallback
+    from rlhflab.errors import ConfigError
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("rlhflab")
+    callback = MlflowSweepCallback(metric="eval/gold_reward", direction="maximize")
+    callback._uri, callback.parent_run_id = uri, client.create_run(experiment).info.run_id
+    config = OmegaConf.create({"hydra": {"overrides": {"task": ["algo=grpo"]}, "job": {"num": 0},
+                                         "runtime": {"choices": {"algo": "grpo"}}}, "staleness": 0})
+    from rlhflab.naming import PARENT_RUN_ENV, SWEPT_ENV
+
+    for key in (PARENT_RUN_ENV, SWEPT_ENV):  # on_job_start sets them for the job: put back after the test, whatever happens
+        monkeypatch.delenv(key, raising=False)
+    callback.on_job_start(config)
+    error = ConfigError("cache_dir: it is a file; give a directory") if one_line else RuntimeError("an engine died")
+    job = JobReturn(status=JobStatus.FAILED, _return_value=error)
+    with caplog.at_level("ERROR"):
+        callback.on_job_end(config, job)
+    assert job.status == JobStatus.COMPLETED and job.return_value is None  # the sweep goes on
+    (record,) = [r for r in caplog.records if "mlflow sweep: job #0 (algo=grpo) failed" in r.getMessage()]
+    assert (record.exc_info is None) == one_line
+    (child,) = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{callback.parent_run_id}'")
+    assert child.info.status == "FAILED" and child.data.tags["rlhflab.error"] == f"{type(error).__name__}: {error}"
+
+
 @pytest.mark.slow
 def test_report_writes_plots_and_table_and_logs_them_to_the_parent(sqlite_sweep, tmp_path):
     from rlhflab.report import main as report
@@ -388,6 +420,7 @@ def stop_group(proc: subprocess.Popen) -> None:
 @pytest.mark.slow
 def test_sweep_against_a_tracking_server(tmp_path, stage_cache, monkeypatch):
     """A good job and one that fails inside train() (its cache's models/ is a file): the tracker marks that run FAILED.
+    That failure was a traceback; it is now one line naming cache_dir.
 
     The server's first port is held by another process, as when free_port()'s port (released before the server
     binds it) is taken by another xdist worker's server: running_mlflow_server moves to the next port. Before, this
@@ -407,9 +440,11 @@ def test_sweep_against_a_tracking_server(tmp_path, stage_cache, monkeypatch):
     assert parent.info.status == "FINISHED" and len(children) == 2
     good, bad = children
     assert good.info.status == "FINISHED" and "eval/gold_reward" in good.data.metrics
-    assert bad.info.status == "FAILED" and "not_a_dir" in bad.data.tags["rlhflab.error"]
+    assert bad.info.status == "FAILED" and bad.data.tags["rlhflab.error"] == (
+        f"ConfigError: cache_dir: '{not_a_dir / 'models'}' is a file; give a directory you can write (cache_dir=<dir>, "
+        "or RLHFLAB_CACHE)")
     assert bad.data.params["cache_dir"] == str(not_a_dir)  # the job's own run (it logged its config), not the callback's
-    assert "Traceback" in sweep.output  # an unexpected error is shown in full, unlike a ConfigError
+    assert "Traceback" not in sweep.output
     # Its closing line names the store to report from (it said only sweep=<id>, which reads ./mlflow.db).
     assert f"report with: python src/report.py sweep={parent.info.run_id} tracking_uri={server}\n" in sweep.output
     # The server's database read directly: its runs' files are behind the server (mlflow-artifacts:/...), and MLflow's

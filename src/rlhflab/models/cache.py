@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhflab import distributed
-from rlhflab.errors import writing
+from rlhflab.errors import ConfigError, writing
 from rlhflab.models.checks import model_dir_damage
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,15 @@ def damage(root: Path) -> str | None:
 @contextmanager
 def locked(path: Path, what: str):
     """An exclusive lock beside `path` (held by one process at a time; others wait, saying so)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as handle:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.parent / f".{path.name}.lock", "w")
+    except OSError as err:  # the first write under cache_dir: a place os.access calls writable (root, /proc/x) that
+        # is not, or a file where the cache keeps a folder (a traceback, after the run was made)
+        where = next((p for p in (path.parent, *path.parent.parents) if p.exists()), path.parent)
+        why = f"'{where}' is a file" if where.is_file() else f"cannot write '{path.parent}' ({err.strerror or err})"
+        raise ConfigError(f"cache_dir: {why}; give a directory you can write (cache_dir=<dir>, or RLHFLAB_CACHE)") from None
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
