@@ -263,6 +263,27 @@ def test_of_children_tied_on_the_metric_the_parent_names_the_first_job_as_optuna
     assert best.data.tags["rlhflab.sweep.job"] == "1"
 
 
+@pytest.mark.parametrize("signalled", [True, False])
+def test_a_sweep_stopped_before_its_jobs_run_was_made_ends_killed_not_failed(tmp_path, monkeypatch, signalled):
+    """A Ctrl-C as a job started, before its tracker made its run: the job had no KILLED run to tell a stop from a
+    crash by, and the parent ended FAILED, 'ended by an error'."""
+    from hydra_plugins.rlhflab_mlflow.callback import MlflowSweepCallback
+    from rlhflab.interrupts import STOP
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("rlhflab")
+    callback = MlflowSweepCallback(metric="eval/gold_reward", direction="maximize")
+    callback._uri, callback.parent_run_id = uri, client.create_run(experiment).info.run_id
+    callback._job = OmegaConf.create({"hydra": {"overrides": {"task": ["algo=grpo"]}, "job": {"num": 1}}})
+    callback._job_started_ms = int(time.time() * 1000)
+    monkeypatch.setattr(STOP, "signum", signal.SIGINT if signalled else None)
+    callback._abandon()
+    parent = client.get_run(callback.parent_run_id)
+    assert parent.info.status == ("KILLED" if signalled else "FAILED")
+    assert ("The sweep was stopped before its last job." in parent.data.tags["mlflow.note.content"]) == signalled
+
+
 @pytest.mark.parametrize("one_line", [True, False])
 def test_a_failed_jobs_unexpected_error_is_logged_whole_and_a_one_line_error_alone(tmp_path, caplog, monkeypatch, one_line):
     """A job's ConfigError is complete in its line (a traceback would bury it); anything else is shown with its

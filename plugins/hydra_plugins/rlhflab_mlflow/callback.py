@@ -303,8 +303,8 @@ class MlflowSweepCallback(Callback):
             client.set_tag(self.parent_run_id, key, value)
 
     def _abandon(self) -> None:
-        """atexit: the sweep ended without on_multirun_end. KILLED when a signal stopped its job (the job's run is
-        KILLED: Ctrl-C, SIGTERM), FAILED otherwise (an exception). The stopped job's run gets its job tags."""
+        """atexit: the sweep ended without on_multirun_end. KILLED when a signal stopped its job (Ctrl-C, SIGTERM: the
+        job's run is KILLED, or was not made yet), FAILED otherwise (an exception). The stopped job's run gets its job tags."""
         if self.parent_run_id is None:
             return
         client = self._client()
@@ -315,7 +315,11 @@ class MlflowSweepCallback(Callback):
         except Exception as err:  # whatever it was, the parent is still ended below (RUNNING forever otherwise)
             log.warning("mlflow sweep: could not find the stopped job's run (%s)", " ".join(str(err).split())[:200])
             child = None
-        stopped = child is not None and client.get_run(child.info.run_id).info.status == "KILLED"
+        from rlhflab.interrupts import STOP
+
+        # A signal stopped the job: its run is KILLED, or it had none yet (a Ctrl-C as the job started, which
+        # ended the parent FAILED, as a crash would)
+        stopped = STOP.requested or (child is not None and client.get_run(child.info.run_id).info.status == "KILLED")
         ended = "KILLED" if stopped else "FAILED"
         try:  # what ran until then: a stopped sweep's parent had no sweep/jobs, best run or note
             self._summarise(client, ended)
