@@ -627,7 +627,14 @@ def not_a_setting(key: str, others: list[str]) -> str:
         return said
     rest = [o for o in others if o.partition("=")[0].lstrip("+~") != group]
     having = []
-    for option in (o for o in option_files(group) if "/" not in o):  # the nested are examples (reward=examples/reverse)
+    for option, path in option_files(group).items():
+        if "/" in option:  # the nested are examples (reward=examples/reverse)
+            continue
+        given = _option_keys(path) if key.count(".") == 1 else None  # group.name: read from the option's file and
+        if given is not None:  # schema, not composed (7 composes made a misspelt algo key ~4 s, not under a second)
+            if key.partition(".")[2] in given:
+                having.append(option)
+            continue
         try:
             if OmegaConf.select(compose([*rest, f"{group}={option}"]), key, default=_ABSENT) is not _ABSENT:
                 having.append(option)
@@ -641,6 +648,26 @@ def not_a_setting(key: str, others: list[str]) -> str:
 
 
 _ABSENT = object()
+
+
+def _option_keys(path: Path) -> set[str] | None:
+    """The settings an option file gives: its own keys and its schema's fields (`- /schema/<group>/<name>@_here_`
+    in its defaults); None where only composing can tell (another package, another option among its defaults)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    if "@package" in path.read_text():
+        return None
+    node = OmegaConf.load(path)
+    keys = {str(k) for k in node.keys() if k != "defaults"}
+    for entry in node.get("defaults") or []:
+        schema = re.fullmatch(r"/schema/(\w+)/(\w+)@_here_", str(entry))
+        if schema and schema[2] in SCHEMAS.get(schema[1], {}):
+            keys |= {field.name for field in dataclasses.fields(SCHEMAS[schema[1]][schema[2]])}
+        elif str(entry) != "_self_" and not (OmegaConf.is_dict(entry) and all(str(k).startswith("override ") for k in entry)):
+            return None
+    return {k for k in keys if not k.startswith("_")}
 
 
 def _keys(parent: str, overrides: list[str]) -> list[str]:
