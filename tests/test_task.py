@@ -21,6 +21,20 @@ def test_gold_reward_ignores_words_past_the_budget():
     assert task.gold_reward(["p"], ["good good good good"]).item() == 1.0
 
 
+def test_preference_pairs_made_once_are_the_settings_own_and_a_callers_edit_does_not_reach_them():
+    """They are kept per process by the task's settings (a sweep's preflight made ~0.5 s of them for every job)."""
+    from rlhflab.tasks import sentiment
+
+    sentiment._PAIRS.clear()
+    first = SentimentTask(num_preference_pairs=50).preference_pairs()
+    first.pop()
+    again = SentimentTask(num_preference_pairs=50).preference_pairs()
+    assert len(again) == 50 and again[:49] == first and len(sentiment._PAIRS) == 1
+    assert SentimentTask(num_preference_pairs=50, seed=1).preference_pairs() != again  # another seed, other pairs
+    assert SentimentTask(num_preference_pairs=50, response_words=4).preference_pairs() != again
+    assert len(sentiment._PAIRS) == 3
+
+
 def test_preference_pairs_are_labelled_by_gold_and_cover_high_rewards():
     task = SentimentTask(num_preference_pairs=200)
     pairs = task.preference_pairs()

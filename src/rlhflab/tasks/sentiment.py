@@ -68,6 +68,9 @@ def load_words(words_file: str | None) -> WordLists:
     return WordLists(**lists)
 
 
+_PAIRS: dict[tuple, tuple] = {}  # SentimentTask.preference_pairs by its settings
+
+
 class SentimentTask:
     """Prompts, demonstrations, preference pairs and the gold reward of the embedded task."""
 
@@ -159,15 +162,22 @@ class SentimentTask:
         return " ".join(words)
 
     def preference_pairs(self) -> list[tuple[str, str, str]]:
-        """(prompt, chosen, rejected), labelled by the gold reward; ties are skipped."""
-        rng = self._rng("rm")
-        out = []
-        while len(out) < self.num_preference_pairs:
-            prompt, a, b = self._prompt(rng), self._biased_response(rng), self._biased_response(rng)
-            ra, rb = self.gold_reward([prompt, prompt], [a, b]).tolist()
-            if ra != rb:
-                out.append((prompt, a, b) if ra > rb else (prompt, b, a))
-        return out
+        """(prompt, chosen, rejected), labelled by the gold reward; ties are skipped. Made once per process for the
+        same settings (~0.5 s: a sweep's preflight made them for every job)."""
+        key = (self.words.positive, self.words.negative, self.words.neutral, self.prompt_words, self.response_words,
+               self.num_preference_pairs, self.seed)
+        if key not in _PAIRS:
+            rng = self._rng("rm")
+            out = []
+            while len(out) < self.num_preference_pairs:
+                prompt, a, b = self._prompt(rng), self._biased_response(rng), self._biased_response(rng)
+                ra, rb = self.gold_reward([prompt, prompt], [a, b]).tolist()
+                if ra != rb:
+                    out.append((prompt, a, b) if ra > rb else (prompt, b, a))
+            if len(_PAIRS) >= 8:  # a sweep over the task's settings: the oldest go
+                del _PAIRS[next(iter(_PAIRS))]
+            _PAIRS[key] = tuple(out)
+        return list(_PAIRS[key])
 
     def setup(self, tokenizer) -> dict[str, int]:
         """Its prompts are words of its own tokenizer: nothing to adapt."""
