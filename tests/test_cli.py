@@ -30,6 +30,13 @@ BAD_VALUES = [
     ("algo.kl_coef=-1", "algo.kl_coef"),
     ("rl.eval_every=-5", "rl.eval_every"),
     ("rl.max_grad_norm=-1", "rl.max_grad_norm"),
+    # infinite or NaN numbers passed their bounds (inf > 0), then failed only after the models loaded: rl.lr=inf at RL
+    # step 2 (diverged weights), rl.eos_penalty=nan at RL step 1 (every EOS-less completion's reward NaN)
+    ("rl.lr=inf", "rl.lr: inf is not a finite number"),
+    ("rl.eos_penalty=nan", "rl.eos_penalty: nan is not a finite number"),
+    ("rl.eos_penalty=-inf", "rl.eos_penalty: -inf is not a finite number"),
+    ("algo.kl_coef=inf", "algo.kl_coef: inf is not a finite number"),
+    ("generator.temperature=inf", "generator.temperature: inf is not a finite number"),
     ("generator.max_new_tokens=0", "generator.max_new_tokens"),
     ("generator.temperature=0", "generator.temperature"),
     ("generator.temperature=-1", "generator.temperature"),
@@ -514,3 +521,11 @@ def test_the_optuna_sweeper_not_installed_is_one_line_naming_the_extra(tmp_path)
         "error: hydra/sweeper=rlhflab_optuna: Optuna's sweeper is not installed (hydra-optuna-sweeper, which `pip install "
         "-e \".[dev]\"` installs); install it, or sweep lists of values with Hydra's basic sweeper (sweep job: "
         "hydra/sweeper=rlhflab_optuna algo.kl_coef=0.01)\n"), out.stderr
+
+
+def test_an_infinite_limit_that_only_switches_it_off_passes(monkeypatch, tmp_path):
+    """inf where it means no limit (no gradient clipping, no ratio clipping, no KL budget, no cap) is still allowed."""
+    from rlhflab.cli import preflight
+
+    monkeypatch.chdir(tmp_path)
+    preflight(["rl.max_grad_norm=inf", "algo.clip_eps=inf", "kl_budget=inf", "off_policy=tis", "off_policy.cap=inf"])

@@ -10,6 +10,7 @@ A test keeps every schema's fields equal to its `_target_`'s parameters.
 """
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,14 +29,16 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def setting(default: Any = MISSING, *, ge=None, gt=None, le=None, lt=None, choices=None, example=None, why=None,
-            file=None, model=False, data=False, path=False):
+            file=None, model=False, data=False, path=False, inf_ok=False):
     """A dataclass field whose value `check` keeps in range (ge/gt/le/lt) or in `choices`;
     `example` is the value the fix suggests, `why` a reason the error gives. `file`: the value
     is a path that must exist (the text is the fix); `model`: a local path must be a saved model;
     `data`: a path with a data file's suffix must exist (anything else may be a hub dataset);
-    `path`: a path or a URI (these four have a leading `~` expanded, see naming.home_expanded)."""
+    `path`: a path or a URI (these four have a leading `~` expanded, see naming.home_expanded). A number must be finite
+    (rl.lr=inf passed `gt=0` and diverged at RL step 2; rl.eos_penalty=nan made every EOS-less reward NaN) unless
+    `inf_ok`: an infinite bound that only switches its limit off (rl.max_grad_norm, clip_eps, a cap, kl_budget)."""
     meta = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, example=example, why=why, file=file,
-                                  model=model or None, data=data or None,
+                                  model=model or None, data=data or None, inf_ok=inf_ok or None,
                                   path=(path or model or data or file is not None) or None).items() if v is not None}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: default, metadata=meta)
@@ -74,8 +77,8 @@ class RL:
     prompts_per_step: int = setting(ge=1)
     lr: float = setting(gt=0, example=1e-3)
     value_lr: Optional[float] = setting(gt=0, example=1e-3)
-    max_grad_norm: Optional[float] = setting(gt=0, example=1.0)
-    eos_penalty: Optional[float] = MISSING
+    max_grad_norm: Optional[float] = setting(gt=0, example=1.0, inf_ok=True)
+    eos_penalty: Optional[float] = setting(example=-1.0)
     eval_every: int = setting(ge=0)
     eval_samples_per_prompt: int = setting(ge=1)
     eval_seed: int = setting(ge=0)
@@ -116,7 +119,7 @@ class Train:
     cache_dir: str = setting(path=True)
     torch_threads: Optional[int] = setting(ge=1)
     optimized_metric: str = MISSING
-    kl_budget: Optional[float] = setting(None, ge=0, example=3.0)  # sweep_optuna: nats of eval KL before the penalty
+    kl_budget: Optional[float] = setting(None, ge=0, example=3.0, inf_ok=True)  # sweep_optuna: nats of eval KL before the penalty
     kl_penalty: float = setting(0.1, ge=0, example=0.1)  # sweep_optuna: gold reward off per nat above the budget
     stages: Stages = MISSING
     rl: RL = MISSING
@@ -205,7 +208,7 @@ class Algo:
 @dataclass
 class WholeCompletionReinforce(Algo):  # rloo, remax
     kl_coef: float = setting(ge=0, example=0.05)
-    clip_eps: float = setting(gt=0, example=0.2)
+    clip_eps: float = setting(gt=0, example=0.2, inf_ok=True)
 
 
 @dataclass
@@ -217,14 +220,14 @@ class RLOO(WholeCompletionReinforce):
 class ReinforcePP(Algo):
     kl_coef: float = setting(ge=0, example=0.05)
     gamma: float = setting(ge=0, le=1, example=1.0)
-    clip_eps: float = setting(gt=0, example=0.2)
+    clip_eps: float = setting(gt=0, example=0.2, inf_ok=True)
 
 
 @dataclass
 class GRPO(Algo):  # grpo, dr_grpo
     samples_per_prompt: int = setting(ge=2, why="advantages are normalised within each prompt's group")
     kl_loss_coef: float = setting(ge=0, example=0.04)
-    clip_eps: float = setting(gt=0, example=0.2)
+    clip_eps: float = setting(gt=0, example=0.2, inf_ok=True)
     scale_by_std: bool = MISSING
 
 
@@ -233,8 +236,8 @@ class PPO(Algo):
     kl_coef: float = setting(ge=0, example=0.05)
     gamma: float = setting(ge=0, le=1, example=1.0)
     lam: float = setting(ge=0, le=1, example=0.95)
-    clip_eps: float = setting(gt=0, example=0.2)
-    value_clip_eps: float = setting(gt=0, example=0.2)
+    clip_eps: float = setting(gt=0, example=0.2, inf_ok=True)
+    value_clip_eps: float = setting(gt=0, example=0.2, inf_ok=True)
     vf_coef: float = setting(ge=0, example=0.1)
     whiten_advantages: bool = MISSING
 
@@ -300,12 +303,12 @@ class OffPolicy:
 
 @dataclass
 class TruncatedIS(OffPolicy):
-    cap: float = setting(gt=1, example=2.0)
+    cap: float = setting(gt=1, example=2.0, inf_ok=True)
 
 
 @dataclass
 class Decoupled(OffPolicy):
-    cap: Optional[float] = setting(gt=1, example=5.0)
+    cap: Optional[float] = setting(gt=1, example=5.0, inf_ok=True)
 
 
 @dataclass
@@ -347,7 +350,7 @@ class MlflowLogger:
     tracking_uri: str = setting(path=True)
     experiment_name: str = MISSING
     run_name: Optional[str] = MISSING
-    flush_every_s: float = setting(ge=0, example=1.0)
+    flush_every_s: float = setting(ge=0, example=1.0, inf_ok=True)
 
 
 # The option files and the schema each starts from (conf/<group>/<option>.yaml -> schema/<group>/<name>).
@@ -404,6 +407,9 @@ def _check_value(key: str, value: Any, meta: dict) -> None:
     if "data" in meta and Path(value).suffix in DATA_SUFFIXES and not Path(value).is_file():
         raise SettingError(key, f"{no_such_file(value)}; give a .jsonl, .json, .csv or .parquet file, or a hub dataset name")
     why = f" ({meta['why']})" if "why" in meta else ""
+    if isinstance(value, float) and not math.isfinite(value) and not (math.isinf(value) and "inf_ok" in meta):
+        example = meta.get("example", meta.get("ge", meta.get("gt")))
+        raise SettingError(key, f"{value} is not a finite number; set e.g. {key}={example}")
     if "choices" in meta and value not in meta["choices"]:
         options = ", ".join(map(str, meta["choices"]))
         raise SettingError(key, f"{value!r} is not one of {options}{why}; set e.g. {key}={meta['choices'][0]}")
