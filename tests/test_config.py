@@ -342,6 +342,22 @@ def test_sync_reference_auto_takes_a_thread_only_where_it_can_run(override, wher
     assert validate(compose_cfg(override.split(), shrink=False)).source.reference == where
 
 
+def test_thread_reference_refused_for_torch_threads_null_names_the_key_as_typed(monkeypatch):
+    """torch_threads=null (torch's own count, every core) leaves none free: the refusal said 'torch_threads=None',
+    a value the command line does not take, and no thread count that would leave a core free."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg(["mode.reference=thread", "torch_threads=null"], shrink=False))
+    message = str(err.value)
+    assert f"mode.reference=thread: torch_threads=null ({cores} threads) leaves no core of {cores} free" in message, message
+    assert "None" not in message
+    if cores > 1:
+        assert f"torch_threads={cores - 1} would" in message
+
+
 @pytest.mark.parametrize(
     "override, where",
     [

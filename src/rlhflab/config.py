@@ -75,14 +75,18 @@ def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
         if source.reference == "auto":
             source.reference = "generator" if source.start_method == "fork" and not free_in_learner else "learner"
         return
-    free = len(os.sched_getaffinity(0)) - (cfg.torch_threads or torch.get_num_threads())
+    cores = len(os.sched_getaffinity(0))
+    threads = cfg.torch_threads or torch.get_num_threads()
+    free = cores - threads
     why_not = (
         f"memory={memory.name} computes the reference with the policy's own modules (its adapter off)" if memory.name != "full"
         else f"{algo.name} updates a value model in the same step" if algo.needs_values
         else "it needs one pass over each batch in one mini-batch (algo.epochs=1, algo.num_minibatches=1)"
         if algo.updates_per_batch != 1
         else "it runs beside the update in one CPU process (trainer=cpu)" if cfg.trainer.accelerator != "cpu" or ranks(cfg.trainer) > 1
-        else f"torch_threads={cfg.torch_threads} leaves no core free for it" if free < 1
+        else (f"torch_threads={'null' if cfg.torch_threads is None else cfg.torch_threads}"  # null: torch's own count
+              f"{f' ({threads} threads)' if cfg.torch_threads is None else ''} leaves no core of {cores} free for it"
+              + (f" (torch_threads={cores - 1} would)" if cores > 1 else "")) if free < 1
         else None
     )
     if source.reference in ("thread", "process") and why_not:
