@@ -4,6 +4,7 @@ functions included), and the shared names have one home."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from conftest import ROOT
@@ -125,3 +126,22 @@ def test_shared_constants_have_one_home():
     for text in (plugin, report):
         assert "from rlhflab.naming import" in text
         assert '"RLHFLAB_MLFLOW_PARENT_RUN_ID"' not in text and '= "rlhflab.sweep"' not in text
+
+
+def test_every_field_of_every_option_file_has_its_comment():
+    """The README says so of the option files (conf/<group>/, not the presets, which say what they set in their
+    header); the hub model presets had none on most fields."""
+    missing = []
+    for path in sorted((ROOT / "conf").rglob("*.yaml")):
+        if path.relative_to(ROOT / "conf").parts[0] in ("experiment", "debug", "hydra") or path.parent == ROOT / "conf":
+            continue
+        block = None  # the mapping a line is in: model.arch's keys are a transformers config's, documented there
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            key = re.match(r"^(\s*)([A-Za-z][\w.]*):", line)
+            if not key:
+                continue
+            if not key[1]:
+                block = key[2]
+            if key[2] != "defaults" and "#" not in line and not (key[1] and block == "arch"):
+                missing.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not missing, "\n".join(missing)
