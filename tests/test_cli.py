@@ -81,6 +81,9 @@ BAD_VALUES = [
     # Hydra's and its plugins' own options too: it offered only conf/'s slurm
     ("-m hydra/launcher=slrm seed=1,2", "hydra/launcher=slrm: no such option; choose one of basic, slurm, submitit_local, "
                                         "submitit_slurm (sweep job: hydra/launcher=slrm seed=1)"),
+    # an evaluation no run logs: the run (every job of a sweep) trained, then failed on the name
+    ("optimized_metric=eval/gld", "optimized_metric: eval/gld: no run logs it; give one of eval/gold_reward, "),
+    ("-m seed=0,1 optimized_metric=eval/gold", "optimized_metric: eval/gold: no run logs it"),
     # a nested option was not offered (reward=examples/reverse)
     ("reward=examples/revers", "reward=examples/revers: no such option; choose one of examples/reverse, function, model, rule"),
     # a setting of another option of the group: under reward=model (no settings) it said 'valid keys: ' and nothing

@@ -231,15 +231,16 @@ def test_a_jobs_reward_function_error_is_one_line_in_the_sweep_as_in_a_run(tmp_p
 
 def test_an_optimized_metric_no_run_logs_fails_each_job_in_words_and_the_parent_says_why_it_has_no_best(tmp_path,
                                                                                                           stage_cache):
-    """optimized_metric=eval/gld: Optuna said 'no trial finished ... each trial's error is listed below' and listed
-    none; the parent said '1 jobs, 0 failed' with no best run, and a callback metric typo ended the same, silently."""
-    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/m.db", stage_cache, "seed=0", "optimized_metric=eval/gld")
+    """optimized_metric=perf/gld: Optuna said 'no trial finished ... each trial's error is listed below' and listed
+    none; the parent said '1 jobs, 0 failed' with no best run, and a callback metric typo ended the same, silently.
+    (An eval/ name no run logs, eval/gld, is refused before the sweep: tests/test_cli.py's BAD_VALUES.)"""
+    sweep = run_sweep(tmp_path, f"sqlite:///{tmp_path}/m.db", stage_cache, "seed=0", "optimized_metric=perf/gld")
     parent, (child,) = sweep_runs(MlflowClient(sweep.uri))
-    assert child.data.tags["rlhflab.error"].startswith("ConfigError: optimized_metric=eval/gld: the run logs no such "
+    assert child.data.tags["rlhflab.error"].startswith("ConfigError: optimized_metric=perf/gld: the run logs no such "
                                                        "value at its end; give one of ")
     assert "eval/gold_reward" in child.data.tags["rlhflab.error"]
     assert parent.data.metrics["sweep/failed_jobs"] == 1
-    assert "mlflow sweep: no finished job logged eval/gld, so the parent has no best run" in sweep.output
+    assert "mlflow sweep: no finished job logged perf/gld, so the parent has no best run" in sweep.output
     assert "rlhflab.sweep.best_run_id" not in parent.data.tags
 
 

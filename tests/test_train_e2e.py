@@ -66,6 +66,11 @@ def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_p
     assert run.data.params["model.sft_path"] == "null" and run.data.params["trainer.enable_checkpointing"] == "false"
     assert run.data.params["output.log_policy"] == "true" and run.data.params["kl_budget"] == "null"
     assert run.data.params["rlhflab.ranks"] == "1"  # the processes that trained (trainer.devices=auto says nothing)
+    from rlhflab.naming import EVAL_METRICS
+
+    # what optimized_metric is checked against: the closing metrics' evaluations
+    assert {k for k in result.metrics if k.startswith("eval/")} == {"eval/gold_reward", "eval/gold_reward_before", "eval/kl"}
+    assert {"eval/gold_reward", "eval/gold_reward_before", "eval/kl"} <= set(EVAL_METRICS)
     for name in REQUIRED_METRICS:
         assert name in run.data.metrics, name
     # every RL step is logged, not just the last

@@ -10,6 +10,10 @@ import re
 from collections import Counter
 
 # Set by the sweep callback so that each job's run becomes a child of the sweep's parent run.
+# The evaluations a run's closing metrics hold (train's: the gold reward, or the reward where the task has no gold_fn,
+# before and after, and the KL), what optimized_metric may name of them: checked before the run, a typo (eval/gld)
+# trained the whole run, or every job of a sweep, and then failed
+EVAL_METRICS = ("eval/gold_reward", "eval/gold_reward_before", "eval/reward", "eval/reward_before", "eval/kl")
 PARENT_RUN_ENV = "RLHFLAB_MLFLOW_PARENT_RUN_ID"
 # Set by it too: what the sweep varies (JSON {key: values as typed}), so that a job names its value as apart from
 # its siblings' (/x/a/policy beside /y/a/policy is x/a/policy, not a/policy as each job alone would say).

@@ -21,7 +21,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from rlhflab.errors import ConfigError, chosen, no_such_file
 from rlhflab.models.checks import DATA_SUFFIXES, check_pretrained
-from rlhflab.naming import home_expanded
+from rlhflab.naming import EVAL_METRICS, home_expanded
 
 KL_KINDS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -556,6 +556,10 @@ def check(cfg: DictConfig) -> None:
     out of range or not among its choices, or a cross-field rule that needs no model."""
     _walk(cfg)
     check_trainer_devices(cfg.trainer)
+    metric = str(OmegaConf.select(cfg, "optimized_metric", default=None) or "")
+    if metric.startswith("eval/") and metric not in EVAL_METRICS:  # found only once the run (every job) had trained
+        raise SettingError("optimized_metric", f"{metric}: no run logs it; give one of {', '.join(EVAL_METRICS)}, or a "
+                           "train/ or perf/ value the run logs at its end")
     if not str(OmegaConf.select(cfg, "logger.experiment_name", default="x")).strip():  # MLflow's AttributeError
         raise SettingError("logger.experiment_name", "empty; give the MLflow experiment a name, e.g. logger.experiment_name=rlhflab")
     uri = str(OmegaConf.select(cfg, "logger.tracking_uri", default="x")).strip()
