@@ -639,6 +639,19 @@ def test_a_model_arch_beside_a_given_sft_path_builds_nothing_and_is_said(tmp_pat
     assert run.data.params["rlhflab.base_model"] == "null" and run.data.params["rlhflab.policy_start"] == f"{tmp_path}/sft"
 
 
+def test_lora_targets_the_built_model_lacks_are_one_line_before_the_run(tmp_path):
+    """memory.target_modules=[nope]: a good line, but only after the MLflow run was made and the models loaded (helper
+    28); the model built from model.arch is judged on the meta device before, as its arch is."""
+    out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), "memory=lora", "memory.target_modules=[nope,q]"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
+                              "RLHFLAB_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 2 and out.stderr.startswith("error: memory.target_modules: none of LlamaForCausalLM's decoder "
+                                                         "layers has a module it names"), out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
 def test_a_cache_dir_that_cannot_be_made_is_one_line_naming_it():
     """cache_dir=/proc/x as root: os.access calls /proc writable, so the check before the run passed, and the first

@@ -511,6 +511,10 @@ def test_a_job_that_failed_before_its_run_is_named_as_its_run_would_have_been(tm
      "with the policy's own modules (its adapter off); use mode.reference=learner (or auto) (sweep job: "
      "mode.reference=thread memory=lora)"),
     (["-m", "model.arch.hidden_size=32,30"], "error: model.arch: transformers cannot build a model of it "),
+    # LoRA targets the model does not have: one line once the models had loaded, in each job's FAILED child
+    (["-m", "memory=lora,hydra", "memory.target_modules=[nope]"], "error: memory.target_modules: none of "
+     "LlamaForCausalLM's decoder layers has a module it names (their linear modules: down_proj, gate_proj, k_proj, "
+     "o_proj, q_proj, up_proj, v_proj); "),
     (["experiment=sweep_memory", "algo=ppo", "model.dtype=float16"], "error: model.dtype=float16: memory=full would train "
      "whole weights in float16, "),
     (["experiment=sweep_optuna", "memory=lora", "mode.reference=thread"], "error: mode.reference=thread: memory=lora "),

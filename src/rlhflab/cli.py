@@ -136,7 +136,8 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str], composed: dict[tuple[str
                         task = OmegaConf.to_yaml(cfg.task)
                         if task not in tokenizers:
                             tokenizers[task] = plan.task.build_tokenizer()
-                        check_arch(OmegaConf.to_container(cfg.model.arch, resolve=True), tokenizers[task])
+                        check_arch(OmegaConf.to_container(cfg.model.arch, resolve=True), tokenizers[task],
+                                   cfg.memory.get("target_modules"))
                 except ConfigError as err:
                     fail(f"{err}{words or ' (sweep job: ' + ' '.join(job) + ')'}")
     finally:

@@ -242,7 +242,7 @@ def fit_tokenizer(cfg: DictConfig, task, base_path: str | None = None) -> tuple 
     source = model.get("sft_path") or model.get("name_or_path") or base_path
     if not source:  # a base model _run will build: the task's own tokenizer judges the prompts now; _run reads its copy
         own = task.build_tokenizer()
-        check_arch(OmegaConf.to_container(model.arch, resolve=True), own)
+        check_arch(OmegaConf.to_container(model.arch, resolve=True), own, cfg.memory.get("target_modules"))
         return None, fit_prompts(cfg, task, own)
     key = next((f"model.{k}" for k in ("tokenizer", "sft_path", "name_or_path") if model.get(k)), None)
     path = model.get("tokenizer") or source

@@ -63,12 +63,13 @@ def arch_config(arch: dict, tokenizer):
                                 eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **arch)
 
 
-def check_arch(arch: dict, tokenizer) -> None:
+def check_arch(arch: dict, tokenizer, target_modules=None) -> None:
     """`model.arch` as transformers takes it, judged on the meta device (no weights) before the run is made:
     model.arch.hidden_size=abc, num_attention_heads=3 (64 is no multiple of it) or +model.arch.rope_theta=abc were
     transformers' tracebacks when the model was built, after the MLflow run was made. A forward of two tokens, on
     the meta device too: num_key_value_heads=3 beside 4 attention heads built, and failed in stage sft's first step
-    (a 160-line traceback, the broken model cached). num_hidden_layers=0 built and trained a model without layers."""
+    (a 160-line traceback, the broken model cached). num_hidden_layers=0 built and trained a model without layers.
+    `target_modules` (memory=lora, hydra): the LoRA targets, checked against the same model."""
     from transformers import AutoModelForCausalLM
 
     def refused(what: str, err: Exception) -> ConfigError:
@@ -93,6 +94,9 @@ def check_arch(arch: dict, tokenizer) -> None:
             model(input_ids=torch.zeros(1, 2, dtype=torch.long))
     except Exception as err:  # shapes that do not fit one another
         raise refused("run", err) from None
+    from rlhflab.memory.lora import check_targets
+
+    check_targets(model, target_modules)
 
 
 def check_arch_keys(arch: dict, config_class) -> None:
