@@ -94,7 +94,7 @@ def check_arch(arch: dict, tokenizer, target_modules=None) -> None:
             model(input_ids=torch.zeros(1, 2, dtype=torch.long))
     except Exception as err:  # shapes that do not fit one another
         raise refused("run", err) from None
-    from rlhflab.memory.lora import check_targets
+    from rlhflab.models.targets import check_targets
 
     check_targets(model, target_modules)
 
