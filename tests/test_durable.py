@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -519,7 +520,8 @@ def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_
 def store_goes_away(monkeypatch, when) -> dict:
     """From the first metrics write holding a row `when` picks, the client's writes raise what MLflow raises for a
     server that refuses connections (seen against a killed `mlflow server`). Returns the real writes, and under
-    "tries" the list of the writes tried since (each costs minutes of MLflow's retries against a real server)."""
+    "tries" the list of the writes the run tried since (each costs minutes of MLflow's retries against a real server;
+    the system metrics thread's are its own, and not counted: under load it wrote 4 where the run wrote 2)."""
     from mlflow.exceptions import MlflowException
 
     refused = ("API request to http://127.0.0.1:5123/api/2.0/mlflow/runs/log-batch failed with exception "
@@ -534,7 +536,8 @@ def store_goes_away(monkeypatch, when) -> dict:
             if not down and any(when(m) for m in kwargs.get("metrics") or ()):
                 down.append(True)
             if down:
-                tries.append(name)
+                if threading.current_thread() is threading.main_thread():  # the run's own tries: MLflow's system
+                    tries.append(name)  # metrics thread writes every 10 s too, more of them the slower the machine
                 raise MlflowException(refused)
             return writes[name](self, *args, **kwargs)
         return write
