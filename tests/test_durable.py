@@ -548,6 +548,26 @@ def store_goes_away(monkeypatch, when) -> dict:
     return {**writes, "tries": tries}
 
 
+def test_a_lost_store_is_tried_once_more_at_the_end_not_again_for_the_system_metrics(tmp_path, monkeypatch):
+    """MLflow's system metrics monitor writes, at its finish(), the samples its thread could not: one more write, in
+    the run's thread, at a store that stopped answering (minutes of MLflow's retries against a real server). It came
+    only when the run outlasted the 10 s sampling interval, so a loaded machine's suite saw 3 tries where the run
+    made 2."""
+    from mlflow.entities import Metric
+
+    from rlhflab.tracking import MlflowTracker
+
+    tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", "lost", flush_every_s=0)
+    tracker.start(OmegaConf.create({"algo": {"name": "rloo"}}), {"algo": "rloo"}, [], tmp_path)
+    assert tracker._system is not None
+    tracker._system.mlflow_logger.data.append(Metric("system/cpu_utilization_percentage", 1.0, 0, 0))  # a sample kept
+    writes = store_goes_away(monkeypatch, lambda m: m.key == "train/reward")
+    tracker.log_metrics({"train/reward": 1.0}, step=1)  # the store is lost here
+    assert tracker.lost is not None
+    tracker.finish("FAILED")
+    assert writes["tries"] == ["log_batch", "log_batch"], writes["tries"]  # where it was lost, and as the run ended
+
+
 def test_a_tracking_store_that_stops_answering_stops_the_run_with_a_checkpoint_keeping_its_metrics(make_cfg, tmp_path,
                                                                                                      monkeypatch, capsys):
     """A tracking server down for longer than MLflow's retries: the run died at its next metrics write with a

@@ -545,6 +545,8 @@ class MlflowTracker:
             return
         system, self._system = self._system, None
         if system is not None:
+            if self.lost is not None:  # its finish() writes the samples its thread could not: one more try, in this
+                system.mlflow_logger.flush = lambda: None  # thread, at a store that stopped answering (MLflow's retries)
             system.finish()
         self.flush(again=True)  # every buffered metric lands before the run ends (a store that stopped answering: one more try)
         if system is not None and not self.lost:  # (each try at a store that stopped answering costs MLflow's retries)
