@@ -15,10 +15,14 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlhflab.errors import ConfigError
 from rlhflab.naming import check_server, redact
 from rlhflab.schema import SCHEMAS, check, check_typed, register, writable_dir
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 CONFIG_NAME = "train"
@@ -58,13 +62,12 @@ def preflight(argv: list[str]) -> None:
     gridded: set[tuple[str, ...]] = set()  # jobs of a preset's grid, whose own grid is this one
     which = {}  # each job's words in a message
     parents: set[tuple[str, ...]] = set()  # jobs that are a preset's grid, not a job of their own
-    composed = {}  # each job's config, composed once (check_sweep_jobs composed each job a second time)
+    composed = {}  # each sweep job's config, composed once (check_sweep_jobs composed each job a second time)
     sweeping = multirun
     for job in jobs:
         which[tuple(job)] = f" (sweep job: {' '.join(job)})" if multirun or tuple(job) in gridded else ""
         try:
             cfg = compose(job, hydra=True)
-            composed[tuple(job)] = copy.deepcopy(cfg)  # before the checks below take its hydra node out
             if tuple(job) not in gridded:
                 more = grid_jobs(cfg.hydra, job)
                 gridded.update(map(tuple, more))
@@ -72,6 +75,8 @@ def preflight(argv: list[str]) -> None:
                 if more:  # a preset's grid: its jobs run, not this one
                     parents.add(tuple(job))
             sweeping = sweeping or str(cfg.hydra.mode) == "RunMode.MULTIRUN"  # -m, or a preset's hydra.mode
+            if sweeping and tuple(job) not in parents:  # for check_sweep_jobs, before sweep_searches takes its hydra node
+                composed[tuple(job)] = copy.deepcopy(cfg)
             check_hydra_dirs(cfg.hydra)
             check_optuna(cfg.hydra)
             if searches and optuna_space(cfg.hydra) is None:  # the command line's own words, not a job's
@@ -97,14 +102,14 @@ def preflight(argv: list[str]) -> None:
         check_sweep_jobs({job: words for job, words in which.items() if job not in parents}, composed)
 
 
-def check_sweep_jobs(which: dict[tuple[str, ...], str], composed: dict[tuple[str, ...], object] | None = None) -> None:
+def check_sweep_jobs(which: dict[tuple[str, ...], str], composed: dict[tuple[str, ...], DictConfig]) -> None:
     """What train(cfg) checks before it loads a model (train.check_job, and model.arch on the meta device), for each
     job of a sweep before the sweep starts: mode.reference=thread beside memory=lora, model.dtype=float16 with a stage
     to train, reward.weights not one per reward.fn, a model.arch transformers cannot build, or an output.dir holding
     another run's checkpoints or policy passed the schema's check here, and then failed that job at its start as a
     FAILED child run, the sweep going on. Imports torch
     (~3 s, which the sweep's first job pays anyway); ~0.1 s a job. The jobs say their warnings themselves.
-    `composed`: the jobs' configs as the preflight composed them (each taken, not composed again)."""
+    `composed`: each job's config as the preflight composed it (taken, not composed again)."""
     import logging
     import warnings
 
@@ -120,7 +125,7 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str], composed: dict[tuple[str
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for number, (job, words) in enumerate(which.items()):
-                cfg = composed.pop(job) if composed and job in composed else compose(list(job), hydra=True)
+                cfg = composed.pop(job)
                 with open_dict(cfg):  # what Hydra's launcher gives a job: ${hydra:job.num} resolves as it will there
                     cfg.hydra.job.num, cfg.hydra.job.id = number, str(number)
                     cfg.hydra.runtime.output_dir = str(Path(cfg.hydra.sweep.dir, str(number)))

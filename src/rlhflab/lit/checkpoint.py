@@ -28,8 +28,7 @@ from rlhflab import distributed
 from rlhflab.errors import ConfigError, RunInterrupted, TrackingLost, writing
 from rlhflab.interrupts import STOP
 from rlhflab.models.cache import damage, write_manifest
-from rlhflab.naming import RUN_RECORD
-from rlhflab.naming import redact
+from rlhflab.naming import RUN_RECORD, redact
 from rlhflab.tracking import flatten
 
 log = logging.getLogger(__name__)
