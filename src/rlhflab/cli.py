@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from rlhflab.errors import ConfigError
 from rlhflab.naming import check_server, redact
-from rlhflab.schema import SCHEMAS, check, check_typed, register, writable_dir
+from rlhflab.schema import SCHEMAS, check, check_own_gpu, check_typed, register, writable_dir
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -83,6 +83,7 @@ def preflight(argv: list[str]) -> None:
                 fail(no_search(searches))
             searched = sweep_searches(cfg)
             check_typed(cfg, searched["choices"])
+            check_own_gpu(cfg, searched["choices"])
             check_launcher(searched["choices"])
             check_sweeper(searched["choices"])
             check(cfg)

@@ -465,6 +465,21 @@ def check_typed(cfg: DictConfig, choices: dict) -> None:
                                f"dataclass of your own added to SCHEMAS['{group}'] in src/rlhflab/schema.py)")
 
 
+def check_own_gpu(cfg: DictConfig, choices: dict) -> None:
+    """generator=vllm_own_gpu lets its engine take most of a GPU, meant to be the generator's own. Without mode=async
+    and mode.device=cuda:N that GPU is the learner's, which would be left the rest (0.15 of it), and the run would
+    fail once the learner allocated on it, after the models loaded (found by reading; no GPU here to see it)."""
+    if choices.get("generator") != "vllm_own_gpu":
+        return
+    if OmegaConf.get_type(cfg.mode) is AsyncMode and cuda_index(cfg.mode.get("device")) is not None:
+        return
+    share = cfg.generator.gpu_memory_utilization
+    where = "mode.device is not set" if OmegaConf.get_type(cfg.mode) is AsyncMode else "mode=sync generates on it"
+    raise SettingError("generator=vllm_own_gpu", f"its engine takes {share} of a GPU of its own, and {where}, so it "
+                       "would share the learner's; add mode=async mode.device=cuda:1 (the generator's GPU), or use "
+                       "generator=vllm, which leaves the learner most of the GPU they share")
+
+
 def trainer_devices(trainer: DictConfig):
     """trainer.devices as Lightning reads it: an int (a count, or -1), a list of GPU indices, or another string
     (auto); a string of digits is a count and "0,1" a list, as Lightning parses them."""
