@@ -104,12 +104,14 @@ def preflight(argv: list[str]) -> None:
 
 
 def check_sweep_jobs(which: dict[tuple[str, ...], str], composed: dict[tuple[str, ...], DictConfig]) -> None:
-    """What train(cfg) checks before it loads a model (train.check_job, and model.arch on the meta device), for each
+    """What train(cfg) checks before it loads a model (train.check_job, model.arch on the meta device, the LoRA
+    targets of a given model whose config is on this machine: train.check_lora_targets), for each
     job of a sweep before the sweep starts: mode.reference=thread beside memory=lora, model.dtype=float16 with a stage
     to train, reward.weights not one per reward.fn, a model.arch transformers cannot build, or an output.dir holding
     another run's checkpoints or policy passed the schema's check here, and then failed that job at its start as a
     FAILED child run, the sweep going on. Imports torch
-    (~3 s, which the sweep's first job pays anyway); ~0.1 s a job. The jobs say their warnings themselves.
+    (~3 s, which the sweep's first job pays anyway); ~0.1 s a job (a given model: its modeling code's import once,
+    ~20 ms for its skeleton, kept for the jobs that follow). The jobs say their warnings themselves.
     `composed`: each job's config as the preflight composed it (taken, not composed again)."""
     import logging
     import warnings
@@ -117,8 +119,8 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str], composed: dict[tuple[str
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    from rlhflab.models.build import check_arch
-    from rlhflab.train import check_job, check_new_run_dir, check_sweep_resume_dir
+    from rlhflab.models.build import check_arch, load_tokenizer
+    from rlhflab.train import check_job, check_lora_targets, check_new_run_dir, check_sweep_resume_dir
 
     tokenizers = {}  # the task's own tokenizer, for model.arch's vocabulary: one per task setting
     logging.disable(logging.WARNING)
@@ -138,12 +140,16 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str], composed: dict[tuple[str
                         check_new_run_dir(cfg, Path(cfg.output.dir))
                     elif cfg.output.dir and cfg.resume == "auto":  # the same, to continue it: a job that finished
                         check_sweep_resume_dir(Path(cfg.output.dir))
-                    if not (cfg.model.get("name_or_path") or cfg.model.get("sft_path")):  # one train() builds from model.arch
-                        task = OmegaConf.to_yaml(cfg.task)
+                    given = cfg.model.get("sft_path") or cfg.model.get("name_or_path")
+                    task = OmegaConf.to_yaml(cfg.task)
+                    if not given:  # one train() builds from model.arch
                         if task not in tokenizers:
                             tokenizers[task] = plan.task.build_tokenizer()
                         check_arch(OmegaConf.to_container(cfg.model.arch, resolve=True), tokenizers[task],
                                    cfg.memory.get("target_modules"))
+                    # a given model's LoRA targets, on its config (read without a download)
+                    check_lora_targets(cfg, plan, lambda: tokenizers[task] if not given else
+                                       load_tokenizer(cfg.model.get("tokenizer") or given, given))
                 except ConfigError as err:
                     fail(f"{err}{words or ' (sweep job: ' + ' '.join(job) + ')'}")
     finally:

@@ -148,6 +148,7 @@ def train(cfg: DictConfig) -> Result:
         check_task_data(cfg, plan.task, plan.reward)  # and what validate could not check yet
     quiet_libraries()
     plan.fitted = fit_tokenizer(cfg, plan.task)
+    check_lora_targets(cfg, plan, lambda: plan.fitted[0] or plan.task.build_tokenizer())
     warn_unused_arch(cfg.model, hydra_overrides())
     if cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))
@@ -265,6 +266,32 @@ def fit_tokenizer(cfg: DictConfig, task, base_path: str | None = None) -> tuple 
     if model.get("tokenizer"):
         warn_other_vocabulary(model.tokenizer, tokenizer, source)
     return tokenizer, fit_prompts(cfg, task, tokenizer)
+
+
+def check_lora_targets(cfg: DictConfig, plan: Plan, policy_tokenizer) -> None:
+    """memory.target_modules against the given models the memory strategy adapts, before the run (check_arch judges
+    a model built from model.arch): the policy, model.sft_path or else model.name_or_path (of whose architecture
+    stage sft's and hydra_sft's policies are), and memory=lora's critic where it is the backbone of a given
+    model.reward_model_path (LoraMemory.build). `policy_tokenizer()`: the policy's tokenizer, read only for that
+    critic's. A given model whose config cannot be read without a download is left to adapt, once it loads."""
+    from rlhflab.memory.lora import LoraMemory, critic_on_reward_model
+    from rlhflab.models.build import check_given_targets
+
+    targets = cfg.memory.get("target_modules")
+    if targets is None or isinstance(targets, str):  # memory=full (no adapter); all-linear or a regex: peft's
+        return
+    check_given_targets(cfg.model.get("sft_path") or cfg.model.get("name_or_path"), targets)
+    reward = cfg.model.get("reward_model_path")
+    if not (reward and isinstance(plan.memory, LoraMemory) and plan.reward.needs_reward_model and plan.algo.needs_values):
+        return
+    try:
+        tokenizer = policy_tokenizer()
+    except Exception:  # a tokenizer that cannot be read: train() says so itself
+        return
+    if critic_on_reward_model(True, reward, tokenizer):
+        from transformers import AutoModelForTokenClassification
+
+        check_given_targets(reward, targets, AutoModelForTokenClassification)
 
 
 def warn_unused_arch(model: DictConfig, overrides: list[str]) -> None:

@@ -65,6 +65,12 @@ def adapt(model: nn.Module, config, **kwargs):
     return wrapped
 
 
+def critic_on_reward_model(need_values: bool, reward_path, tokenizer) -> bool:
+    """Whether memory=lora's critic is the reward model's backbone with an adapter (else the policy's): where there
+    are values, and a reward model that reads the policy's tokens."""
+    return need_values and reward_path is not None and foreign_tokenizer(reward_path, tokenizer) is None
+
+
 def trainable_parameters(module: nn.Module | None) -> list[nn.Parameter]:
     return [] if module is None else [p for p in module.parameters() if p.requires_grad]
 
@@ -106,7 +112,7 @@ class LoraMemory(LoraSettings, FullMemory):
         self.policy = adapt(policy, lora_config(**self.lora, task_type=TaskType.CAUSAL_LM))
         self.value_model = None
         self.reward_head = None  # set when the critic's frozen backbone is the reward model's
-        share = need_values and reward_path is not None and foreign_tokenizer(reward_path, tokenizer) is None
+        share = critic_on_reward_model(need_values, reward_path, tokenizer)
         if share:
             self.reward_model, self.reward_tokenizer = None, None
             self.reward_norm = read_reward_norm(reward_path)

@@ -8,6 +8,7 @@ same `from_pretrained` code a real preset uses.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -70,7 +71,6 @@ def check_arch(arch: dict, tokenizer, target_modules=None) -> None:
     the meta device too: num_key_value_heads=3 beside 4 attention heads built, and failed in stage sft's first step
     (a 160-line traceback, the broken model cached). num_hidden_layers=0 built and trained a model without layers.
     `target_modules` (memory=lora, hydra): the LoRA targets, checked against the same model."""
-    from transformers import AutoModelForCausalLM
 
     def refused(what: str, err: Exception) -> ConfigError:
         said = " ".join(str(err).split())[:300] or type(err).__name__
@@ -80,8 +80,7 @@ def check_arch(arch: dict, tokenizer, target_modules=None) -> None:
 
     try:
         config = arch_config(arch, tokenizer)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = skeleton(config)
     except Exception as err:  # a config class's validation, a module's __init__: any of their errors
         raise refused("build", err) from None
     check_arch_keys(arch, type(config))
@@ -97,6 +96,56 @@ def check_arch(arch: dict, tokenizer, target_modules=None) -> None:
     from rlhflab.models.targets import check_targets
 
     check_targets(model, target_modules)
+
+
+def skeleton(config, auto_class=None):
+    """A model of `config` on the meta device: its modules and shapes, no weights (AutoModelForCausalLM, or
+    `auto_class`)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return (auto_class or AutoModelForCausalLM).from_config(config)
+
+
+def saved_config(name_or_path):
+    """The transformers config of a given model, read without a download: a local directory's config.json, or a
+    hub id's in the local Hugging Face cache; None where there is none to read so (a hub id not cached, a config
+    transformers cannot read: the model's load says what is wrong)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(name_or_path), local_files_only=True)
+    except Exception:  # OSError (not cached), ValueError (an unknown model_type), a remote-code config, ...
+        return None
+
+
+def check_given_targets(name_or_path, target_modules, auto_class=None) -> None:
+    """check_arch's target check for a given model (model.name_or_path, model.sft_path, model.reward_model_path):
+    memory.target_modules=[nope] passed every check before the run for a model loaded by from_pretrained, and was
+    adapt's line once the MLflow run was made and the stages had run (in a sweep, in each job's FAILED child). Judged
+    on its skeleton on the meta device, built from its config where it can be read without a download
+    (saved_config); otherwise left to adapt. `auto_class`: the class the strategy adapts (the critic's
+    AutoModelForTokenClassification), so that the line names the model as adapt's would."""
+    from rlhflab.models.targets import check_targets
+
+    if not name_or_path or target_modules is None or isinstance(target_modules, str):  # all-linear, a regex: peft's
+        return
+    config = Path(str(name_or_path)).expanduser() / "config.json"
+    stamp = config.stat().st_mtime_ns if config.is_file() else None  # a directory saved again: read again
+    try:
+        model = given_skeleton(str(name_or_path), auto_class, stamp)
+    except Exception:  # a config transformers reads but cannot build a model of: its load says what is wrong
+        return
+    if model is not None:
+        check_targets(model, target_modules)
+
+
+@functools.lru_cache(maxsize=16)
+def given_skeleton(name_or_path: str, auto_class=None, stamp: int | None = None):
+    """skeleton(saved_config(name_or_path)), or None; kept per model and its config.json's `stamp` (a sweep's jobs
+    share one)."""
+    config = saved_config(name_or_path)
+    return None if config is None else skeleton(config, auto_class)
 
 
 def check_arch_keys(arch: dict, config_class) -> None:

@@ -1,5 +1,5 @@
 """memory.target_modules against a model's decoder layers: what adapt refuses once the model loads, and check_arch
-on the meta device before the run."""
+(a model built from model.arch) and check_given_targets (a given model's config) on the meta device before the run."""
 
 from __future__ import annotations
 
