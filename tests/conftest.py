@@ -70,6 +70,25 @@ def tokenizer_without_pad(unk: bool = False, specials: tuple[str, ...] = (), bos
     return tokenizer
 
 
+def save_tiny_neox(path: Path, reward: bool = False, tokenizer=None) -> Path:
+    """A GPT-NeoX model (Pythia's architecture) of one layer with the sentiment task's tokenizer (or `tokenizer`),
+    saved as from_pretrained reads it: a causal LM, or with `reward` a sequence classifier of one output."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+    from rlhflab.tasks.sentiment import SentimentTask
+
+    words = tokenizer or SentimentTask().build_tokenizer()
+    config = GPTNeoXConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, pad_token_id=words.pad_token_id, num_labels=1)
+    (GPTNeoXForSequenceClassification if reward else GPTNeoXForCausalLM)(config).save_pretrained(path)
+    words.save_pretrained(path)
+    return path
+
+
+# its decoder layers' linear modules, as memory.target_modules names them
+NEOX_LINEAR = "dense, dense_4h_to_h, dense_h_to_4h, query_key_value"
+
+
 def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     """(step, value) of a run's metric, by step."""
     from mlflow.tracking import MlflowClient

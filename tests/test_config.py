@@ -10,7 +10,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import ROOT, compose_cfg
+from conftest import NEOX_LINEAR, ROOT, compose_cfg, save_tiny_neox
 from rlhflab.config import check_trainer, validate
 from rlhflab.errors import ConfigError
 from rlhflab.models.cache import config_key
@@ -650,6 +650,96 @@ def test_lora_targets_the_built_model_lacks_are_one_line_before_the_run(tmp_path
                                                          "layers has a module it names"), out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any from_pretrained of a model raises ModelLoaded: what comes before it is what runs before any model loads."""
+    import transformers
+
+    class ModelLoaded(Exception):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise ModelLoaded(args[1:2])
+
+    for auto in ("AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoModelForTokenClassification"):
+        monkeypatch.setattr(getattr(transformers, auto), "from_pretrained", refuse)
+    return ModelLoaded
+
+
+@pytest.mark.parametrize("key", ["name_or_path", "sft_path"])
+def test_lora_targets_a_given_model_lacks_are_one_line_before_the_run(make_cfg, tmp_path, no_model_loads, key):
+    """memory.target_modules=[nope] beside a model given by path (loaded by from_pretrained, as the hub presets' are)
+    passed every check before the run: adapt's line came after the MLflow run was made (and stage sft had trained,
+    under model.name_or_path). Its config is read and its skeleton judged on the meta device before, as model.arch's
+    is; targets it has pass, up to the first load."""
+    given = save_tiny_neox(tmp_path / "neox")
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg(f"model.{key}={given}", "memory=lora", "memory.target_modules=[nope]", "reward=rule"))
+    assert str(err.value) == ("memory.target_modules: none of GPTNeoXForCausalLM's decoder layers has a module it names "
+                              f"(their linear modules: {NEOX_LINEAR}); set memory.target_modules=all-linear, or "
+                              "memory.target_modules=[dense,dense_4h_to_h,dense_h_to_4h,query_key_value]")
+    assert not (tmp_path / "mlflow.db").exists()
+    with pytest.raises(no_model_loads):  # past the checks, to the first from_pretrained: the policy's
+        train(make_cfg(f"model.{key}={given}", "memory=lora", "memory.target_modules=[query_key_value,nope]", "reward=rule"))
+
+
+def test_lora_targets_of_a_given_model_in_the_command_line_stop_before_the_run(tmp_path):
+    """The same from the command line, as memory=hydra: one line, no MLflow store, nothing cached."""
+    given = save_tiny_neox(tmp_path / "neox")
+    out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), f"model.name_or_path={given}", "memory=hydra",
+                          "memory.target_modules=[nope]"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
+                              "RLHFLAB_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 2 and out.stderr.startswith("error: memory.target_modules: none of GPTNeoXForCausalLM's "
+                                                         f"decoder layers has a module it names (their linear modules: "
+                                                         f"{NEOX_LINEAR}); "), out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "cache").exists()
+
+
+def test_lora_targets_of_a_model_not_in_the_cache_wait_for_its_load(monkeypatch):
+    """A hub id whose config is not in the local Hugging Face cache (or a path that is not there) is not read: no
+    download, no error of its own; adapt judges its targets once it loads."""
+    import socket
+
+    from rlhflab.models.build import check_given_targets
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the check asked the network")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    check_given_targets("rlhflab-tests/not-a-cached-model", ["nope"])
+    check_given_targets("/nonexistent/rlhflab-model", ["nope"])
+
+
+def test_lora_targets_are_judged_on_the_critic_a_given_reward_model_gives(tmp_path):
+    """memory=lora with values (PPO) puts the critic's adapter on the reward model's backbone where that model reads
+    the policy's tokens (LoraMemory.build): targets the policy has and the reward model lacks (q_proj: the tiny
+    Llama's, not GPT-NeoX's) failed after the stages. A reward model of its own tokenizer is not adapted (the critic
+    is the policy's): nothing to judge there."""
+    from rlhflab.tasks.sentiment import SentimentTask
+    from rlhflab.train import check_lora_targets
+
+    words = SentimentTask().build_tokenizer()
+    rm = save_tiny_neox(tmp_path / "rm", reward=True)
+    cfg = compose_cfg(["memory=lora", "algo=ppo", f"model.reward_model_path={rm}", "memory.target_modules=[q_proj]"])
+    plan = validate(cfg)
+    with pytest.raises(ConfigError, match=r"^memory\.target_modules: none of GPTNeoXForTokenClassification's decoder "
+                                          rf"layers has a module it names \(their linear modules: {NEOX_LINEAR}\); "):
+        check_lora_targets(cfg, plan, lambda: words)
+    for algo, targets in (("rloo", "[q_proj]"), ("ppo", "[q_proj,query_key_value]")):  # no critic; targets both have
+        cfg = compose_cfg(["memory=lora", f"algo={algo}", f"model.reward_model_path={rm}", f"memory.target_modules={targets}"])
+        check_lora_targets(cfg, validate(cfg), lambda: words)
+    from conftest import tokenizer_without_pad
+
+    own = tokenizer_without_pad(unk=True)
+    own.add_special_tokens({"pad_token": "[PAD]"})
+    foreign = save_tiny_neox(tmp_path / "foreign", reward=True, tokenizer=own)
+    cfg = compose_cfg(["memory=lora", "algo=ppo", f"model.reward_model_path={foreign}", "memory.target_modules=[q_proj]"])
+    check_lora_targets(cfg, validate(cfg), lambda: words)
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")

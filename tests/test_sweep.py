@@ -27,7 +27,7 @@ from hydra.errors import MissingConfigException
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from conftest import ROOT, compose_cfg
+from conftest import NEOX_LINEAR, ROOT, compose_cfg, save_tiny_neox
 from rlhflab.config import validate
 from rlhflab.naming import RUN_TAG_GROUPS
 
@@ -533,6 +533,24 @@ def test_a_sweep_with_a_job_it_cannot_run_or_nest_stops_before_it_starts(tmp_pat
     assert out.returncode == 2 and out.stderr.startswith(line), out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
     assert "sweep job: " in out.stderr and not (tmp_path / "mlflow.db").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_a_sweep_with_lora_targets_a_given_model_lacks_stops_before_it_starts(tmp_path):
+    """memory.target_modules=[nope] beside a model given by path passed the preflight: the sweep started, and each
+    job failed as a FAILED child once its model loaded. Its config is read and judged before the sweep starts, as
+    model.arch's model is."""
+    given = save_tiny_neox(tmp_path / "neox")
+    out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), "-m", "seed=0,1", "memory=lora",
+                          f"model.sft_path={given}", "memory.target_modules=[nope]", "reward=rule"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
+                              "RLHFLAB_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 2 and out.stderr.startswith(
+        f"error: memory.target_modules: none of GPTNeoXForCausalLM's decoder layers has a module it names (their linear "
+        f"modules: {NEOX_LINEAR}); "), out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "(sweep job: seed=0 memory=lora " in out.stderr
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "multirun").exists()
+    assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.parametrize("left", ["policy", "checkpoints/step-00000004"])
