@@ -715,6 +715,36 @@ def test_lora_targets_of_a_model_not_in_the_cache_wait_for_its_load(monkeypatch)
     check_given_targets("/nonexistent/rlhflab-model", ["nope"])
 
 
+def test_lora_targets_of_a_hub_id_in_the_local_cache_are_judged_from_its_cached_config(tmp_path):
+    """A hub id (the presets' model.name_or_path) whose config.json is in the local Hugging Face cache is judged as a
+    local directory is, without the network; its snapshot here is the tiny GPT-NeoX's config alone."""
+    import shutil
+
+    snapshot = tmp_path / "hub" / "models--rlhflab-tests--tiny-neox" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    shutil.copy(save_tiny_neox(tmp_path / "neox") / "config.json", snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc")
+    script = """
+import socket
+def no_network(*args, **kwargs):
+    raise AssertionError("the check asked the network")
+socket.getaddrinfo = socket.socket.connect = no_network
+from rlhflab.errors import ConfigError
+from rlhflab.models.build import check_given_targets
+check_given_targets("rlhflab-tests/tiny-neox", ["dense", "nope"])
+try:
+    check_given_targets("rlhflab-tests/tiny-neox", ["nope"])
+except ConfigError as err:
+    print(err)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("memory.target_modules: none of GPTNeoXForCausalLM's decoder layers has a module it "
+                                 f"names (their linear modules: {NEOX_LINEAR}); "), out.stdout + out.stderr
+
+
 def test_lora_targets_are_judged_on_the_critic_a_given_reward_model_gives(tmp_path):
     """memory=lora with values (PPO) puts the critic's adapter on the reward model's backbone where that model reads
     the policy's tokens (LoraMemory.build): targets the policy has and the reward model lacks (q_proj: the tiny
