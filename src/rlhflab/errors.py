@@ -133,15 +133,17 @@ ONE_LINE = (ConfigError, StageFailed, NonFiniteError, RewardError, RankLost, Tra
 
 
 class RunInterrupted(BaseException):
-    """SIGINT or SIGTERM asked the run to stop. A BaseException, like KeyboardInterrupt, so that no
-    `except Exception` on the way up swallows it; unlike KeyboardInterrupt, Lightning re-raises it."""
+    """SIGINT or SIGTERM asked the run to stop, or SIGPIPE (its output pipe was closed: interrupts.output_closed).
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way up swallows it; unlike
+    KeyboardInterrupt, Lightning re-raises it."""
 
     def __init__(self, signum: int) -> None:
         import signal
 
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        why = " (its output pipe was closed)" if signum == signal.SIGPIPE else ""
+        super().__init__(f"stopped by {signal.Signals(signum).name}{why}")
         self.signum = signum
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM, 141 for SIGPIPE

@@ -5,12 +5,17 @@ loop finishes its step, writes a checkpoint and raises RunInterrupted. Anywhere 
 (loading, a training stage) the signal raises RunInterrupted at once, and so does a
 second signal. Lightning composes its own SIGTERM handler with ours; the SIGTERMException
 it raises (a SystemExit with no code, which would report success) is converted too.
+
+A closed output pipe is the same request (`output_closed`): the reader of `python src/train.py | head` (grep -m,
+a pager) has what it wanted and is gone. Python ignores SIGPIPE, so the write raises BrokenPipeError instead.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import threading
 from contextlib import contextmanager
 
 from rlhflab.errors import RunInterrupted
@@ -32,6 +37,9 @@ class StopRequest:
         # Whether this job's MLflow run exists (train() sets it; main() clears it per job): a stop before it
         # has no run to mark KILLED or resume. Here, not on the exception: a repeated signal raises a new one.
         self.run_made = False
+        # The process whose handlers are installed: a child forked from it (the async generator) has a copy of this
+        # object, and its own write to a closed pipe is its learner's to act on.
+        self.pid: int | None = None
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum is not None or not self.polling:
@@ -60,13 +68,32 @@ class StopRequest:
         """Handle SIGINT and SIGTERM for the block (the main thread only), then restore the old handlers."""
         self.signum, self.polling, self.finishing = None, False, False
         previous = {s: signal.getsignal(s) for s in SIGNALS}
+        outer, self.pid = self.pid, os.getpid()
         for s in SIGNALS:
             signal.signal(s, self._handle)
         try:
             yield self
         finally:
+            self.pid = outer
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    def output_closed(self, stream) -> None:
+        """A write to `stream` (stdout, stderr) found its pipe closed by its reader: SIGPIPE's stop, as SIGINT's
+        (at the next step boundary with a checkpoint, else at once; KILLED, exit 141). Once: the stream, and the
+        other where 2>&1 made it the same pipe, then write to /dev/null (no more errors, nor at exit's flush).
+        Before, the BrokenPipeError went on to Rich, which exited 1: the run ended FAILED, `SystemExit: 1`."""
+        silence(stream)
+        if self.pid != os.getpid() or self.signum is not None:  # a forked child, no run here, or a stop under way
+            return
+        self.signum = signal.SIGPIPE
+        now = not self.polling and threading.current_thread() is threading.main_thread()
+        from rlhflab import distributed
+
+        log.log(logging.WARNING if distributed.is_main() else logging.INFO,  # (to train.log: the console is gone)
+                "the output pipe was closed (SIGPIPE): stopping %s", "now" if now else "after this step with a checkpoint")
+        if now:  # (another thread's write leaves it to the main thread's next check, as a signal would)
+            raise RunInterrupted(signal.SIGPIPE)
 
     def take_back(self) -> None:
         """Handle SIGINT and SIGTERM ourselves again inside a fit (checkpoint.SignalsOurs, at on_train_start):
@@ -99,6 +126,25 @@ class StopRequest:
 
 
 STOP = StopRequest()
+
+
+def silence(stream) -> None:
+    """Point `stream`'s file descriptor at /dev/null, and stdout's and stderr's where they are the same pipe."""
+    try:
+        fd = stream.fileno()
+        closed = os.fstat(fd)
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture), or gone
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for std in {fd, 1, 2}:
+            try:
+                if std == fd or os.path.samestat(os.fstat(std), closed):
+                    os.dup2(devnull, std)
+            except OSError:
+                pass
+    finally:
+        os.close(devnull)
 
 
 def as_interrupt(err: BaseException) -> RunInterrupted | None:

@@ -8,7 +8,10 @@ import sys
 import time
 import warnings
 
+from rich.console import Console
 from rich.logging import RichHandler
+
+from rlhflab.interrupts import STOP
 
 
 class ConsoleHandler(RichHandler):
@@ -23,8 +26,17 @@ class ConsoleHandler(RichHandler):
             stamp = time.strftime("%X", time.localtime(record.created))
             self.console.file.write(f"[{stamp}] {record.levelname:<8} {self.format(record)}\n")
             self.console.file.flush()
+        except BrokenPipeError:  # its reader is gone (| head, a pager quit): a stop, and no '--- Logging error ---'
+            STOP.output_closed(self.console.file)
         except Exception:
             self.handleError(record)
+
+
+def _reader_gone(console: Console) -> None:
+    """Rich's Console.on_broken_pipe (the progress bars; log lines on a terminal), as ConsoleHandler's. Rich's own
+    exits 1 (SystemExit): the run ended FAILED with `SystemExit: 1`, and without the checkpoint a stop writes."""
+    console.quiet = True
+    STOP.output_closed(console.file)
 
 
 class _Once(logging.Filter):
@@ -61,6 +73,7 @@ _SAID = _SaidByTheTracker()
 
 
 def quiet_libraries() -> None:
+    Console.on_broken_pipe = _reader_gone  # Rich's global console, which Lightning reconfigures at each stage
     # Lightning installs its own console handler; Hydra's root handler already prints its records.
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero"):
         logger = logging.getLogger(name)
