@@ -152,7 +152,10 @@ def test_async_resume_loses_and_repeats_no_batch_and_keeps_staleness_exact(make_
         assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
     else:
         assert all(torch.equal(a[k], b[k]) for k in a)
-    assert MlflowClient(uri).get_run(resumed.run_id).info.status == "FINISHED"
+    run = MlflowClient(uri).get_run(resumed.run_id)
+    assert run.info.status == "FINISHED"
+    # what stopped it, kept apart: a finished run does not read as stopped
+    assert "rlhflab.stopped" not in run.data.tags and run.data.tags["rlhflab.stopped_before_resume"] == "stopped by SIGINT"
 
 
 def test_a_stop_between_weight_pushes_trains_on_to_the_next_and_checkpoints_there(make_cfg, tmp_path, monkeypatch, caplog):

@@ -50,6 +50,7 @@ RUN_RECORD = "mlflow_run.json"  # in a run's output directory: its MLflow run id
 SWEEP_MOVED_FROM_TAG = f"{SWEEP_TAG}.moved_from"  # on a job's run a later sweep continued: the first parent it was under
 SWEEP_CONTINUED_BY_TAG = f"{SWEEP_TAG}.continued_by"  # on a parent: the later sweep its jobs' runs moved to
 ERROR_TAG = "rlhflab.error"  # on a FAILED run: what ended it, in one line (`<type>: <message>`)
+STOP_TAG = "rlhflab.stopped"  # on a KILLED run: what stopped it (`stopped by SIGPIPE (its output pipe was closed)`)
 MAX_TAG = 5000  # MLflow caps tag values (8000 chars); error messages are kept below it
 OBJECTIVE = "sweep/objective"  # on each job's run, with a KL budget (kl_budget): the value its sweeper was told
 

@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError, WriteFailed
-from rlhflab.naming import (ERROR_TAG, PARENT_RUN_ENV, RUN_RECORD, SWEPT_ENV, absolute_uri, behind_server, check_server, default_run_name,
+from rlhflab.naming import (ERROR_TAG, PARENT_RUN_ENV, RUN_RECORD, STOP_TAG, SWEPT_ENV, absolute_uri, behind_server, check_server, default_run_name,
                             named_run, redact, sqlite_path)
 
 log = logging.getLogger(__name__)
@@ -298,10 +298,11 @@ class MlflowTracker:
             client.update_run(resume_run_id, status="RUNNING")
             self.run_id = resume_run_id
             self.logged_steps = self._logged_steps()
-            failed = client.get_run(resume_run_id).data.tags.get(ERROR_TAG)
-            if failed:  # the failure it goes on from: kept apart, so a run that finishes does not read as failed
-                client.set_tag(self.run_id, f"{ERROR_TAG}_before_resume", failed)
-                client.delete_tag(self.run_id, ERROR_TAG)
+            ended = client.get_run(resume_run_id).data.tags
+            for tag in (ERROR_TAG, STOP_TAG):  # the failure or stop it goes on from: kept apart, so a run that
+                if ended.get(tag):  # finishes does not read as failed or stopped
+                    client.set_tag(self.run_id, f"{tag}_before_resume", ended[tag])
+                    client.delete_tag(self.run_id, tag)
             client.set_tag(self.run_id, "rlhflab.resumed_at", time.strftime("%Y-%m-%d %H:%M:%S"))
             log.info("mlflow: resuming run %s at %s", self.run_id, redact(self.tracking_uri))
             self._start_system_metrics()

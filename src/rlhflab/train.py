@@ -36,7 +36,7 @@ from rlhflab.lit.progress import StageProgressBar
 from rlhflab.lit.rl_module import RLHFModule
 from rlhflab.models.build import check_arch, check_vocabulary, ensure_base_model, load_tokenizer
 from rlhflab.models.checks import check_hub, check_hub_dataset
-from rlhflab.naming import ERROR_TAG, MAX_TAG, RUN_RECORD, absolute_uri, redact
+from rlhflab.naming import ERROR_TAG, MAX_TAG, RUN_RECORD, STOP_TAG, absolute_uri, redact
 from rlhflab.quiet import quiet_libraries
 from rlhflab.rng import fixed_seed
 from rlhflab.schema import ranks, trainer_devices, writable_dir
@@ -214,6 +214,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
                     raise
                 raise said from None
             distributed.claim_end("run")
+            tracker.set_tag(STOP_TAG, str(interrupted))  # which signal; a closed output pipe says so
             status = "KILLED"
             raise interrupted from None
         finally:
