@@ -146,13 +146,13 @@ def _terminal_signals() -> None:
 
 
 @contextmanager
-def cli_run(args: list[str], cwd: Path, env: dict | None = None):
-    """`python src/train.py ARGS` in its own process group; the group is always killed on exit,
-    so no learner or generator outlives the test, whatever it asserted. It starts with SIGINT as a terminal's
-    foreground command has it: a suite started in the background (`cmd &` in a script, a CI runner) passes
-    SIG_IGN down, and Python then raises no KeyboardInterrupt before rlhflab's own handler is installed."""
+def cli_run(args: list[str], cwd: Path, env: dict | None = None, stderr=subprocess.STDOUT):
+    """`python src/train.py ARGS` in its own process group, its stdout a pipe (with its stderr: 2>&1, or `stderr`);
+    the group is always killed on exit, so no learner or generator outlives the test, whatever it asserted. It starts
+    with SIGINT as a terminal's foreground command has it: a suite started in the background (`cmd &` in a script, a
+    CI runner) passes SIG_IGN down, and Python then raises no KeyboardInterrupt before rlhflab's own handler is installed."""
     proc = subprocess.Popen([sys.executable, TRAIN, *args], cwd=cwd, env=os.environ | (env or {}), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=_terminal_signals)
+                            stderr=stderr, text=True, start_new_session=True, preexec_fn=_terminal_signals)
     try:
         yield proc
     finally:

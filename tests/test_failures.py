@@ -164,6 +164,37 @@ def test_signal_under_load_stops_within_seconds_killed_with_checkpoint(tmp_path,
     assert output.count(f"{sig.name} received") == 1, output[-3000:]  # the learner's, not the generator's too
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["stdout", "2>&1"])
+def test_a_closed_output_pipe_stops_the_run_killed_with_a_checkpoint(tmp_path, stage_cache, merged):
+    """`python src/train.py | head` (grep -m1, a pager quit): once the reader had its lines and closed the pipe,
+    every log line printed '--- Logging error ---' and a BrokenPipeError traceback on stderr, and Rich's progress bar
+    exited 1: the run ended FAILED with `SystemExit: 1` and no checkpoint. A closed pipe is SIGPIPE's stop: the run
+    stops after its step with a checkpoint, KILLED and tagged why, exit 141, its metrics kept; stderr has the stop's
+    line alone (with 2>&1 it has nowhere to go). The reader leaves once RL's first line is in train.log."""
+    env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    out, err = tmp_path / "run", tmp_path / "stderr.txt"
+    log = out / "train.log"
+    with open(err, "w") as stderr, cli_run([*SHRINK, "rl.eval_every=1", "trainer.max_steps=100", f"output.dir={out}",
+                                            f"hydra.run.dir={out}"], tmp_path, env,
+                                           subprocess.STDOUT if merged else stderr) as proc:
+        wait_for(lambda: log.exists() and "eval after 0 RL steps" in log.read_text(), 300, "the RL stage", proc)
+        proc.stdout.close()  # the reader has what it wanted; the run's next line (step 1's eval) meets a closed pipe
+        rc = proc.wait(timeout=120)
+    said = err.read_text()
+    assert rc == 141, said[-3000:]
+    run = MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id_of(out))
+    assert run.info.status == "KILLED"
+    assert run.data.tags["rlhflab.stopped"] == "stopped by SIGPIPE (its output pipe was closed)"
+    steps = [int(p.name.removeprefix("step-")) for p in (out / "checkpoints").glob("step-*")]
+    assert steps and max(steps) < 100 and not (out / "policy").exists(), said[-3000:]
+    assert history(env["MLFLOW_TRACKING_URI"], run.info.run_id, "eval/gold_reward")[-1][0] == max(steps)  # none lost
+    assert "the output pipe was closed (SIGPIPE): stopping after this step with a checkpoint" in log.read_text()
+    if not merged:
+        assert "Traceback" not in said and "BrokenPipe" not in said and "Logging error" not in said, said[-3000:]
+        assert said.strip().splitlines()[-1] == ("stopped: stopped by SIGPIPE (its output pipe was closed); the MLflow run "
+                                                 f"is KILLED. Continue with the same command and resume=auto output.dir={out}")
+
+
 # ---- non-finite values ----------------------------------------------------------------------
 
 class NaNReward(RuleReward):
