@@ -553,6 +553,23 @@ def test_a_sweep_with_lora_targets_a_given_model_lacks_stops_before_it_starts(tm
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_key_the_swept_groups_default_lacks_is_one_line_with_hydras_fix(tmp_path, capsys, monkeypatch):
+    """Hydra composes a sweep's own config from the command line without its sweeps (memory=full, the default, for
+    memory=lora,hydra): each job had memory.target_modules and passed the preflight, then Hydra stopped with 6 lines,
+    "Key 'target_modules' not in 'FullMemory'". `++` adds the key there and sets it in each job."""
+    from rlhflab.cli import preflight
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        preflight(["-m", "memory=lora,hydra", "memory.target_modules=[q_proj,v_proj]"])
+    assert capsys.readouterr().err == (
+        "error: memory.target_modules=[q_proj,v_proj]: memory=full has no memory.target_modules, and Hydra composes "
+        "the sweep's own config from that default before its jobs (memory=lora,hydra left out); write "
+        "++memory.target_modules=[q_proj,v_proj], which adds it there and sets it in every job\n")
+    preflight(["-m", "memory=lora,hydra", "++memory.target_modules=[q_proj,v_proj]"])  # returns: the sweep may start
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("left", ["policy", "checkpoints/step-00000004"])
 def test_a_rerun_of_a_sweep_into_its_jobs_directories_stops_before_it_starts(tmp_path, capsys, left):
     """A job's output.dir that holds another run's checkpoints or saved policy (the same -m command with

@@ -100,7 +100,41 @@ def preflight(argv: list[str]) -> None:
         except Exception as err:  # Hydra's and OmegaConf's composition errors
             fail(composition_error(err, job) + which[tuple(job)])
     if sweeping:
+        check_sweep_base(overrides)
         check_sweep_jobs({job: words for job, words in which.items() if job not in parents}, composed)
+
+
+def check_sweep_base(overrides: list[str]) -> None:
+    """Hydra composes a sweep's own config before its jobs, from the command line without its sweeps: a swept group
+    keeps its default option there. `-m memory=lora,hydra memory.target_modules=[q_proj]` composed in each job,
+    passed here, and then stopped in Hydra with 6 lines ending "Key 'target_modules' not in 'FullMemory'", since
+    memory=full has no target_modules. One line, with Hydra's own fix: `++key=value` adds the key where it is missing
+    (the sweep's own config) and sets it where it is not (each job)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    base = [text for text, one in zip(overrides, parsed) if not one.is_sweep_override()]
+    if len(base) == len(overrides):  # no sweep on the command line: the sweep's config is a job's, composed above
+        return
+    try:
+        compose(base)
+    except Exception as err:
+        found = re.search(r"Could not override '([^']+)'", str(err))
+        override = next((o for o in base if found and o.partition("=")[0] == found.group(1)), None)
+        if override is None:
+            fail(f"{composition_error(err, base)} (in the sweep's own config, which Hydra composes from the command "
+                 "line without its sweeps)")
+        key = found.group(1)
+        group = key.partition(".")[0]
+        try:
+            choice = compose([o for o in base if o != override], hydra=True).hydra.runtime.choices.get(group)
+        except Exception:
+            choice = None
+        swept = " ".join(t for t, one in zip(overrides, parsed) if one.is_sweep_override() and str(one.get_key_element()) == group)
+        default = f"{group}={choice}" if choice else f"the default {group}"
+        fail(f"{override}: {default} has no {key}, and Hydra composes the sweep's own config from that default before "
+             f"its jobs ({swept or 'the sweeps'} left out); write ++{override}, which adds it there and sets it in "
+             "every job")
 
 
 def check_sweep_jobs(which: dict[tuple[str, ...], str], composed: dict[tuple[str, ...], DictConfig]) -> None:
