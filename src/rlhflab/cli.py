@@ -99,9 +99,9 @@ def preflight(argv: list[str]) -> None:
             fail(f"{err}{which[tuple(job)]}")
         except Exception as err:  # Hydra's and OmegaConf's composition errors
             fail(composition_error(err, job) + which[tuple(job)])
-    if sweeping:
-        check_sweep_base(overrides)
+    if sweeping:  # a job's own error first: it is the more precise (memory.target_modules=[nope] is wrong in any job)
         check_sweep_jobs({job: words for job, words in which.items() if job not in parents}, composed)
+        check_sweep_base(overrides)
 
 
 def check_sweep_base(overrides: list[str]) -> None:
