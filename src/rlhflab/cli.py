@@ -149,6 +149,7 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str], composed: dict[tuple[str
     `composed`: each job's config as the preflight composed it (taken, not composed again)."""
     import logging
     import warnings
+    from functools import partial
 
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
@@ -175,15 +176,16 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str], composed: dict[tuple[str
                     elif cfg.output.dir and cfg.resume == "auto":  # the same, to continue it: a job that finished
                         check_sweep_resume_dir(Path(cfg.output.dir))
                     given = cfg.model.get("sft_path") or cfg.model.get("name_or_path")
-                    task = OmegaConf.to_yaml(cfg.task)
-                    if not given:  # one train() builds from model.arch
+                    if given:
+                        tokenizer = partial(load_tokenizer, cfg.model.get("tokenizer") or given, given)
+                    else:  # one train() builds from model.arch
+                        task = OmegaConf.to_yaml(cfg.task)
                         if task not in tokenizers:
                             tokenizers[task] = plan.task.build_tokenizer()
                         check_arch(OmegaConf.to_container(cfg.model.arch, resolve=True), tokenizers[task],
                                    cfg.memory.get("target_modules"))
-                    # a given model's LoRA targets, on its config (read without a download)
-                    check_lora_targets(cfg, plan, lambda: tokenizers[task] if not given else
-                                       load_tokenizer(cfg.model.get("tokenizer") or given, given))
+                        tokenizer = partial(tokenizers.get, task)
+                    check_lora_targets(cfg, plan, tokenizer)  # a given model's (or reward model's), on its config
                 except ConfigError as err:
                     fail(f"{err}{words or ' (sweep job: ' + ' '.join(job) + ')'}")
     finally:

@@ -128,7 +128,7 @@ def check_given_targets(name_or_path, target_modules, auto_class=None) -> None:
     AutoModelForTokenClassification), so that the line names the model as adapt's would."""
     from rlhflab.models.targets import check_targets
 
-    if not name_or_path or target_modules is None or isinstance(target_modules, str):  # all-linear, a regex: peft's
+    if not name_or_path:
         return
     config = Path(str(name_or_path)).expanduser() / "config.json"
     stamp = config.stat().st_mtime_ns if config.is_file() else None  # a directory saved again: read again
