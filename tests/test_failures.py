@@ -68,6 +68,48 @@ def test_a_repeated_signal_while_the_stop_unwinds_is_the_same_stop(monkeypatch, 
     assert restored is signal.default_int_handler  # put back as the process had it
 
 
+@pytest.mark.parametrize("when, ends", [("ending", "FINISHED"), ("ending", "FAILED"), ("final eval", "FINISHED")])
+def test_a_signal_after_the_last_step_boundary_waits_for_the_runs_end(make_cfg, monkeypatch, capsys, when, ends):
+    """Ctrl-C as the MLflow run was being ended (its last metrics, then its status; a slow store makes that window
+    long) stopped the ending itself: the run stayed RUNNING, though it had trained to the end or failed. One in the
+    final eval (after RL's last step boundary) was dropped: the run ended FINISHED, exit 0, and a sweep went on. The
+    signal now waits for the run's end, then stops the command (a sweep too) in one line that says how the run ended.
+    It is sent from inside MLflow's set_terminated, before the status is written, or from the final eval."""
+    import rlhflab.train as entry
+    from rlhflab.interrupts import STOP
+    from rlhflab.lit.rl_module import RLHFModule
+
+    owner, name = (MlflowClient, "set_terminated") if when == "ending" else (RLHFModule, "final_evaluation")
+    real = getattr(owner, name)
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0)  # a bytecode boundary: Python runs the handler here
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+    cfg = make_cfg("trainer.max_steps=2", *(nan_reward(2) if ends == "FAILED" else ()))
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(SystemExit) as exit:
+            entry.main(cfg)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert exit.value.code == 130
+    client = MlflowClient(cfg.logger.tracking_uri)
+    run = client.search_runs([client.get_experiment_by_name("rlhflab").experiment_id])[0]
+    assert run.info.status == ends
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    if ends == "FINISHED":
+        assert (Path(cfg.output.dir) / "policy").is_dir()
+        assert line == (f"stopped: stopped by SIGINT; the MLflow run is FINISHED: it had trained to the end (policy: "
+                        f"{cfg.output.dir}/policy)")
+    else:
+        assert line.startswith("stopped: stopped by SIGINT; the MLflow run is FAILED (NonFiniteError: the rewards "
+                               "(train/reward) not finite at RL step 2"), line
+    assert STOP.ended == ends
+
+
 def accept_from(server, proc):
     """The next connection to `server` that `proc` made. Under pytest-xdist another worker's test may connect to a
     port it probed and released, which this server then took: that one is closed and passed over."""

@@ -40,8 +40,18 @@ class StopRequest:
         # The process whose handlers are installed: a child forked from it (the async generator) has a copy of this
         # object, and its own write to a closed pipe is its learner's to act on.
         self.pid: int | None = None
+        # Set while the MLflow run is being ended (`ending_run`): the first signal there is `held` until it has ended.
+        self.ending = False
+        self.held: int | None = None
+        # The status the job's MLflow run was ended with (None: not ended, e.g. its store stopped answering).
+        self.ended: str | None = None
 
     def _handle(self, signum: int, frame) -> None:
+        if self.ending and self.held is None:  # interrupted there, the run stayed RUNNING with its last metrics unwritten
+            self.held = signum
+            self.signum = self.signum or signum
+            log.warning("%s received: ending the MLflow run first (send it again to stop at once)", signal.Signals(signum).name)
+            return
         if self.signum is not None or not self.polling:
             self.signum = signum
             raise RunInterrupted(signum)
@@ -66,7 +76,7 @@ class StopRequest:
     @contextmanager
     def installed(self):
         """Handle SIGINT and SIGTERM for the block (the main thread only), then restore the old handlers."""
-        self.signum, self.polling, self.finishing = None, False, False
+        self.signum, self.polling, self.finishing, self.ending, self.held, self.ended = None, False, False, False, None, None
         previous = {s: signal.getsignal(s) for s in SIGNALS}
         outer, self.pid = self.pid, os.getpid()
         for s in SIGNALS:
@@ -87,7 +97,9 @@ class StopRequest:
         if self.pid != os.getpid() or self.signum is not None:  # a forked child, no run here, or a stop under way
             return
         self.signum = signal.SIGPIPE
-        now = not self.polling and threading.current_thread() is threading.main_thread()
+        if self.ending:
+            self.held = signal.SIGPIPE
+        now = not (self.polling or self.ending) and threading.current_thread() is threading.main_thread()
         from rlhflab import distributed
 
         log.log(logging.WARNING if distributed.is_main() else logging.INFO,  # (to train.log: the console is gone)
@@ -114,6 +126,17 @@ class StopRequest:
         if received:
             distributed.claim_end("run")  # every rank stops here: rank 0's watch leaves it to write its checkpoint
         return (received[0] if received else None), any(lost for _, lost in asked)
+
+    @contextmanager
+    def ending_run(self):
+        """While the block ends the MLflow run (tracker.finish: its last metrics, then its status), a first signal or a
+        closed output pipe waits for its end: stopped there, the run stayed RUNNING. A second signal stops at once (a
+        store that does not answer: MLflow's retries). What was held is the caller's to act on (`held`)."""
+        self.ending, self.held = True, None
+        try:
+            yield
+        finally:
+            self.ending = False
 
     @contextmanager
     def at_step_boundaries(self):

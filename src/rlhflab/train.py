@@ -218,15 +218,21 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
             status = "KILLED"
             raise interrupted from None
         finally:
-            STOP.run_made = bool(tracker.run_id)  # set from its start on: a stop while it logged its params made one too
-            plan.source.close()
-            tracker.finish(status)
+            with STOP.ending_run():  # a signal here waits: stopped in the middle, the MLflow run stayed RUNNING
+                STOP.run_made = bool(tracker.run_id)  # set from its start on: a stop while it logged its params made one too
+                plan.source.close()
+                tracker.finish(status)
+            STOP.ended = status if tracker.run_id and tracker.lost is None else None
+            if STOP.signum is not None and status == "FAILED":  # the run ended as it was to, and then the stop (a
+                raise RunInterrupted(STOP.signum) from sys.exc_info()[1]  # sweep stops too); main names its error
     if tracker.lost:  # trained to the end, but the store stopped answering: what it did not take goes to a file
         kept = out / "unwritten_metrics.json"
         kept.write_text(json.dumps(tracker.unwritten()))
         raise TrackingLost(f"mlflow: {redact(tracker.tracking_uri)} stopped answering ({tracker.lost}); the run trained to "
                            f"the end (policy: {out / 'policy'}), but its MLflow run {tracker.run_id} is not ended and "
                            f"{len(tracker.pending)} metric values are in {kept} instead", checkpointed=False)
+    if STOP.signum is not None:  # a signal after RL's last step boundary (its final eval, or as the run ended), which
+        raise RunInterrupted(STOP.signum)  # it trained to the end through: a sweep stops here too
     return result
 
 
@@ -626,8 +632,12 @@ def main(cfg: DictConfig) -> float | None:
     except RunInterrupted as err:
         out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
         how = how_to_continue(cfg, out, STOP.run_made)
+        if STOP.ended == "FINISHED":  # the signal came as it ended: nothing to continue
+            how = (", and the sweep stops here" if sweeping else "") + f": it had trained to the end (policy: {out}/policy)"
         # A stop while the run was being set up (an unanswered tracking server, a slow hub) has no run to mark.
-        what = "; the MLflow run is KILLED" if STOP.run_made else " before its MLflow run was made"
+        what = f"; the MLflow run is {STOP.ended or 'KILLED'}" if STOP.run_made else " before its MLflow run was made"
+        if STOP.ended == "FAILED" and err.__cause__ is not None:  # the signal came as the failed run ended
+            what += f" ({type(err.__cause__).__name__}: {err.__cause__})"
         if distributed.is_main():  # every rank stops alike; one says so
             print(f"stopped: {err}{what}{how}", file=sys.stderr)
         sys.exit(err.exit_code)  # a sweep stops too
