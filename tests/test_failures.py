@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -108,6 +109,33 @@ def test_a_signal_after_the_last_step_boundary_waits_for_the_runs_end(make_cfg, 
         assert line.startswith("stopped: stopped by SIGINT; the MLflow run is FAILED (NonFiniteError: the rewards "
                                "(train/reward) not finite at RL step 2"), line
     assert STOP.ended == ends
+
+
+def test_a_stop_that_a_finalizer_swallowed_is_raised_again(capfd):
+    """A signal raises its stop at once outside the RL loop. Landing in a finalizer (a weakref callback the garbage
+    collector ran: SQLAlchemy's, in stage sft), the raise was printed as 'Exception ignored in ...' with a traceback and
+    lost: the run trained on, and a test that waited for its exit failed. It is raised again once out of there."""
+    import weakref
+
+    from rlhflab.interrupts import STOP
+
+    class Held:
+        pass
+
+    def callback(ref):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0)  # the handler runs here, inside the callback: Python prints what it raises and goes on
+
+    with pytest.raises(RunInterrupted) as stop:
+        with STOP.installed():
+            held = Held()
+            ref = weakref.ref(held, callback)  # noqa: F841
+            del held
+            threading.Event().wait(60)  # a signal's handler runs in it (lock waits are interruptible)
+            pytest.fail("the stop was lost")
+    assert stop.value.signum == signal.SIGINT
+    assert "Exception ignored" not in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL  # as it was
 
 
 def accept_from(server, proc):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -23,6 +24,7 @@ from rlhflab.errors import RunInterrupted
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+AGAIN_S = 0.01  # how soon a stop that a finalizer swallowed is raised again (StopRequest._unraisable)
 
 
 class StopRequest:
@@ -45,6 +47,10 @@ class StopRequest:
         self.held: int | None = None
         # The status the job's MLflow run was ended with (None: not ended, e.g. its store stopped answering).
         self.ended: str | None = None
+        # A stop raised where Python only prints it (`_unraisable`), to raise again once out of there (`_again`).
+        self.again: int | None = None
+        self._alarm_before = None
+        self._hook_before = sys.unraisablehook
 
     def _handle(self, signum: int, frame) -> None:
         if self.ending and self.held is None:  # interrupted there, the run stayed RUNNING with its last metrics unwritten
@@ -81,9 +87,18 @@ class StopRequest:
         outer, self.pid = self.pid, os.getpid()
         for s in SIGNALS:
             signal.signal(s, self._handle)
+        ours = getattr(sys.unraisablehook, "__self__", None) is self  # (main's, around train's)
+        if not ours:
+            self._hook_before, sys.unraisablehook = sys.unraisablehook, self._unraisable
         try:
             yield self
         finally:
+            if not ours:
+                sys.unraisablehook = self._hook_before
+                if self.again is not None:  # the stop it waited to raise is under way some other way: no alarm after
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                    signal.signal(signal.SIGALRM, self._alarm_before or signal.SIG_DFL)
+                    self.again = None
             self.pid = outer
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -106,6 +121,32 @@ class StopRequest:
                 "the output pipe was closed (SIGPIPE): stopping %s", "now" if now else "after this step with a checkpoint")
         if now:  # (another thread's write leaves it to the main thread's next check, as a signal would)
             raise RunInterrupted(signal.SIGPIPE)
+
+    def _unraisable(self, unraisable) -> None:
+        """sys.unraisablehook: a stop raised at once inside a finalizer (a weakref callback the garbage collector ran,
+        a __del__) was printed as 'Exception ignored in ...' with its traceback, and lost: Ctrl-C in stage sft trained
+        on. It is raised again shortly, from SIGALRM's handler (`_again`), once Python is out of there."""
+        err = unraisable.exc_value
+        if not isinstance(err, RunInterrupted) or self.pid != os.getpid():
+            self._hook_before(unraisable)  # anything else: as before (Python's own print, pytest's record)
+            return
+        if self.again is None:
+            self.again = err.signum
+            self._alarm_before = signal.signal(signal.SIGALRM, self._again)
+        signal.setitimer(signal.ITIMER_REAL, AGAIN_S)
+
+    def _again(self, signum: int, frame) -> None:
+        """SIGALRM's handler while a stop waits to be raised again (`_unraisable`): raised, unless the alarm came while
+        Python was still in that hook (then once more, a little later)."""
+        while frame is not None:
+            if frame.f_code is StopRequest._unraisable.__code__:
+                signal.setitimer(signal.ITIMER_REAL, AGAIN_S)
+                return
+            frame = frame.f_back
+        again, self.again = self.again, None
+        signal.signal(signal.SIGALRM, self._alarm_before or signal.SIG_DFL)
+        if again is not None:
+            raise RunInterrupted(again)
 
     def take_back(self) -> None:
         """Handle SIGINT and SIGTERM ourselves again inside a fit (checkpoint.SignalsOurs, at on_train_start):
