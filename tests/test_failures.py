@@ -182,21 +182,35 @@ def test_a_stop_before_the_run_exists_says_so_in_one_line(tmp_path, answered):
                     "command again" if answered else "stopped: stopped by SIGINT while no run was training"), output[-3000:]
 
 
-def test_a_stop_before_the_first_checkpoint_does_not_promise_a_resume(tmp_path):
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
+def test_a_stop_before_the_first_checkpoint_does_not_promise_a_resume(tmp_path, sweep):
     """Ctrl-C in stage sft said 'Continue with the same command and resume=auto', which started a new MLflow run
-    (there was no checkpoint) and left the KILLED one empty."""
-    out = tmp_path / "run"
-    log = out / "train.log"
+    (there was no checkpoint) and left the KILLED one empty; in a sweep, 'Continue this job alone: ... resume=auto'."""
+    out = tmp_path / "run" / ("0" if sweep else "")
     env = {"RLHFLAB_CACHE": str(tmp_path / "cache"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
-    with cli_run([*SHRINK, "stages.sft.epochs=200", f"output.dir={out}", f"hydra.run.dir={out}"], tmp_path, env) as proc:
-        wait_for(lambda: log.exists() and "stage sft: training on" in log.read_text(), 300, "stage sft", proc)
+    args = [*SHRINK, "stages.sft.epochs=200"]
+    with cli_run(["-m", "seed=1,2", *args, f"output.dir={tmp_path}/run/${{hydra:job.num}}"] if sweep else
+                 [*args, f"output.dir={out}", f"hydra.run.dir={out}"], tmp_path, env) as proc:
+        lines: list[str] = []  # (a sweep's job logs to its job directory under multirun/: its console is read)
+        reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
+        reader.start()
+        wait_for(lambda: any("stage sft: training on" in line for line in lines), 300, "stage sft", proc)
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=120)
-        output = proc.stdout.read()
+        reader.join(timeout=30)
+        output = "".join(lines)
     assert rc == 130, output[-3000:]
-    assert output.strip().splitlines()[-1] == (
-        "stopped: stopped by SIGINT; the MLflow run is KILLED: it stopped before its first checkpoint, so there is "
-        "nothing to resume; the same command starts a new run (the stages that finished are cached)"), output[-3000:]
+    last = output.strip().splitlines()[-1]
+    if not sweep:
+        assert last == (
+            "stopped: stopped by SIGINT; the MLflow run is KILLED: it stopped before its first checkpoint, so there is "
+            "nothing to resume; the same command starts a new run (the stages that finished are cached)"), output[-3000:]
+        return
+    said, _, job = last.partition(" Run it alone: ")
+    assert said == ("stopped: stopped by SIGINT; the MLflow run is KILLED, and the sweep stops here; this job stopped before "
+                    "its first checkpoint, so there is nothing to resume."), output[-3000:]
+    assert job.startswith("python src/train.py seed=1 ") and job.endswith(f" hydra.mode=RUN output.dir={out}"), last
+    assert "resume" not in job, last
 
 
 @pytest.mark.slow

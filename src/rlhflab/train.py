@@ -667,8 +667,13 @@ def how_to_continue(cfg: DictConfig, out, run_made: bool) -> str:
         # every job to this job's directory; hydra.mode=RUN: a sweep preset (experiment=sweep_*) sets MULTIRUN itself
         # (the sweep's own output.dir or resume, e.g. 'output.dir=runs/$\{hydra\:job.num\}' as Hydra keeps it: given again)
         own = [o for o in HydraConfig.get().overrides.task if o.partition("=")[0].lstrip("+~") not in ("output.dir", "resume")]
-        job = shlex.join(["python", "src/train.py", *own, "hydra.mode=RUN", "resume=auto", f"output.dir={out}"])
-        return f", and the sweep stops here. Continue this job alone: {job}"
+        if run_made and out and ckpt.newest(ckpt.directory(Path(out))) is not None:
+            job = shlex.join(["python", "src/train.py", *own, "hydra.mode=RUN", "resume=auto", f"output.dir={out}"])
+            return f", and the sweep stops here. Continue this job alone: {job}"
+        # a stop in a stage or before the run was made: resume=auto would start anew all the same, not continue
+        job = shlex.join(["python", "src/train.py", *own, "hydra.mode=RUN", f"output.dir={out}"])
+        return (", and the sweep stops here; this job stopped before its first checkpoint, so there is nothing to resume. "
+                f"Run it alone: {job}")
     if run_made and out and ckpt.newest(ckpt.directory(Path(out))) is None:  # a stop in a stage, or RL's first step:
         # resume=auto started a new run, and the KILLED one stayed empty
         return (": it stopped before its first checkpoint, so there is nothing to resume; the same command starts a "
