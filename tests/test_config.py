@@ -758,7 +758,19 @@ def test_lora_targets_are_judged_on_the_critic_a_given_reward_model_gives(tmp_pa
     cfg = compose_cfg(["memory=lora", "algo=ppo", f"model.reward_model_path={rm}", "memory.target_modules=[q_proj]"])
     plan = validate(cfg)
     with pytest.raises(ConfigError, match=r"^memory\.target_modules: none of GPTNeoXForTokenClassification's decoder "
-                                          rf"layers has a module it names \(their linear modules: {NEOX_LINEAR}\); "):
+                                          rf"layers \(the critic, on model\.reward_model_path={rm}\) has a module it names "
+                                          rf"\(their linear modules: {NEOX_LINEAR}\); set memory\.target_modules=all-linear, "
+                                          rf"or memory\.target_modules=\[q_proj,{NEOX_LINEAR.replace(', ', ',')}\]$"):
+        check_lora_targets(cfg, plan, lambda: words)  # the list it offers keeps the policy's q_proj
+    from peft import TaskType
+    from transformers import AutoModelForTokenClassification
+
+    from rlhflab.memory.lora import adapt, critic_of, lora_config
+
+    with pytest.raises(ConfigError) as at_load:  # adapt's own line, where the load comes first, is the same
+        adapt(AutoModelForTokenClassification.from_pretrained(rm), lora_config(8, 16, 0.0, ["q_proj"], TaskType.TOKEN_CLS),
+              critic_of(rm), keep=["q_proj"])
+    with pytest.raises(ConfigError, match=re.escape(str(at_load.value))):
         check_lora_targets(cfg, plan, lambda: words)
     for algo, targets in (("rloo", "[q_proj]"), ("ppo", "[q_proj,query_key_value]")):  # no critic; targets both have
         cfg = compose_cfg(["memory=lora", f"algo={algo}", f"model.reward_model_path={rm}", f"memory.target_modules={targets}"])

@@ -281,7 +281,7 @@ def check_lora_targets(cfg: DictConfig, plan: Plan, policy_tokenizer) -> None:
     stage sft's and hydra_sft's policies are), and memory=lora's critic where it is the backbone of a given
     model.reward_model_path (LoraMemory.build). `policy_tokenizer()`: the policy's tokenizer, read only for that
     critic's. A given model whose config cannot be read without a download is left to adapt, once it loads."""
-    from rlhflab.memory.lora import LoraMemory, critic_on_reward_model
+    from rlhflab.memory.lora import LoraMemory, critic_of, critic_on_reward_model
     from rlhflab.models.build import check_given_targets
 
     targets = cfg.memory.get("target_modules")
@@ -298,7 +298,7 @@ def check_lora_targets(cfg: DictConfig, plan: Plan, policy_tokenizer) -> None:
     if critic_on_reward_model(True, reward, tokenizer):
         from transformers import AutoModelForTokenClassification
 
-        check_given_targets(reward, targets, AutoModelForTokenClassification)
+        check_given_targets(reward, targets, AutoModelForTokenClassification, critic_of(reward), keep=targets)
 
 
 def warn_unused_arch(model: DictConfig, overrides: list[str]) -> None:

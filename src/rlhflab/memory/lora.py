@@ -45,11 +45,17 @@ def lora_config(r: int, lora_alpha: float, lora_dropout: float, target_modules, 
     return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets, task_type=task_type, **extra)
 
 
-def adapt(model: nn.Module, config, **kwargs):
+def critic_of(reward_path) -> str:
+    """Which model a target line is about, where it is memory=lora's critic on the reward model's backbone."""
+    return f" (the critic, on model.reward_model_path={reward_path})"
+
+
+def adapt(model: nn.Module, config, of: str = "", keep=(), **kwargs):
     """`get_peft_model`, refusing in one line target names that reach none of the model's decoder layers: the
     default names are Llama's and GPT-NeoX's, and on GPT-2 they matched its (tied) LM head alone, so the policy
     trained an adapter on the head only and the critic's, with no head to match, raised peft's
-    NoMatchingPeftModuleError traceback."""
+    NoMatchingPeftModuleError traceback. `of`, `keep`: which model, where it is not the policy (critic_of), and the
+    names the list keeps for the policy (targets_reach_nothing)."""
     from peft import get_peft_model
     from peft.utils.error import NoMatchingPeftModuleError
 
@@ -61,7 +67,7 @@ def adapt(model: nn.Module, config, **kwargs):
             raise
         wrapped = None
     if linear and (wrapped is None or not {n.rpartition(".")[2] for n in wrapped.targeted_module_names} & set(linear)):
-        raise targets_reach_nothing(model, linear)
+        raise targets_reach_nothing(model, linear, of, keep)
     return wrapped
 
 
@@ -127,7 +133,8 @@ class LoraMemory(LoraSettings, FullMemory):
             start = reward_path if share else policy_path
             backbone = self.trainable(load_value_model(start, dtype, self.pad_token_id))
             config = lora_config(**self.lora, task_type=TaskType.TOKEN_CLS, modules_to_save=VALUE_HEAD_NAMES)
-            self.value_model = adapt(backbone, config)
+            self.value_model = adapt(backbone, config, *((critic_of(reward_path), self.lora.get("target_modules") or ())
+                                                         if share else ()))
         return self
 
     @torch.no_grad()

@@ -119,13 +119,14 @@ def saved_config(name_or_path):
         return None
 
 
-def check_given_targets(name_or_path, target_modules, auto_class=None) -> None:
+def check_given_targets(name_or_path, target_modules, auto_class=None, of: str = "", keep=()) -> None:
     """check_arch's target check for a given model (model.name_or_path, model.sft_path, model.reward_model_path):
     memory.target_modules=[nope] passed every check before the run for a model loaded by from_pretrained, and was
     adapt's line once the MLflow run was made and the stages had run (in a sweep, in each job's FAILED child). Judged
     on its skeleton on the meta device, built from its config where it can be read without a download
     (saved_config); otherwise left to adapt. `auto_class`: the class the strategy adapts (the critic's
-    AutoModelForTokenClassification), so that the line names the model as adapt's would."""
+    AutoModelForTokenClassification), so that the line names the model as adapt's would; `of`, `keep`: which model it is
+    and what the list keeps for the policy (targets_reach_nothing)."""
     from rlhflab.models.targets import check_targets
 
     if not name_or_path:
@@ -137,7 +138,7 @@ def check_given_targets(name_or_path, target_modules, auto_class=None) -> None:
     except Exception:  # a config transformers reads but cannot build a model of: its load says what is wrong
         return
     if model is not None:
-        check_targets(model, target_modules)
+        check_targets(model, target_modules, of, keep)
 
 
 @functools.lru_cache(maxsize=16)
