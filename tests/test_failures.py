@@ -279,6 +279,33 @@ def test_a_closed_output_pipe_stops_the_run_killed_with_a_checkpoint(tmp_path, s
                                                  f"is KILLED. Continue with the same command and resume=auto output.dir={out}")
 
 
+def test_a_pipe_closed_on_hydras_own_lines_stops_the_next_job_as_it_starts(capfd):
+    """`python src/train.py -m ... | head -1`: the reader left while Hydra wrote a sweep's own lines ('[HYDRA] Launching
+    2 jobs locally'), before any job: each printed '--- Logging error ---' and a BrokenPipeError traceback, and the sweep
+    ran every job to its end for no reader. Hydra's lines go through rlhflab's handler (conf/hydra/hydra_logging), and
+    the next job stops as it starts, as a job whose pipe closed (exit 141; the sweep stops)."""
+    from rlhflab.interrupts import STOP
+    from rlhflab.quiet import HydraConsoleHandler
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone
+    stream = os.fdopen(write, "w")
+    logger = logging.getLogger("test_hydra_lines")
+    handler = HydraConsoleHandler(stream)
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.warning("Launching 2 jobs locally")
+        with pytest.raises(RunInterrupted) as stop:
+            with STOP.installed():
+                pytest.fail("the job started")
+    finally:
+        logger.removeHandler(handler)
+        stream.close()
+    assert stop.value.signum == signal.SIGPIPE and not STOP.closed_before
+    assert "Logging error" not in capfd.readouterr().err
+
+
 # ---- non-finite values ----------------------------------------------------------------------
 
 class NaNReward(RuleReward):

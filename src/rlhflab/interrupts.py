@@ -50,6 +50,8 @@ class StopRequest:
         # A stop raised where Python only prints it (`_unraisable`), to raise again once out of there (`_again`).
         self.again: int | None = None
         self._alarm_before = None
+        # The output pipe closed while no job ran (a sweep's own [HYDRA] lines): the next job stops as it starts.
+        self.closed_before = False
         self._hook_before = sys.unraisablehook
 
     def _handle(self, signum: int, frame) -> None:
@@ -82,6 +84,9 @@ class StopRequest:
     @contextmanager
     def installed(self):
         """Handle SIGINT and SIGTERM for the block (the main thread only), then restore the old handlers."""
+        if self.closed_before:  # the reader left before this job (a sweep's lines): the stop a job has, at its start
+            self.signum, self.closed_before = signal.SIGPIPE, False
+            raise RunInterrupted(signal.SIGPIPE)
         self.signum, self.polling, self.finishing, self.ending, self.held, self.ended = None, False, False, False, None, None
         previous = {s: signal.getsignal(s) for s in SIGNALS}
         outer, self.pid = self.pid, os.getpid()
@@ -109,6 +114,9 @@ class StopRequest:
         other where 2>&1 made it the same pipe, then write to /dev/null (no more errors, nor at exit's flush).
         Before, the BrokenPipeError went on to Rich, which exited 1: the run ended FAILED, `SystemExit: 1`."""
         silence(stream)
+        if self.pid is None:  # no job runs (a sweep before its first job, or between two): the next one stops at once
+            self.closed_before = True
+            return
         if self.pid != os.getpid() or self.signum is not None:  # a forked child, no run here, or a stop under way
             return
         self.signum = signal.SIGPIPE

@@ -32,6 +32,19 @@ class ConsoleHandler(RichHandler):
             self.handleError(record)
 
 
+class HydraConsoleHandler(logging.StreamHandler):
+    """Hydra's own lines ('[HYDRA] Launching 2 jobs locally', a sweep's before and between its jobs) on stdout, as
+    Hydra's default handler writes them (conf/hydra/hydra_logging/rlhflab.yaml). A closed pipe there (`-m ... | head`)
+    printed '--- Logging error ---' and a BrokenPipeError traceback per line, and the sweep ran on to its end: now it
+    is the stop ConsoleHandler's is."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], BrokenPipeError):
+            STOP.output_closed(self.stream)
+            return
+        super().handleError(record)
+
+
 def _reader_gone(console: Console) -> None:
     """Rich's Console.on_broken_pipe (the progress bars; log lines on a terminal), as ConsoleHandler's. Rich's own
     exits 1 (SystemExit): the run ended FAILED with `SystemExit: 1`, and without the checkpoint a stop writes."""

@@ -672,8 +672,8 @@ def how_to_continue(cfg: DictConfig, out, run_made: bool) -> str:
             return f", and the sweep stops here. Continue this job alone: {job}"
         # a stop in a stage or before the run was made: resume=auto would start anew all the same, not continue
         job = shlex.join(["python", "src/train.py", *own, "hydra.mode=RUN", f"output.dir={out}"])
-        return (", and the sweep stops here; this job stopped before its first checkpoint, so there is nothing to resume. "
-                f"Run it alone: {job}")
+        why = "this job stopped before its first checkpoint, so there" if run_made else "there"
+        return f", and the sweep stops here; {why} is nothing to resume. Run it alone: {job}"
     if run_made and out and ckpt.newest(ckpt.directory(Path(out))) is None:  # a stop in a stage, or RL's first step:
         # resume=auto started a new run, and the KILLED one stayed empty
         return (": it stopped before its first checkpoint, so there is nothing to resume; the same command starts a "
