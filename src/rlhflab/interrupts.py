@@ -42,7 +42,8 @@ class StopRequest:
         # The process whose handlers are installed: a child forked from it (the async generator) has a copy of this
         # object, and its own write to a closed pipe is its learner's to act on.
         self.pid: int | None = None
-        # Set while the MLflow run is being ended (`ending_run`): the first signal there is `held` until it has ended.
+        # Set while the MLflow run is being ended (`ending_run`): the first signal there is held (`held`: which) until it
+        # has ended, and the caller then acts on `signum`.
         self.ending = False
         self.held: int | None = None
         # The status the job's MLflow run was ended with (None: not ended, e.g. its store stopped answering).
@@ -180,7 +181,7 @@ class StopRequest:
     def ending_run(self):
         """While the block ends the MLflow run (tracker.finish: its last metrics, then its status), a first signal or a
         closed output pipe waits for its end: stopped there, the run stayed RUNNING. A second signal stops at once (a
-        store that does not answer: MLflow's retries). What was held is the caller's to act on (`held`)."""
+        store that does not answer: MLflow's retries). The caller acts on `signum` once the block has ended."""
         self.ending, self.held = True, None
         try:
             yield

@@ -631,9 +631,10 @@ def main(cfg: DictConfig) -> float | None:
             result = train(cfg)
     except RunInterrupted as err:
         out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
-        how = how_to_continue(cfg, out, STOP.run_made)
         if STOP.ended == "FINISHED":  # the signal came as it ended: nothing to continue
             how = (", and the sweep stops here" if sweeping else "") + f": it had trained to the end (policy: {out}/policy)"
+        else:
+            how = how_to_continue(cfg, out, STOP.run_made)
         # A stop while the run was being set up (an unanswered tracking server, a slow hub) has no run to mark.
         what = f"; the MLflow run is {STOP.ended or 'KILLED'}" if STOP.run_made else " before its MLflow run was made"
         if STOP.ended == "FAILED" and err.__cause__ is not None:  # the signal came as the failed run ended
@@ -663,19 +664,19 @@ def how_to_continue(cfg: DictConfig, out, run_made: bool) -> str:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    # none in a stage or RL's first step: resume=auto would start a new run, and the KILLED one stay empty
+    resumable = bool(run_made and out and ckpt.newest(ckpt.directory(Path(out))) is not None)
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:  # the same -m command would send
         # every job to this job's directory; hydra.mode=RUN: a sweep preset (experiment=sweep_*) sets MULTIRUN itself
         # (the sweep's own output.dir or resume, e.g. 'output.dir=runs/$\{hydra\:job.num\}' as Hydra keeps it: given again)
         own = [o for o in HydraConfig.get().overrides.task if o.partition("=")[0].lstrip("+~") not in ("output.dir", "resume")]
-        if run_made and out and ckpt.newest(ckpt.directory(Path(out))) is not None:
+        if resumable:
             job = shlex.join(["python", "src/train.py", *own, "hydra.mode=RUN", "resume=auto", f"output.dir={out}"])
             return f", and the sweep stops here. Continue this job alone: {job}"
-        # a stop in a stage or before the run was made: resume=auto would start anew all the same, not continue
         job = shlex.join(["python", "src/train.py", *own, "hydra.mode=RUN", f"output.dir={out}"])
         why = "this job stopped before its first checkpoint, so there" if run_made else "there"
         return f", and the sweep stops here; {why} is nothing to resume. Run it alone: {job}"
-    if run_made and out and ckpt.newest(ckpt.directory(Path(out))) is None:  # a stop in a stage, or RL's first step:
-        # resume=auto started a new run, and the KILLED one stayed empty
+    if run_made and not resumable:
         return (": it stopped before its first checkpoint, so there is nothing to resume; the same command starts a "
                 "new run (the stages that finished are cached)")
     if run_made:

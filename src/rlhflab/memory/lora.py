@@ -133,8 +133,8 @@ class LoraMemory(LoraSettings, FullMemory):
             start = reward_path if share else policy_path
             backbone = self.trainable(load_value_model(start, dtype, self.pad_token_id))
             config = lora_config(**self.lora, task_type=TaskType.TOKEN_CLS, modules_to_save=VALUE_HEAD_NAMES)
-            self.value_model = adapt(backbone, config, *((critic_of(reward_path), self.lora.get("target_modules") or ())
-                                                         if share else ()))
+            of, keep = (critic_of(reward_path), self.lora["target_modules"]) if share else ("", ())
+            self.value_model = adapt(backbone, config, of, keep)
         return self
 
     @torch.no_grad()
