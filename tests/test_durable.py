@@ -189,6 +189,9 @@ def test_resume_refuses_a_different_config_naming_the_keys(make_cfg, tmp_path):
         train(make_cfg("trainer.max_steps=4", "rl.lr=3e-4", "resume=auto", f"output.dir={tmp_path}/run"))
     more = train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={tmp_path}/run"))  # max_steps may change
     assert more.module.updates == 4
+    tags = MlflowClient(make_cfg().logger.tracking_uri).get_run(more.run_id).data.tags
+    # the params keep their first values
+    assert tags["rlhflab.changed_on_resume"] == "trainer.max_steps: 2 -> 4; checkpoint.every_n_steps: 2 -> null"
     # the output directory given as the checkpoint: it said "not a whole checkpoint (no manifest: a partial or foreign entry)"
     with pytest.raises(ConfigError, match=rf"^resume: '{tmp_path}/run' is a run's output directory, not a checkpoint; continue "
                                           rf"that run with resume=auto output.dir={tmp_path}/run, or start from its newest "
@@ -437,6 +440,19 @@ def test_a_resume_that_changes_a_group_names_the_group(tmp_path, stage_cache):
         (line,) = [l for l in output.splitlines() if l.startswith("error: ")]
         assert proc.returncode == 2 and line.startswith(start), line
         assert "algo._target_" not in line
+    # A resume that trains further: MLflow keeps a param's first value (trainer.max_steps stayed 2, and nothing in the
+    # run said it had trained to 3, nor with which command, nor where the resume's train.log went).
+    with cli_run([*args, "resume=auto", "trainer.max_steps=3"], tmp_path) as proc:
+        output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id_of(out))
+    assert run.data.params["trainer.max_steps"] == "2" and run.data.tags["rlhflab.changed_on_resume"] == "trainer.max_steps: 2 -> 3"
+    first, resumed = run.data.tags["mlflow.note.content"].split("\n\nResumed at ")
+    assert first.startswith(f"`python src/train.py {' '.join(args)}`")
+    command = f"`python src/train.py {' '.join([*args, 'resume=auto', 'trainer.max_steps=3'])}`"
+    assert resumed.startswith(f"{run.data.tags['rlhflab.resumed_at']}: {command} (changed: trainer.max_steps: 2 -> 3); Hydra output "
+                              "directory (train.log, .hydra/): `"), resumed
+    assert Path(resumed.split("`")[-2], "train.log").is_file()
 
 
 def test_a_reward_that_fails_before_any_checkpoint_says_what_to_do(make_cfg, tmp_path, capsys):

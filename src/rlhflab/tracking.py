@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError, WriteFailed
-from rlhflab.naming import (ERROR_TAG, PARENT_RUN_ENV, RUN_RECORD, STOP_TAG, SWEPT_ENV, absolute_uri, behind_server, check_server, default_run_name,
+from rlhflab.naming import (ERROR_TAG, MAX_TAG, PARENT_RUN_ENV, RUN_RECORD, STOP_TAG, SWEPT_ENV, absolute_uri, behind_server, check_server, default_run_name,
                             named_run, redact, sqlite_path)
 
 log = logging.getLogger(__name__)
@@ -303,7 +303,7 @@ class MlflowTracker:
                 if ended.get(tag):  # finishes does not read as failed or stopped
                     client.set_tag(self.run_id, f"{tag}_before_resume", ended[tag])
                     client.delete_tag(self.run_id, tag)
-            client.set_tag(self.run_id, "rlhflab.resumed_at", time.strftime("%Y-%m-%d %H:%M:%S"))
+            self._record_resume(cfg, overrides, ended)
             log.info("mlflow: resuming run %s at %s", self.run_id, redact(self.tracking_uri))
             self._start_system_metrics()
             return self.run_id
@@ -335,6 +335,34 @@ class MlflowTracker:
         log.info("mlflow: run %s (%s) in experiment '%s' at %s", self.run_id, name, self.experiment_name, redact(self.tracking_uri))
         self._start_system_metrics()
         return self.run_id
+
+    def _record_resume(self, cfg: DictConfig, overrides: list[str], tags: dict[str, str]) -> None:
+        """What this resume is, where the UI shows it: MLflow keeps a param's first value, so the values the resume
+        changed (trainer.max_steps to train further, logger.*, ...) are the tag rlhflab.changed_on_resume, and each
+        resume's command (and Hydra directory, where its train.log is) is added to the run's description."""
+        from mlflow.entities import Param
+
+        client, at = self.client, time.strftime("%Y-%m-%d %H:%M:%S")
+        held = client.get_run(self.run_id).data.params
+        now = flatten(OmegaConf.to_container(cfg, resolve=True))
+        changed = [f"{k}: {held[k]} -> {v}" for k, v in now.items() if k in held and held[k] != v and k != "resume"]
+        new = [Param(k, v) for k, v in now.items() if k not in held]  # keys the first run's version did not have
+        for i in range(0, len(new), 100):  # MLflow takes at most 100 params per batch
+            client.log_batch(self.run_id, params=new[i : i + 100])
+        if changed:
+            client.set_tag(self.run_id, "rlhflab.changed_on_resume", "; ".join(changed)[:MAX_TAG])
+        elif "rlhflab.changed_on_resume" in tags:  # an earlier resume's changes, which this one put back
+            client.delete_tag(self.run_id, "rlhflab.changed_on_resume")
+        command = " ".join(["python src/train.py", *map(redact, overrides)])
+        hydra_dir = hydra_run_dir()
+        line = f"Resumed at {at}: `{command}`" + (f" (changed: {'; '.join(changed)})" if changed else "") + (
+            f"; Hydra output directory (train.log, .hydra/): `{hydra_dir}`" if hydra_dir is not None else "")
+        note = tags.get("mlflow.note.content", "")
+        text = redact(f"{note}\n\n{line}" if note else line)
+        if len(text) > MAX_TAG:  # many resumes: the first command and the newest resume
+            text = f"{note.split(chr(10) * 2 + 'Resumed at ')[0]}\n\n(earlier resumes left out)\n\n{redact(line)}"[-MAX_TAG:]
+        client.set_tag(self.run_id, "mlflow.note.content", text)
+        client.set_tag(self.run_id, "rlhflab.resumed_at", at)
 
     def log_again_after(self, step: int) -> None:
         """The steps after `step` are logged again, not passed over as the ones the run holds: a resume whose reward
