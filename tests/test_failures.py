@@ -517,6 +517,41 @@ def test_a_full_disk_under_the_sqlite_store_is_said_once_without_tracebacks(make
     assert "Traceback" not in err and "SQLAlchemy database error" not in err, err[-3000:]
 
 
+def test_a_full_disk_as_the_sqlite_store_is_made_is_one_short_line(tmp_path):
+    """The line held SQLAlchemy's whole CREATE TABLE statement and its FAQ link, and no fix."""
+    from rlhflab.tracking import ensure_experiment
+
+    with small_disk(tmp_path / "disk", "64K") as disk:  # the store's tables take ~950 KiB
+        uri = f"sqlite:///{disk}/mlflow.db"
+        with pytest.raises(ConfigError) as err:
+            ensure_experiment(uri, "rlhflab")
+    assert str(err.value) == (f"logger.tracking_uri: MLflow cannot open '{uri}' (from MLFLOW_TRACKING_URI or logger.tracking_uri=): "
+                              "OperationalError: (sqlite3.OperationalError) database or disk is full; make room on its disk, "
+                              "or give a database on another (logger.tracking_uri=sqlite:///<path>)")
+
+
+def test_a_full_sqlite_store_under_a_flushing_query_is_said_in_its_own_words():
+    """A full disk under mlflow.db met as a query flushed MLflow's metrics batch (seen: stage sft's 184 values, then RL
+    step 1): the line was '(raised as a result of Query-invoked autoflush; consider using a session.no_autoflush block
+    if this flush is occurring prematurely) (sqlite3.OperationalError) database or disk is full [SQL: INSERT INTO
+    metrics ...] [parameters: ', cut at 300 characters. The exception as MLflow's SQLite store raises it."""
+    import sqlite3
+
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException
+
+    from rlhflab.tracking import store_error, store_failed
+
+    full = sqlalchemy.exc.OperationalError('INSERT INTO metrics ("key", value, timestamp, step, is_nan, run_uuid) VALUES '
+                                           "(?, ?, ?, ?, ?, ?)", [("sft/loss", 2.5, 1764300852000, 3, False, "ab12")] * 40,
+                                           sqlite3.OperationalError("database or disk is full"))
+    full.add_detail("raised as a result of Query-invoked autoflush; consider using a session.no_autoflush block if this "
+                    "flush is occurring prematurely")
+    err = MlflowException(message=full, error_code="TEMPORARILY_UNAVAILABLE")
+    assert "[SQL: INSERT" in str(err.message) and store_failed(err)
+    assert store_error(err) == "(sqlite3.OperationalError) database or disk is full"
+
+
 def test_a_full_artifact_store_is_said_at_the_start_and_at_the_end_keeps_the_run_and_no_part(make_cfg, tmp_path, caplog):
     """MLflow keeps a run's files (config.yaml, generations.json, the policy) in the experiment's artifact store, not in
     mlflow.db. With that disk full, a run's start was a 30-line traceback. At its end the policy was half copied

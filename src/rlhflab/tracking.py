@@ -141,7 +141,6 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
     gold-reward view. One made elsewhere (a sweep's parent, an older rlhflab, by hand) gets the kind and view as
     this one has them; a user's own description stays. The client is made under the store lock: making one
     creates (migrates) a fresh SQLite database."""
-    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     tags = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": EXPERIMENT_NOTE,
@@ -173,11 +172,13 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
         # The store cannot be opened: a config error, whatever raised it. MLflow 3 refuses its file store
         # ('./mlruns', file:...); a database URI's driver is not installed (postgresql: ModuleNotFoundError); a
         # sqlite path runs through a file; databricks has no credentials.
-        why = " ".join(str(err.message if isinstance(err, MlflowException) else f"{type(err).__name__}: {err}").split())
+        why = error_text(err)
         if isinstance(err, ImportError):
             why += " (the store's database driver; pip install it)"
         elif isinstance(err, OSError) and sqlite_path(tracking_uri) is not None:  # its directory, or the lock file beside it
             why += "; give a database file in a directory this user can write, e.g. logger.tracking_uri=sqlite:///mlflow.db"
+        elif why.endswith("database or disk is full"):  # as it makes its tables
+            why += "; make room on its disk, or give a database on another (logger.tracking_uri=sqlite:///<path>)"
         raise ConfigError(f"logger.tracking_uri: MLflow cannot open '{redact(tracking_uri)}' (from MLFLOW_TRACKING_URI or "
                           f"logger.tracking_uri=): {redact(why)}") from None
 
@@ -203,12 +204,20 @@ def store_failed(err: BaseException) -> bool:
     return isinstance(err, OSError) or type(err).__name__ in ("OperationalError", "ConnectionError", "Timeout")
 
 
-def store_error(err: BaseException) -> str:
-    """One line of why, without the address's credentials."""
+def error_text(err: BaseException) -> str:
+    """An error of the store on one line: MLflow's message (or the exception's type and words), without SQLAlchemy's
+    link to its FAQ, its advice on a write a query flushed (MLflow's metrics batch), and the statement with the run's
+    values (a CREATE TABLE, or an INSERT of 40 rows, in which the error's own words were lost)."""
     from mlflow.exceptions import MlflowException
 
     text = " ".join(str(err.message if isinstance(err, MlflowException) else f"{type(err).__name__}: {err}").split())
-    text = re.sub(r" ?\(Background on this error at: [^)]*\)", "", text)  # SQLAlchemy's link to its FAQ
+    text = re.sub(r" ?\(Background on this error at: [^)]*\)", "", text)
+    return re.sub(r"\(raised as a result of Query-invoked autoflush;[^)]*\) ?| ?\[SQL: .*", "", text)
+
+
+def store_error(err: BaseException) -> str:
+    """One line of why, without the address's credentials."""
+    text = error_text(err)
     # MLflow's HTTP failure nests urllib3's in requests' ('API request to ... failed with exception
     # HTTPConnectionPool(...): Max retries exceeded ... [Errno 111] Connection refused'): the OS's words say it
     cause = re.search(r"\[Errno -?\d+\] [^'\"()]+|Read timed out|Connection aborted|Remote end closed connection", text)
