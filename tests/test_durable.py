@@ -646,21 +646,49 @@ def test_a_store_lost_in_the_stages_is_tried_once_more_as_the_run_ends_not_at_ev
     assert history(uri, run_id, "sft/loss") and [s for s, _ in history(uri, run_id, "train/reward")] == [1, 2, 3, 4]
 
 
-def test_a_tracking_store_gone_at_the_runs_end_leaves_its_metrics_in_a_file(make_cfg, tmp_path, monkeypatch):
-    """The store stops answering as the trained run writes its summaries: nothing is left to train or resume, so the
-    metrics it did not take go to a file named in one line, beside the saved policy."""
-    import json
+def test_a_tracking_store_gone_at_the_runs_end_leaves_its_metrics_in_a_file_that_resume_auto_writes(make_cfg, tmp_path,
+                                                                                                    monkeypatch, capsys, caplog):
+    """The store stops answering as the trained run writes its summaries: nothing is left to train, so the metrics it
+    did not take go to a file named in one line, beside the saved policy. The MLflow run then stayed RUNNING for good:
+    nothing wrote the file, and resume=auto refused the directory (a saved policy, no checkpoint). Now, once the store
+    answers, resume=auto writes them, every step once, and ends the run FINISHED, training and loading nothing."""
+    import rlhflab.train as entry
 
-    store_goes_away(monkeypatch, lambda m: m.key == "perf/total_s")
+    writes = store_goes_away(monkeypatch, lambda m: m.key == "perf/total_s")
     out = tmp_path / "run"
-    with pytest.raises(TrackingLost) as err:
-        train(make_cfg("trainer.max_steps=2", "logger.flush_every_s=0", f"output.dir={out}"))
+    args = ["trainer.max_steps=2", "logger.flush_every_s=0", f"output.dir={out}"]
+    with pytest.raises(SystemExit) as exit:
+        entry.main(make_cfg(*args))
+    assert exit.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
     kept = json.loads((out / "unwritten_metrics.json").read_text())
     assert "perf/total_s" in {key for key, _, _, _ in kept}
-    assert str(err.value) == (f"mlflow: {make_cfg().logger.tracking_uri} stopped answering ([Errno 111] Connection refused); "
-                              f"the run trained to the end (policy: {out}/policy), but its MLflow run {run_id_of(out)} is "
-                              f"not ended and {len(kept)} metric values are in {out}/unwritten_metrics.json instead")
-    assert (out / "policy" / "model.safetensors").is_file()
+    uri, run_id = make_cfg().logger.tracking_uri, run_id_of(out)
+    # the warning said the run would stop at its next RL step with a checkpoint: RL had ended
+    assert (f"mlflow: {uri} did not take the run's metrics ([Errno 111] Connection refused); RL has ended, so what was not "
+            "written goes to unwritten_metrics.json in the output directory as the run ends") in caplog.messages
+    assert err == (f"error: mlflow: {uri} stopped answering ([Errno 111] Connection refused); the run trained to the end "
+                   f"(policy: {out}/policy), but its MLflow run {run_id} is not ended and {len(kept)} metric values are in "
+                   f"{out}/unwritten_metrics.json instead; once it answers, the same command with resume=auto "
+                   f"output.dir={out} writes them and ends the run FINISHED"), err
+    policy = (out / "policy" / "model.safetensors").read_bytes()
+    with pytest.raises(TrackingLost) as err:  # still down: said, and the file kept
+        train(make_cfg(*args, "resume=auto"))
+    assert str(err.value) == (f"mlflow: {uri} still does not answer ([Errno 111] Connection refused); the {len(kept)} metric "
+                              f"values stay in {out}/unwritten_metrics.json and the MLflow run {run_id} is not ended")
+    assert (out / "unwritten_metrics.json").is_file() and MlflowClient(uri).get_run(run_id).info.status == "RUNNING"
+    assert [a.path for a in MlflowClient(uri).list_artifacts(run_id)] == ["config.yaml", "policy"]  # not generations.json
+    for name in ("log_batch", "set_terminated", "set_tag", "log_table"):
+        monkeypatch.setattr(MlflowClient, name, writes[name])  # it answers again
+    done = train(make_cfg(*args, "resume=auto"))
+    assert done.run_id == run_id and done.module is None and (out / "policy" / "model.safetensors").read_bytes() == policy
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.info.status == "FINISHED" and not (out / "unwritten_metrics.json").exists()
+    assert [a.path for a in MlflowClient(uri).list_artifacts(run_id)] == ["config.yaml", "generations.json", "policy"]
+    for key, value, _, step in kept:
+        assert (step, value) in history(uri, run_id, key)
+    assert [s for s, _ in history(uri, run_id, "train/reward")] == [1, 2]  # every step once
+    assert done.metrics["perf/total_s"] == run.data.metrics["perf/total_s"]
 
 
 def test_two_runs_started_in_the_same_second_get_their_own_directories(tmp_path):

@@ -29,6 +29,8 @@ from rlhflab.naming import (ERROR_TAG, MAX_TAG, PARENT_RUN_ENV, RUN_RECORD, STOP
 
 log = logging.getLogger(__name__)
 
+UNWRITTEN = "unwritten_metrics.json"  # in the output directory: what a store that stopped answering at the end did not take
+
 EXPERIMENT_KIND = "custom_model_development"  # MLflow 3's classic training view, not GenAI's traces and judges
 # The runs table as rlhflab opens it: sorted by the gold reward, its column shown first. MLflow's UI reads a view from
 # an experiment tag `mlflow.sharedViewState.<key>` when the URL names the key (viewStateShareKey), and picks the
@@ -254,6 +256,8 @@ class MlflowTracker:
         # What was not written stays in `pending`; the RL stage then stops with a checkpoint that keeps it
         # (lit/checkpoint.Checkpointer), and a resume writes it first.
         self.lost: str | None = None
+        # what then happens, for the warning (rl_ended: no RL step is left to stop at)
+        self.when_lost = "the run stops at its next RL step with a checkpoint that keeps what was not written"
         # MLflow prints "View run ... at <tracking URI>" when a run against a server ends, password and all;
         # the closing line of a run gives a redacted link instead.
         os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
@@ -454,8 +458,8 @@ class MlflowTracker:
                 raise
             on_lost()
             if self.lost is None:
-                log.warning("mlflow: %s did not take the run's %s (%s); the run stops at its next RL step with a checkpoint "
-                            "that keeps what was not written", redact(self.tracking_uri), what, store_error(err))
+                log.warning("mlflow: %s did not take the run's %s (%s); %s", redact(self.tracking_uri), what, store_error(err),
+                            self.when_lost)
             self.lost = store_error(err)
 
     def _write(self, what: str, write, skipped=lambda: None) -> None:
@@ -476,6 +480,25 @@ class MlflowTracker:
             if step > self.logged_steps.get(key, -1):
                 self.pending.append(Metric(key, value, timestamp, step))
         self.flush()
+
+    def rl_ended(self) -> None:
+        """RL's last step is done (its final evaluation, the summaries, the policy are left): a store lost from here
+        is met by train, which writes what it did not take to UNWRITTEN."""
+        self.when_lost = f"RL has ended, so what was not written goes to {UNWRITTEN} in the output directory as the run ends"
+
+    def write_unwritten(self, run_id: str, rows: list) -> int:
+        """Reopen `run_id`, a run that trained to the end but whose store stopped answering as it ended (train's
+        UNWRITTEN file), and write `rows` (a step the run holds is not logged twice). Returns how many; a store that
+        still does not answer leaves `lost` set."""
+        from mlflow.entities import Metric
+
+        self.run_id = run_id
+        self.logged_steps = self._logged_steps()
+        self.pending = [Metric(key, value, timestamp, step) for key, value, timestamp, step in rows
+                        if step > self.logged_steps.get(key, -1)]
+        written = len(self.pending)
+        self.flush()
+        return written
 
     def unwritten(self) -> list[list]:
         """The buffered metrics as plain rows (key, value, timestamp, step), for a checkpoint."""

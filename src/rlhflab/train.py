@@ -41,7 +41,7 @@ from rlhflab.quiet import quiet_libraries
 from rlhflab.rng import fixed_seed
 from rlhflab.schema import ranks, trainer_devices, writable_dir
 from rlhflab.stages.pipeline import run_stages
-from rlhflab.tracking import MlflowTracker
+from rlhflab.tracking import UNWRITTEN, MlflowTracker
 
 log = logging.getLogger("rlhflab")
 LOCK_FILE = ".rlhflab.lock"  # in the output directory: which process runs there
@@ -50,7 +50,7 @@ LOCK_FILE = ".rlhflab.lock"  # in the output directory: which process runs there
 @dataclass
 class Result:
     metrics: dict[str, float]
-    module: RLHFModule  # for callers (tests) that inspect the trained models
+    module: RLHFModule | None  # for callers (tests) that inspect the trained models; None where nothing was trained
     run_id: str
     output_dir: Path
 
@@ -166,6 +166,8 @@ def train(cfg: DictConfig) -> Result:
 
 def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     """train(cfg) from the checkpoint it resumes on: the MLflow run, the stages and RL, its end."""
+    if cfg.resume == "auto" and (out / UNWRITTEN).is_file():  # it trained to the end: nothing to train or load
+        return end_unwritten_run(cfg, plan.tracker, out)
     if not cfg.resume:  # a finished run's directory: its policy first (its checkpoints' line would offer resume=auto)
         check_saved_policy(None, None, out, key)
     resume = ckpt.find(cfg.resume, out, cfg, key)
@@ -226,7 +228,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
             if STOP.signum is not None and status == "FAILED":  # the run ended as it was to, and then the stop (a
                 raise RunInterrupted(STOP.signum) from sys.exc_info()[1]  # sweep stops too); main names its error
     if tracker.lost:  # trained to the end, but the store stopped answering: what it did not take goes to a file
-        kept = out / "unwritten_metrics.json"
+        kept = out / UNWRITTEN
         kept.write_text(json.dumps(tracker.unwritten()))
         raise TrackingLost(f"mlflow: {redact(tracker.tracking_uri)} stopped answering ({tracker.lost}); the run trained to "
                            f"the end (policy: {out / 'policy'}), but its MLflow run {tracker.run_id} is not ended and "
@@ -234,6 +236,42 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
     if STOP.signum is not None:  # a signal after RL's last step boundary (its final eval, or as the run ended), which
         raise RunInterrupted(STOP.signum)  # it trained to the end through: a sweep stops here too
     return result
+
+
+def end_unwritten_run(cfg: DictConfig, tracker: MlflowTracker, out: Path) -> Result:
+    """resume=auto in the directory of a run that trained to the end while its store stopped answering (TrackingLost:
+    the policy saved, the metrics the store did not take in UNWRITTEN, the MLflow run left RUNNING with no way to
+    end it): once the store answers, those metrics are written, every step once, the policy and generations.json
+    it could not copy are logged, and the run ended FINISHED. Nothing is loaded or trained."""
+    kept = out / UNWRITTEN
+    try:
+        run_id = json.loads((out / RUN_RECORD).read_text())["run_id"]
+        rows = json.loads(kept.read_text())
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"resume=auto: {kept} or {out / RUN_RECORD} cannot be read ({err}), so the metrics its run could "
+                          f"not write cannot be written now; remove {kept} to leave them") from None
+    missing = tracker.cannot_continue(run_id, out)
+    if missing:
+        raise ConfigError(f"resume=auto: {kept} holds metrics of a run that trained to the end, but {missing}; point "
+                          "logger.tracking_uri (or MLFLOW_TRACKING_URI) at the store that holds it")
+    tracker.when_lost = f"they stay in {kept}"
+    written = tracker.write_unwritten(run_id, rows)
+    if not tracker.lost:
+        held = {a.path for a in tracker.client.list_artifacts(run_id)}
+        generations = out / "generations.json"
+        if "generations.json" not in held and generations.is_file():
+            tracker.log_generations(json.loads(generations.read_text()))
+        if cfg.output.log_policy and "policy" not in held and (out / "policy").is_dir():
+            tracker.log_artifacts(out / "policy", "policy")
+        tracker.finish("FINISHED")
+    if tracker.lost:
+        raise TrackingLost(f"mlflow: {redact(tracker.tracking_uri)} still does not answer ({tracker.lost}); the "
+                           f"{len(rows)} metric values stay in {kept} and the MLflow run {run_id} is not ended",
+                           checkpointed=False)
+    kept.unlink()
+    log.info("mlflow: wrote the %d metric values %s kept and ended run %s FINISHED; it had trained to the end "
+             "(policy: %s). %s", written, kept.name, run_id, out / "policy", browse_hint(tracker))
+    return Result(metrics=tracker.client.get_run(run_id).data.metrics, module=None, run_id=run_id, output_dir=out)
 
 
 def fit_tokenizer(cfg: DictConfig, task, base_path: str | None = None) -> tuple | None:
@@ -391,8 +429,8 @@ def check_sweep_resume_dir(out: Path) -> None:
     saved its policy and kept no checkpoint (it finished), check_saved_policy refused that job at its start, a FAILED
     child of the new parent, whose line said to retrain it in another directory."""
     policy = out / "policy"
-    if not policy.is_dir() or any(ckpt.directory(out).glob("step-*")):
-        return
+    if not policy.is_dir() or any(ckpt.directory(out).glob("step-*")) or (out / UNWRITTEN).is_file():
+        return  # (a run whose store stopped answering at its end: the job ends its MLflow run, end_unwritten_run)
     raise ConfigError(f"resume=auto: {out} holds the policy a run saved ({policy}{saved_words(policy)}) and no checkpoint "
                       "to continue, so this sweep would refuse that job; sweep only the values that have not run "
                       "(without resume=auto, in new directories), and continue a stopped job alone with the command its "
@@ -526,6 +564,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
         module.restore(resume, training=False)
         if module.eval_history[-1][0] != module.policy_version:  # killed after its last checkpoint, before the final eval
             logger.log_metrics(module.evaluate(), step=module.updates)
+    tracker.rl_ended()  # (also where there was nothing left to train)
     # a resumed run's: its processes' up to the checkpoint, and this one's
     t_rl, before = module.elapsed()["rl_s"], module.elapsed_before["rl_s"]
 
@@ -689,11 +728,11 @@ def resume_hint(err: Exception, cfg: DictConfig) -> str:
     how to continue from it once the cause is fixed. A non-finite value names its checkpoint itself."""
     from hydra.core.hydra_config import HydraConfig
 
+    out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
+    if isinstance(err, TrackingLost) and not err.checkpointed:  # it trained to the end: only its MLflow run to end
+        return f"; once it answers, the same command with resume=auto output.dir={out} writes them and ends the run FINISHED"
     if not isinstance(err, (RewardError, RankLost, TrackingLost, WriteFailed)) or not STOP.run_made:
         return ""
-    if isinstance(err, TrackingLost) and not err.checkpointed:  # it trained to the end: nothing to continue
-        return ""
-    out = cfg.output.dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None)
     last = out and ckpt.newest(ckpt.directory(Path(out)))
     if not last and isinstance(err, (RewardError, WriteFailed)):  # the line said nothing of what to do (a policy not
         # written at the end: that its weights are gone, and the whole run is to do again)

@@ -556,6 +556,8 @@ class RLHFModule(L.LightningModule):
             self.evaluate()
 
     def on_train_end(self) -> None:
+        if self.logger is not None and hasattr(self.logger, "tracker"):
+            self.logger.tracker.rl_ended()
         self.final_evaluation()
 
     def final_evaluation(self) -> None:
