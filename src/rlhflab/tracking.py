@@ -196,6 +196,11 @@ def check_artifact_store(tracking_uri: str, experiment) -> None:
                           "(logger.experiment_name=<new name>)")
 
 
+def log_param_batches(client, run_id: str, params: list) -> None:
+    for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+        client.log_batch(run_id, params=params[i : i + 100])
+
+
 def store_failed(err: BaseException) -> bool:
     """The store did not answer or failed on its side (a server down past MLflow's retries, a 5xx, a SQLite file
     gone or locked too long), as opposed to refusing a request (a bad value), which is a bug to raise."""
@@ -340,9 +345,7 @@ class MlflowTracker:
         self.run_id = run.info.run_id
         from mlflow.entities import Param
 
-        params = [Param(k, v) for k, v in flatten(OmegaConf.to_container(cfg, resolve=True)).items()]
-        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-            client.log_batch(self.run_id, params=params[i : i + 100])
+        log_param_batches(client, self.run_id, [Param(k, v) for k, v in flatten(OmegaConf.to_container(cfg, resolve=True)).items()])
         with self.artifact_store("config.yaml"):  # before anything trains: a full artifact disk is said now
             client.log_text(self.run_id, redact(OmegaConf.to_yaml(cfg, resolve=True)), "config.yaml")
         log.info("mlflow: run %s (%s) in experiment '%s' at %s", self.run_id, name, self.experiment_name, redact(self.tracking_uri))
@@ -359,9 +362,8 @@ class MlflowTracker:
         held = client.get_run(self.run_id).data.params
         now = flatten(OmegaConf.to_container(cfg, resolve=True))
         changed = [f"{k}: {held[k]} -> {v}" for k, v in now.items() if k in held and held[k] != v and k != "resume"]
-        new = [Param(k, v) for k, v in now.items() if k not in held]  # keys the first run's version did not have
-        for i in range(0, len(new), 100):  # MLflow takes at most 100 params per batch
-            client.log_batch(self.run_id, params=new[i : i + 100])
+        # keys the first run's version did not have
+        log_param_batches(client, self.run_id, [Param(k, v) for k, v in now.items() if k not in held])
         if changed:
             client.set_tag(self.run_id, "rlhflab.changed_on_resume", "; ".join(changed)[:MAX_TAG])
         elif "rlhflab.changed_on_resume" in tags:  # an earlier resume's changes, which this one put back
@@ -471,15 +473,16 @@ class MlflowTracker:
         with self.writing(what, skipped):
             write()
 
-    def replay(self, rows: list) -> None:
+    def replay(self, rows: list) -> int:
         """Metrics a stopped run's checkpoint kept because the store did not take them (`unwritten`), logged
-        first on resume; a step the run already holds is not logged twice."""
+        first on resume; a step the run already holds is not logged twice. Returns how many were new."""
         from mlflow.entities import Metric
 
-        for key, value, timestamp, step in rows:
-            if step > self.logged_steps.get(key, -1):
-                self.pending.append(Metric(key, value, timestamp, step))
+        new = [Metric(key, value, timestamp, step) for key, value, timestamp, step in rows
+               if step > self.logged_steps.get(key, -1)]
+        self.pending += new
         self.flush()
+        return len(new)
 
     def rl_ended(self) -> None:
         """RL's last step is done (its final evaluation, the summaries, the policy are left): a store lost from here
@@ -488,17 +491,11 @@ class MlflowTracker:
 
     def write_unwritten(self, run_id: str, rows: list) -> int:
         """Reopen `run_id`, a run that trained to the end but whose store stopped answering as it ended (train's
-        UNWRITTEN file), and write `rows` (a step the run holds is not logged twice). Returns how many; a store that
-        still does not answer leaves `lost` set."""
-        from mlflow.entities import Metric
-
+        UNWRITTEN file), and write `rows` as a resume replays them. Returns how many; a store that still does not
+        answer leaves `lost` set."""
         self.run_id = run_id
         self.logged_steps = self._logged_steps()
-        self.pending = [Metric(key, value, timestamp, step) for key, value, timestamp, step in rows
-                        if step > self.logged_steps.get(key, -1)]
-        written = len(self.pending)
-        self.flush()
-        return written
+        return self.replay(rows)
 
     def unwritten(self) -> list[list]:
         """The buffered metrics as plain rows (key, value, timestamp, step), for a checkpoint."""
@@ -512,9 +509,7 @@ class MlflowTracker:
 
         def write():
             have = self.client.get_run(self.run_id).data.params
-            new = [Param(k, param_text(v)) for k, v in params.items() if k not in have]
-            if new:
-                self.client.log_batch(self.run_id, params=new)
+            log_param_batches(self.client, self.run_id, [Param(k, param_text(v)) for k, v in params.items() if k not in have])
 
         self._write("params", write, lambda: log.warning("mlflow: params not logged (the store stopped answering): %s",
                                                           redact(", ".join(f"{k}={v}" for k, v in params.items()))))

@@ -561,10 +561,10 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
                 raise
     else:
         log.info("resume: the checkpoint is at step %d, the budget %d: nothing left to train", done, budget)
+        tracker.rl_ended()  # (after a fit, the module's on_train_end says it)
         module.restore(resume, training=False)
         if module.eval_history[-1][0] != module.policy_version:  # killed after its last checkpoint, before the final eval
             logger.log_metrics(module.evaluate(), step=module.updates)
-    tracker.rl_ended()  # (also where there was nothing left to train)
     # a resumed run's: its processes' up to the checkpoint, and this one's
     t_rl, before = module.elapsed()["rl_s"], module.elapsed_before["rl_s"]
 
