@@ -662,19 +662,21 @@ def test_a_tracking_store_gone_at_the_runs_end_leaves_its_metrics_in_a_file_that
     assert exit.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     kept = json.loads((out / "unwritten_metrics.json").read_text())
-    assert "perf/total_s" in {key for key, _, _, _ in kept}
+    assert "perf/total_s" in {key for key, _, _, _ in kept["metrics"]}
+    # the tag that says how perf/peak_mem_mb was measured, set after the store went: it was dropped without a word
+    assert kept["tags"] == {"perf/mem_method": "tracked_bytes"}
     uri, run_id = make_cfg().logger.tracking_uri, run_id_of(out)
     # the warning said the run would stop at its next RL step with a checkpoint: RL had ended
     assert (f"mlflow: {uri} did not take the run's metrics ([Errno 111] Connection refused); RL has ended, so what was not "
             "written goes to unwritten_metrics.json in the output directory as the run ends") in caplog.messages
     assert err == (f"error: mlflow: {uri} stopped answering ([Errno 111] Connection refused); the run trained to the end "
-                   f"(policy: {out}/policy), but its MLflow run {run_id} is not ended and {len(kept)} metric values are in "
+                   f"(policy: {out}/policy), but its MLflow run {run_id} is not ended and {len(kept['metrics'])} metric values are in "
                    f"{out}/unwritten_metrics.json instead; once it answers, the same command with resume=auto "
                    f"output.dir={out} writes them and ends the run FINISHED"), err
     policy = (out / "policy" / "model.safetensors").read_bytes()
     with pytest.raises(TrackingLost) as err:  # still down: said, and the file kept
         train(make_cfg(*args, "resume=auto"))
-    assert str(err.value) == (f"mlflow: {uri} still does not answer ([Errno 111] Connection refused); the {len(kept)} metric "
+    assert str(err.value) == (f"mlflow: {uri} still does not answer ([Errno 111] Connection refused); the {len(kept['metrics'])} metric "
                               f"values stay in {out}/unwritten_metrics.json and the MLflow run {run_id} is not ended")
     assert (out / "unwritten_metrics.json").is_file() and MlflowClient(uri).get_run(run_id).info.status == "RUNNING"
     assert [a.path for a in MlflowClient(uri).list_artifacts(run_id)] == ["config.yaml", "policy"]  # not generations.json
@@ -685,8 +687,9 @@ def test_a_tracking_store_gone_at_the_runs_end_leaves_its_metrics_in_a_file_that
     run = MlflowClient(uri).get_run(run_id)
     assert run.info.status == "FINISHED" and not (out / "unwritten_metrics.json").exists()
     assert [a.path for a in MlflowClient(uri).list_artifacts(run_id)] == ["config.yaml", "generations.json", "policy"]
-    for key, value, _, step in kept:
+    for key, value, _, step in kept["metrics"]:
         assert (step, value) in history(uri, run_id, key)
+    assert run.data.tags["perf/mem_method"] == "tracked_bytes"
     assert [s for s, _ in history(uri, run_id, "train/reward")] == [1, 2]  # every step once
     assert done.metrics["perf/total_s"] == run.data.metrics["perf/total_s"]
 

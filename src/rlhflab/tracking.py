@@ -252,6 +252,7 @@ class MlflowTracker:
         self.run_id: str | None = None
         self.logged_steps: dict[str, int] = {}
         self.pending: list = []  # mlflow.entities.Metric rows not written yet
+        self.pending_tags: dict[str, str] = {}  # tags set once the store stopped answering (perf/mem_method at the end)
         self.flushed_at = time.monotonic()
         self._keys: dict[str, str] = {}  # metric name -> the name MLflow accepts
         self._client = None
@@ -489,17 +490,24 @@ class MlflowTracker:
         is met by train, which writes what it did not take to UNWRITTEN."""
         self.when_lost = f"RL has ended, so what was not written goes to {UNWRITTEN} in the output directory as the run ends"
 
-    def write_unwritten(self, run_id: str, rows: list) -> int:
-        """Reopen `run_id`, a run that trained to the end but whose store stopped answering as it ended (train's
-        UNWRITTEN file), and write `rows` as a resume replays them. Returns how many; a store that still does not
-        answer leaves `lost` set."""
+    def write_unwritten(self, run_id: str, kept: dict) -> int:
+        """Reopen `run_id`, a run that trained to the end but whose store stopped answering as it ended, and write
+        what train's UNWRITTEN file kept (`ended_unwritten`): its metrics as a resume replays them, then its tags.
+        Returns how many metric values were new; a store that still does not answer leaves `lost` set."""
         self.run_id = run_id
         self.logged_steps = self._logged_steps()
-        return self.replay(rows)
+        written = self.replay(kept["metrics"])
+        for key, value in kept["tags"].items():
+            self.set_tag(key, value)
+        return written
 
     def unwritten(self) -> list[list]:
         """The buffered metrics as plain rows (key, value, timestamp, step), for a checkpoint."""
         return [[m.key, m.value, m.timestamp, m.step] for m in self.pending]
+
+    def ended_unwritten(self) -> dict:
+        """What a run that trained to the end could not write as it ended, for UNWRITTEN: its metrics and its tags."""
+        return {"metrics": self.unwritten(), "tags": dict(self.pending_tags)}
 
     def log_params(self, params: dict[str, str]) -> None:
         """Params not logged yet (a resumed run keeps the values it started with)."""
@@ -581,7 +589,9 @@ class MlflowTracker:
     def set_tag(self, key: str, value: str) -> None:
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
-        self._write(f"tag {key}", lambda: self.client.set_tag(self.run_id, key, redact(str(value))))
+        self.pending_tags.pop(key, None)
+        self._write(f"tag {key}", lambda: self.client.set_tag(self.run_id, key, redact(str(value))),
+                    lambda: self.pending_tags.__setitem__(key, str(value)))  # kept: a run that ended so writes it later
 
     def url(self, table: bool = False) -> str | None:
         """The run's page in an MLflow UI served from this tracking URI (default port), in the training

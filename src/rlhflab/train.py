@@ -229,7 +229,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
                 raise RunInterrupted(STOP.signum) from sys.exc_info()[1]  # sweep stops too); main names its error
     if tracker.lost:  # trained to the end, but the store stopped answering: what it did not take goes to a file
         kept = out / UNWRITTEN
-        kept.write_text(json.dumps(tracker.unwritten()))
+        kept.write_text(json.dumps(tracker.ended_unwritten()))
         raise TrackingLost(f"mlflow: {redact(tracker.tracking_uri)} stopped answering ({tracker.lost}); the run trained to "
                            f"the end (policy: {out / 'policy'}), but its MLflow run {tracker.run_id} is not ended and "
                            f"{len(tracker.pending)} metric values are in {kept} instead", checkpointed=False)
@@ -246,7 +246,8 @@ def end_unwritten_run(cfg: DictConfig, tracker: MlflowTracker, out: Path) -> Res
     kept = out / UNWRITTEN
     try:
         run_id = json.loads((out / RUN_RECORD).read_text())["run_id"]
-        rows = json.loads(kept.read_text())
+        ended = json.loads(kept.read_text())
+        rows, ended["tags"] = list(ended["metrics"]), dict(ended["tags"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"resume=auto: {kept} or {out / RUN_RECORD} cannot be read ({err}), so the metrics its run could "
                           f"not write cannot be written now; remove {kept} to leave them") from None
@@ -255,7 +256,7 @@ def end_unwritten_run(cfg: DictConfig, tracker: MlflowTracker, out: Path) -> Res
         raise ConfigError(f"resume=auto: {kept} holds metrics of a run that trained to the end, but {missing}; point "
                           "logger.tracking_uri (or MLFLOW_TRACKING_URI) at the store that holds it")
     tracker.when_lost = f"they stay in {kept}"
-    written = tracker.write_unwritten(run_id, rows)
+    written = tracker.write_unwritten(run_id, ended)
     if not tracker.lost:
         held = {a.path for a in tracker.client.list_artifacts(run_id)}
         generations = out / "generations.json"
