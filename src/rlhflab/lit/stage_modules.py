@@ -82,7 +82,9 @@ class RewardModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         chosen, rejected = batch
-        margin = self.score(chosen) - self.score(rejected)
+        # Chosen and rejected share one forward (pair_tensors pads them to one width), as in HydraSFTModule.
+        scores = self.score(torch.cat([chosen, rejected])).view(2, -1)
+        margin = scores[0] - scores[1]
         loss = -F.logsigmoid(margin).mean()
         require_finite(loss, "rm", "rm/loss", self.global_step, "stages.rm.lr")
         self.log("rm/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
