@@ -591,7 +591,7 @@ class MlflowTracker:
             return
         self.pending_tags.pop(key, None)
         self._write(f"tag {key}", lambda: self.client.set_tag(self.run_id, key, redact(str(value))),
-                    lambda: self.pending_tags.__setitem__(key, str(value)))  # kept: a run that ended so writes it later
+                    lambda: self.pending_tags.__setitem__(key, redact(str(value))))  # a run that ended so writes it later
 
     def url(self, table: bool = False) -> str | None:
         """The run's page in an MLflow UI served from this tracking URI (default port), in the training
