@@ -490,14 +490,14 @@ class MlflowTracker:
         is met by train, which writes what it did not take to UNWRITTEN."""
         self.when_lost = f"RL has ended, so what was not written goes to {UNWRITTEN} in the output directory as the run ends"
 
-    def write_unwritten(self, run_id: str, kept: dict) -> int:
+    def write_unwritten(self, run_id: str, rows: list, tags: dict) -> int:
         """Reopen `run_id`, a run that trained to the end but whose store stopped answering as it ended, and write
-        what train's UNWRITTEN file kept (`ended_unwritten`): its metrics as a resume replays them, then its tags.
-        Returns how many metric values were new; a store that still does not answer leaves `lost` set."""
+        what train's UNWRITTEN file kept (`ended_unwritten`): its metric `rows` as a resume replays them, then its
+        `tags`. Returns how many metric values were new; a store that still does not answer leaves `lost` set."""
         self.run_id = run_id
         self.logged_steps = self._logged_steps()
-        written = self.replay(kept["metrics"])
-        for key, value in kept["tags"].items():
+        written = self.replay(rows)
+        for key, value in tags.items():
             self.set_tag(key, value)
         return written
 
@@ -589,9 +589,10 @@ class MlflowTracker:
     def set_tag(self, key: str, value: str) -> None:
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
+        text = redact(str(value))
         self.pending_tags.pop(key, None)
-        self._write(f"tag {key}", lambda: self.client.set_tag(self.run_id, key, redact(str(value))),
-                    lambda: self.pending_tags.__setitem__(key, redact(str(value))))  # a run that ended so writes it later
+        self._write(f"tag {key}", lambda: self.client.set_tag(self.run_id, key, text),
+                    lambda: self.pending_tags.__setitem__(key, text))  # a run that ended so writes it later
 
     def url(self, table: bool = False) -> str | None:
         """The run's page in an MLflow UI served from this tracking URI (default port), in the training

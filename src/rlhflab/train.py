@@ -247,7 +247,7 @@ def end_unwritten_run(cfg: DictConfig, tracker: MlflowTracker, out: Path) -> Res
     try:
         run_id = json.loads((out / RUN_RECORD).read_text())["run_id"]
         ended = json.loads(kept.read_text())
-        rows, ended["tags"] = list(ended["metrics"]), dict(ended["tags"])
+        rows, tags = list(ended["metrics"]), dict(ended["tags"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"resume=auto: {kept} or {out / RUN_RECORD} cannot be read ({err}), so the metrics its run could "
                           f"not write cannot be written now; remove {kept} to leave them") from None
@@ -256,7 +256,7 @@ def end_unwritten_run(cfg: DictConfig, tracker: MlflowTracker, out: Path) -> Res
         raise ConfigError(f"resume=auto: {kept} holds metrics of a run that trained to the end, but {missing}; point "
                           "logger.tracking_uri (or MLFLOW_TRACKING_URI) at the store that holds it")
     tracker.when_lost = f"they stay in {kept}"
-    written = tracker.write_unwritten(run_id, ended)
+    written = tracker.write_unwritten(run_id, rows, tags)
     if not tracker.lost:
         held = {a.path for a in tracker.client.list_artifacts(run_id)}
         generations = out / "generations.json"
