@@ -105,6 +105,34 @@ def test_resume_after_sigkill_is_bit_identical_and_logs_each_step_once(tmp_path,
     assert len(client.search_runs([client.get_run(first_run).info.experiment_id])) == 2  # whole + cut, no third
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("resume", ["resume=auto", None])
+def test_a_run_sigkilled_before_its_first_checkpoint_is_ended_killed_by_the_next_run_in_its_directory(tmp_path, stage_cache,
+                                                                                                      resume):
+    """SIGKILL before any checkpoint: nothing ends the MLflow run, and no resume can continue it (there is nothing to
+    resume from), so it stayed RUNNING for good while the next run in the directory overwrote mlflow_run.json. That
+    next run (resume=auto, or the same command again) ends it KILLED, saying why, and names it."""
+    env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    out = tmp_path / "run"
+    args = [*SHRINK, "trainer.max_steps=2", "checkpoint.every_n_steps=100", f"output.dir={out}"]
+    with cli_run(args, tmp_path, env) as proc:
+        wait_for(lambda: (out / "mlflow_run.json").is_file(), 300, "the MLflow run", proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    killed = run_id_of(out)
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    assert client.get_run(killed).info.status == "RUNNING"
+    with cli_run([*args, *filter(None, [resume])], tmp_path, env) as proc:
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()[-4000:]
+        said = " ".join(proc.stdout.read().split())
+    assert f"run {killed}, left RUNNING in" in said
+    new = run_id_of(out)
+    assert new != killed and client.get_run(new).info.status == "FINISHED"
+    assert client.get_run(new).data.tags["rlhflab.replaces_run"] == killed
+    old = client.get_run(killed)
+    assert old.info.status == "KILLED" and new in old.data.tags["rlhflab.stopped"]
+
+
 class StopAt:
     """A Lightning callback that sends SIGINT to this process after RL step `n` (as Ctrl-C would)."""
 

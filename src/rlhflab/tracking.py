@@ -353,6 +353,45 @@ class MlflowTracker:
         self._start_system_metrics()
         return self.run_id
 
+    def end_left_running(self, output_dir: Path) -> str | None:
+        """The MLflow run that output_dir's mlflow_run.json names, where it is still RUNNING in this store: its process
+        died without a word (SIGKILL, a lost machine) before its first checkpoint, so no resume will ever continue it,
+        and it stayed RUNNING for good. This new run in the same directory (started; the directory is ours: output_lock)
+        ends it KILLED, with what ended it in rlhflab.stopped, and names it in its own tag rlhflab.replaces_run
+        (mlflow_run.json is about to name this run instead). -> its run id, or None where there was none."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            record = json.loads((Path(output_dir) / RUN_RECORD).read_text())
+            old, then = str(record["run_id"]), record["tracking_uri"]
+        except (OSError, ValueError, KeyError, TypeError):  # no record (a new directory), or not one we can read
+            return None
+        if old == self.run_id or then != redact(absolute_uri(self.tracking_uri)):  # a run in another store is left alone
+            return None
+        ended = None
+
+        def write():
+            nonlocal ended
+            try:
+                run = self.client.get_run(old)
+            except MlflowException as err:
+                if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+                    return
+                raise
+            if run.info.status != "RUNNING" or run.info.lifecycle_stage == "deleted":
+                return
+            self.client.set_tag(old, STOP_TAG, f"its process died without a word (SIGKILL or a lost machine) before its "
+                                               f"first checkpoint; ended by the next run in {output_dir}, {self.run_id}")
+            self.client.set_terminated(old, "KILLED")
+            self.client.set_tag(self.run_id, "rlhflab.replaces_run", old)
+            ended = old
+
+        self._write(f"end of the run {old} left RUNNING", write)
+        if ended:
+            log.warning("mlflow: run %s, left RUNNING in %s by a process that died before its first checkpoint (SIGKILL?), "
+                        "is ended KILLED; this run is tagged rlhflab.replaces_run=%s", old, output_dir, old)
+        return ended
+
     def _record_resume(self, cfg: DictConfig, overrides: list[str], tags: dict[str, str]) -> None:
         """What this resume is, where the UI shows it: MLflow keeps a param's first value, so the values the resume
         changed (trainer.max_steps to train further, logger.*, ...) are the tag rlhflab.changed_on_resume, and each
