@@ -483,17 +483,24 @@ def test_a_resume_that_changes_a_group_names_the_group(tmp_path, stage_cache):
     assert Path(resumed.split("`")[-2], "train.log").is_file()
 
 
-def test_a_reward_that_fails_before_any_checkpoint_says_what_to_do(make_cfg, tmp_path, capsys):
-    """Without a checkpoint the failure's line said only what failed, where a Ctrl-C says there is nothing to resume."""
+def test_a_reward_that_fails_before_any_checkpoint_says_what_to_do(make_cfg, tmp_path, capsys, caplog):
+    """Without a checkpoint the failure's line said only what failed, where a Ctrl-C says there is nothing to resume.
+    It named no line of the function, and train.log had neither the line nor the function's traceback."""
     import rlhflab.train as entry
 
     fn = tmp_path / "early.py"
-    fn.write_text("def score(prompts, completions, **columns):\n    raise OSError('the reward server went away')\n")
+    fn.write_text("def ask(server):\n    raise OSError(f'{server} went away')\n\n\n"
+                  "def score(prompts, completions, **columns):\n    return [ask('the reward server') for c in completions]\n")
     with pytest.raises(SystemExit):
         entry.main(make_cfg("reward=function", f"reward.fn={fn}:score", "trainer.max_steps=4"))
     err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"raised OSError: the reward server went away at {fn}:2 (on " in err, err
     assert err.endswith("; no checkpoint was written before it (set checkpoint.every_n_steps to keep some), so once fixed "
                         "the same command starts anew (the stages that finished are cached)"), err
+    # train.log (the root logger's file, not the console: the line went to stderr) has the line and the traceback
+    logged = [r for r in caplog.records if r.levelname == "ERROR" and getattr(r, "console", True) is False]
+    assert len(logged) == 1 and logged[0].getMessage().startswith(err + "\nTraceback (most recent call last):")
+    assert f'File "{fn}", line 6, in score' in logged[0].getMessage() and f'File "{fn}", line 2, in ask' in logged[0].getMessage()
 
 
 def test_a_reward_function_edited_before_a_resume_is_said(make_cfg, tmp_path, caplog):

@@ -472,9 +472,66 @@ def test_a_failing_function_of_several_names_its_place_in_reward_fns(tmp_path):
     task.setup(task.build_tokenizer())
     boom = tmp_path / "boom.py"
     boom.write_text("def exact(prompts, completions, **kw):\n    raise ValueError('boom')\n")
-    with pytest.raises(RewardError, match=rf"^reward function exact1 \(reward.fns\[1\]={boom}:exact\) raised ValueError: boom "):
+    with pytest.raises(RewardError, match=rf"^reward function exact1 \(reward.fns\[1\]={boom}:exact\) raised ValueError: boom "
+                                          rf"at {boom}:2 \(on 2 completions"):
         FunctionReward(fns=[f"{REWARD}:exact", f"{boom}:exact"])._score(task, "eval", task.prompts("eval")[:2], ["x", "y"],
                                                                           torch.tensor([0, 1]))
+
+
+def test_trls_reward_functions_get_completion_ids_and_trainer_state(tmp_path):
+    """TRL gives a reward function completion_ids and trainer_state beside the columns; a function that named them was
+    refused before anything loaded ('missing a required argument: completion_ids; take prompts and completions by
+    name ...', a fix that does not fix it), and one that read them from **kwargs raised KeyError in RL's first step."""
+    from transformers import TrainerState
+
+    path = write(tmp_path / "train.csv", rows())
+    task = PromptsTask(path=str(path), eval_path=str(path), tokenizer="char")
+    tokenizer = task.build_tokenizer()
+    task.setup(tokenizer)
+    fns = tmp_path / "trl_style.py"
+    fns.write_text("seen = {}\n"
+                   "def named(prompts, completions, completion_ids, trainer_state, **kwargs):\n"
+                   "    seen['named'] = (completion_ids, trainer_state, sorted(kwargs))\n"
+                   "    return [float(len(ids)) for ids in completion_ids]\n"
+                   "def from_kwargs(prompts, completions, **kwargs):\n"
+                   "    seen['kwargs'] = (kwargs['completion_ids'], kwargs['trainer_state'].global_step)\n"
+                   "    return [0.0] * len(completions)\n"
+                   "def columns_only(prompts, completions, answer, level):\n"  # no **kwargs: given only what it names
+                   "    return [0.0] * len(completions)\n")
+    reward = FunctionReward(fns=[f"{fns}:named", f"{fns}:from_kwargs", f"{fns}:columns_only"])
+    reward.check_columns(task)
+    reward.setup(tokenizer, 40)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    a, b = tokenizer("r3", add_special_tokens=False).input_ids, tokenizer("r40", add_special_tokens=False).input_ids
+    response = torch.tensor([a + [eos] + [pad] * 2, b + [eos, pad]])
+    rollout = Rollout(query=torch.zeros(2, 1, dtype=torch.long), response=response, response_mask=torch.ones(2, 5),
+                      logprobs=torch.zeros(2, 5), version=7, prompts=task.prompts("train")[3:5], texts=["r3", "r40"],
+                      rows=torch.tensor([3, 4]), split="train")
+    assert reward.score(None, task, rollout).tolist() == [len(a) + 1.0, len(b) + 1.0]  # up to and including EOS
+    seen = sys.modules[next(n for n in sys.modules if n.startswith("rlhflab_user_trl_style"))].seen
+    ids, state, columns = seen["named"]
+    assert ids == [a + [eos], b + [eos]] and columns == ["answer", "level"]
+    assert isinstance(state, TrainerState) and (state.global_step, state.max_steps) == (7, 40)
+    assert seen["kwargs"] == ([a + [eos], b + [eos]], 7)
+    # (check_columns above: validate's check before anything loads.) task.gold_fn judges held-out text: it is not given
+    # them, and says so (not 'take prompts and completions by name')
+    from rlhflab.config import validate
+
+    gold = tmp_path / "gold.py"
+    gold.write_text("def gold(prompts, completions, completion_ids, **kwargs):\n    return [1.0] * len(completions)\n")
+    overrides = ["task=prompts", f"task.path={path}", "task.tokenizer=char", "reward=function", f"reward.fn={fns}:named"]
+    with pytest.raises(ConfigError, match=r"^task.gold_fn: gold\(prompts, completions, completion_ids, \*\*kwargs\) needs "
+                                          r"completion_ids, which reward functions are given \(reward.fn, reward.fns, as in "
+                                          r"TRL\) but task.gold_fn is not: .*; give completion_ids a default \(e.g. None\)$"):
+        validate(compose_cfg([*overrides, f"task.gold_fn={gold}:gold"], shrink=False))
+    # a column of that name would be replaced without a word
+    clash = write(tmp_path / "clash.csv", [{**r, "trainer_state": 1} for r in rows()])
+    task = PromptsTask(path=str(clash), eval_path=str(clash), tokenizer="char")
+    task.setup(task.build_tokenizer())
+    with pytest.raises(ConfigError, match=rf"^the training prompts of '{clash}' \(task.path\) has a column 'trainer_state', the name of what reward "
+                                          r"functions are given beside the columns \(completion_ids, trainer_state, as in TRL\); "
+                                          r"rename the column$"):
+        FunctionReward(fn=f"{fns}:columns_only").check_columns(task)
 
 
 def test_a_gold_fn_that_returns_none_is_one_line_naming_the_row(tmp_path):

@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -106,32 +107,72 @@ def imported_elsewhere(path: Path) -> list[tuple[str, str]]:
 
 
 def _where(err: BaseException) -> str:
-    """' at <file>:<line>', the user's code where an import failed (the innermost frame outside importlib)."""
+    """' at <file>:<line>', the user's code where an import failed or a function raised: the innermost frame outside
+    Python's own library and the installed packages (a ValueError from NumPy is placed at the user's line that called
+    it), else the innermost outside importlib and this file."""
+    import sysconfig
     import traceback
 
     if isinstance(err, SyntaxError) and err.filename:
         return f" at {err.filename}:{err.lineno}"
     frames = [f for f in traceback.extract_tb(err.__traceback__) if "importlib" not in f.filename
               and not f.filename.startswith("<frozen") and Path(f.filename).resolve() != Path(__file__).resolve()]
-    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    libraries = tuple({str(Path(sysconfig.get_paths()[k]).resolve()) for k in ("stdlib", "purelib", "platlib")})
+    own = [f for f in frames if not str(Path(f.filename).resolve()).startswith(libraries)]
+    frame = (own or frames or [None])[-1]
+    return f" at {frame.filename}:{frame.lineno}" if frame else ""
+
+
+def traceback_text(err: BaseException, skip: int = 0) -> str:
+    """The traceback of `err` without its first `skip` frames (rlhflab's own call of the user's function), for
+    train.log: the error's one line names the innermost frame; the file keeps the whole of it."""
+    import traceback
+
+    tb = err.__traceback__
+    for _ in range(skip):
+        tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
+    return "".join(traceback.format_exception(type(err), err, tb)).rstrip()
 
 
 async def _awaited(awaitable):
     return await awaitable
 
 
-def check_signature(fn: Callable, key: str, columns: list[str], source: str) -> None:
+# What TRL gives a reward function beside prompts, completions and the dataset's columns: each completion's token ids
+# (up to and including its EOS) and the trainer's state (global_step, max_steps). reward=function gives them to a
+# function that names them or takes **kwargs; task.gold_fn judges held-out text and is given neither.
+GIVEN = ("completion_ids", "trainer_state")
+
+
+def takes(fn: Callable, name: str) -> bool:
+    """fn has a parameter `name`, or **kwargs."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: given nothing it might not take
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def check_signature(fn: Callable, key: str, columns: list[str], source: str, given: tuple[str, ...] = ()) -> None:
     """fn can be called as call_reward calls it, fn(prompts=..., completions=..., **columns), with the columns of
-    `source` (a split's file): one that cannot (no **kwargs beside a column, or a parameter the file has no column
-    for) failed in its TypeError once the MLflow run was made, the model loaded and SFT trained."""
+    `source` (a split's file), and `given` (GIVEN, for reward functions) where it takes them: one that cannot (no
+    **kwargs beside a column, or a parameter the file has no column for) failed in its TypeError once the MLflow run
+    was made, the model loaded and SFT trained."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or C function: left to its call
         return
     try:
-        signature.bind(prompts=[], completions=[], **{c: [] for c in columns})
+        signature.bind(prompts=[], completions=[], **{c: [] for c in columns},
+                       **{g: None for g in given if takes(fn, g)})
     except TypeError as err:
         name = getattr(fn, "__name__", "the function")
+        missing = re.search(r"missing a required argument: '(\w+)'", str(err))
+        if missing and missing.group(1) in GIVEN and missing.group(1) not in given:
+            arg = missing.group(1)
+            raise ConfigError(f"{key}: {name}{signature} needs {arg}, which reward functions are given (reward.fn, "
+                              f"reward.fns, as in TRL) but {key} is not: it is called with prompts, completions and the "
+                              f"columns of {source}; give {arg} a default (e.g. None)") from None
         raise ConfigError(f"{key}: {name}{signature} cannot be called as {name}(prompts=..., completions=..., **columns) "
                           f"with the columns of {source} ({', '.join(columns) or 'none'}): {err}; take prompts and "
                           "completions by name, and **kwargs for the columns it does not use") from None
@@ -155,8 +196,10 @@ def call_reward(fn: Callable, name: str, prompts: list, completions: list, kwarg
         if inspect.isawaitable(values):  # an `async def` function, as TRL takes them: its coroutine, run to its end
             values = asyncio.run(_awaited(values))
     except Exception as err:
-        raise RewardError(f"{name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
-                          f"(on {n} completions{of}; first prompt {str(prompts[0])[:60]!r})") from None
+        failed = RewardError(f"{name} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                             f"{_where(err)} (on {n} completions{of}; first prompt {str(prompts[0])[:60]!r})")
+        failed.detail = traceback_text(err, skip=1)  # from the function's own frame on; main writes it to train.log
+        raise failed from None
     if isinstance(values, (str, bytes, dict)):  # a str was read as one reward per character, a dict by its keys
         raise RewardError(f"{name} returned {type(values).__name__}, not a list of numbers (on {n} "
                           f"completions{of}; first prompt {str(prompts[0])[:60]!r})")

@@ -20,6 +20,8 @@ class ConsoleHandler(RichHandler):
     splitting paths and run ids that people grep for."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "console", True) is False:  # for train.log only (the error line main printed to stderr)
+            return
         if self.console.is_terminal or self.console.is_jupyter:
             return super().emit(record)
         try:

@@ -527,6 +527,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
         memory = plan.memory.build(policy.path, reward_model and reward_model.path, plan.algo.needs_values, tokenizer,
                                    model_cfg["dtype"])
     plan.generator.setup(tokenizer, task.max_new_tokens)
+    if hasattr(plan.reward, "setup"):  # reward=function: its functions' completion_ids and trainer_state
+        plan.reward.setup(tokenizer, budget)
     train_prompts, eval_prompts = task.prompts("train"), task.prompts("eval")
     module = RLHFModule(memory, plan.algo, plan.reward, plan.source, task, tokenizer, train_prompts, eval_prompts, cfg.rl,
                         cfg.seed, resume)
@@ -689,7 +691,11 @@ def main(cfg: DictConfig) -> float | None:
             raise  # a sweep records the failed job and goes on
         if not getattr(err, "quiet", False):  # another rank says it (distributed.as_rank_error)
             rank = getattr(err, "rank", None)
-            print(f"error: {rank + ': ' if rank else ''}{err}{resume_hint(err, cfg)}", file=sys.stderr)
+            line = f"error: {rank + ': ' if rank else ''}{err}{resume_hint(err, cfg)}"
+            print(line, file=sys.stderr)
+            # train.log had no word of it; a reward function's traceback goes there too (the line names its innermost frame)
+            detail = getattr(err, "detail", None)
+            log.error("%s", line + (f"\n{detail}" if detail else ""), extra={"console": False})
         sys.exit(2 if isinstance(err, ConfigError) else 1)
     try:
         return objective(result.metrics, cfg)

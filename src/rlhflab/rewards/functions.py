@@ -5,7 +5,10 @@
 `prompts` are the dataset's prompts of the batch (text, or a list of messages for a
 conversational dataset), `completions` the sampled texts (for a conversational dataset,
 `[{"role": "assistant", "content": text}]` each), and `kwargs` the dataset's other
-columns for the same rows (e.g. a reference `answer`). Several functions are summed
+columns for the same rows (e.g. a reference `answer`). As TRL does, a function that names them
+or takes **kwargs is also given `completion_ids` (each completion's token ids, up to and
+including its EOS) and `trainer_state` (transformers' TrainerState: `global_step`, the number
+of RL updates whose weights sampled the batch, and `max_steps`). Several functions are summed
 with `reward.weights`, and each one's mean is logged as `train/reward/<name>`. As in
 TRL, a function returns None for a completion it does not apply to (a math checker on
 a coding prompt): the sum leaves it out, its mean is over the rest, and a completion
@@ -22,10 +25,10 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhflab.callables import call_reward, check_signature, load_callable
+from rlhflab.callables import GIVEN, call_reward, check_signature, load_callable, takes
 from rlhflab.contracts import MemoryStrategy, Task
 from rlhflab.errors import ConfigError
-from rlhflab.rollout.batch import Rollout
+from rlhflab.rollout.batch import Rollout, response_mask_from_eos
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +64,38 @@ class FunctionReward:
             raise ConfigError(f"reward.weights: {bad} is not a finite number; give each function a finite weight")
         self.components: dict[str, float] = {}
         self.warned = False
+        self.eos_token_id: int | None = None  # setup: where each completion's ids (completion_ids) end
+        self.max_steps = 0  # setup: the RL stage's budget, trainer_state.max_steps
+
+    def setup(self, tokenizer, max_steps: int) -> None:
+        """What the functions' completion_ids and trainer_state need, once the RL stage's tokenizer is read."""
+        self.eos_token_id, self.max_steps = tokenizer.eos_token_id, int(max_steps)
 
     def check_columns(self, task: Task) -> None:
         """Each function takes the columns of each split's file (task=prompts, once its files are read)."""
         for split, columns in getattr(task, "columns", dict)().items():
+            clash = [c for c in columns if c in GIVEN]
+            if clash:  # what the functions are given would replace the column's values without a word
+                raise ConfigError(f"{task.sources[split]} has a column {clash[0]!r}, the name of what reward functions "
+                                  f"are given beside the columns ({', '.join(GIVEN)}, as in TRL); rename the column")
             for (_, fn), setting in zip(self.functions, self.settings):
-                check_signature(fn, setting, columns, task.sources[split])
+                check_signature(fn, setting, columns, task.sources[split], GIVEN)
 
-    def _score(self, task: Task, split: str, prompts: list[str], texts: list[str], rows: torch.Tensor | None) -> torch.Tensor:
+    def _given(self, fn, response: torch.Tensor | None, version: int) -> dict:
+        """completion_ids and trainer_state, for a function that takes them (TRL gives every function both)."""
+        given = {}
+        if response is not None and takes(fn, "completion_ids"):
+            mask = (response_mask_from_eos(response, self.eos_token_id) if self.eos_token_id is not None
+                    else torch.ones_like(response)).bool()
+            given["completion_ids"] = [ids[keep].tolist() for ids, keep in zip(response.cpu(), mask.cpu())]
+        if takes(fn, "trainer_state"):
+            from transformers import TrainerState
+
+            given["trainer_state"] = TrainerState(global_step=int(version), max_steps=self.max_steps)
+        return given
+
+    def _score(self, task: Task, split: str, prompts: list[str], texts: list[str], rows: torch.Tensor | None,
+               response: torch.Tensor | None = None, version: int = 0) -> torch.Tensor:
         prompts, completions, kwargs = task.reward_inputs(split, rows, prompts, texts)
         total = torch.zeros(len(texts))
         scored = torch.zeros(len(texts), dtype=torch.bool)
@@ -77,7 +104,8 @@ class FunctionReward:
         if rows is not None and hasattr(task, "row_source"):  # task=prompts: the file's rows, and which file
             row_ids, source = task.row_source(split, rows)
         for (name, fn), weight, subject in zip(self.functions, self.weights, self.subjects):
-            values = call_reward(fn, subject, prompts, completions, kwargs, row_ids, source)
+            values = call_reward(fn, subject, prompts, completions, {**kwargs, **self._given(fn, response, version)},
+                                 row_ids, source)
             applies = ~values.isnan()  # None: it does not apply there
             if applies.any():
                 self.components[f"train/reward/{name}"] = float(values[applies].mean())
@@ -91,9 +119,10 @@ class FunctionReward:
         return total
 
     def score(self, memory: MemoryStrategy, task: Task, rollout: Rollout) -> torch.Tensor:
-        return self._score(task, rollout.split, rollout.prompts, rollout.texts, rollout.rows)
+        return self._score(task, rollout.split, rollout.prompts, rollout.texts, rollout.rows, rollout.response, rollout.version)
 
     def score_baseline(self, memory: MemoryStrategy, task: Task, rollout: Rollout) -> torch.Tensor:
         k = rollout.num_samples // rollout.baseline_response.shape[0]
         rows = rollout.rows[::k] if rollout.rows is not None else None
-        return self._score(task, rollout.split, rollout.prompts[::k], rollout.baseline_texts, rows)
+        return self._score(task, rollout.split, rollout.prompts[::k], rollout.baseline_texts, rows, rollout.baseline_response,
+                           rollout.version)
