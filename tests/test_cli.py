@@ -105,6 +105,9 @@ BAD_VALUES = [
     ("+rl.lr=0.002", "+rl.lr: 'rl.lr' is a setting already; drop the '+' (rl.lr=0.002)"),  # Hydra's 'Could not append'
     ("~rl.lr", "rl.lr: a setting of the schema cannot be removed"),  # '... does not support deletion'
     ("rl.lr=null", "rl.lr: null is not allowed here; give a value, e.g. rl.lr="),  # "field 'rl.lr' is not Optional"
+    # OmegaConf's 'Invalid value assigned: str is not a ListConfig, list or tuple.', with no fix
+    ("reward=function reward.fns=my_pkg.rewards:score", "reward.fns: 'my_pkg.rewards:score' is one value, not a list; write "
+                                                        "reward.fns=[my_pkg.rewards:score] (several: reward.fns=[a,b])"),
     # 'Unexpected type for root: NoneType': the preset loads a pretrained model, its model.arch null
     ("model=pythia410m_tldr model.arch.hidden_size=64", "model.arch.hidden_size: model.arch is null under model=pythia410m_tldr"),
     ("hydra.run.dir=/dev/null/x", "hydra.run.dir"),  # under a file: Hydra's NotADirectoryError traceback

@@ -552,6 +552,9 @@ def composition_error(err: Exception, overrides: list[str]) -> str:
         return f"{key}: a setting of the schema cannot be removed with '~'; give it a value, e.g. {key}={_default(key, others)}"
     if key and re.search(r"is not Optional", message):
         return f"{key}: null is not allowed here; give a value, e.g. {key}={_default(key, others)}"
+    if key and re.search(r"is not a ListConfig, list or tuple", message):  # reward.fns=a.py:f (one value, not a list)
+        given = next((o.split("=", 1)[1] for o in overrides if o.split("=")[0].lstrip("+~") == key), "<value>")
+        return f"{key}: {given!r} is one value, not a list; write {key}=[{given}] (several: {key}=[a,b])"
     if key:
         return f"{key}: {message}; see python src/train.py --help"
     if "Unexpected type for root: NoneType" in message:  # a key set under a node that is null in this config
