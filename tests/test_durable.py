@@ -545,7 +545,8 @@ def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_
     assert exit.value.code == 1
     newest = sorted((out / "checkpoints").iterdir())[-1]
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after MLflow's own lines about a new database
-    assert err.startswith(f"error: reward function score (reward.fn={fn}:score) raised OSError: the reward server went away (on "), err
+    assert err.startswith(f"error: reward function score (reward.fn={fn}:score) raised OSError: the reward server went away "
+                          f"at {fn}:5 (on "), err
     assert err.endswith(f"; its newest checkpoint is {newest}: once fixed, the same command with resume=auto "
                         f"output.dir={out} continues from it"), err
     failed = run_id_of(out)
