@@ -598,6 +598,36 @@ def test_a_rerun_of_a_sweep_into_its_jobs_directories_stops_before_it_starts(tmp
     assert said.count("\n") == 1 and " (sweep job: seed=1 output.dir=" in said, said
 
 
+def test_a_sweep_continued_with_other_values_in_its_jobs_directories_stops_before_it_starts(tmp_path, capsys):
+    """`-m seed=5,0 ... resume=auto` after `-m seed=0,1 ...`: job 0 (seed=5) continues the directory of the seed=0 job.
+    The preflight passed it, and each such job was refused at its start ('resume: ... was made with other settings'),
+    a FAILED child of a new parent. Here a real checkpoint (ckpt.write) of the first sweep's job 0 is in runs/0."""
+    from omegaconf import OmegaConf, open_dict
+
+    import torch
+
+    from rlhflab.cli import preflight
+    from rlhflab.lit import checkpoint as ckpt
+
+    runs = tmp_path / "runs"
+    for number, seed in enumerate((0, 1)):
+        made = compose_cfg([f"seed={seed}"], shrink=False)
+        with open_dict(made):
+            made.output.dir, made.resume = str(runs / str(number)), "auto"
+        ckpt.write(ckpt.directory(runs / str(number)), 4, {"w": torch.zeros(2)}, {}, {"updates": 4},
+                   OmegaConf.to_yaml(made, resolve=True), keep=2)
+    sweep = ["-m", f"output.dir={runs}/${{hydra:job.num}}", "resume=auto"]
+    preflight([*sweep, "seed=0,1"])  # the same values: each job goes on from its own checkpoint
+    with pytest.raises(SystemExit):
+        preflight([*sweep, "seed=5,0"])
+    said = capsys.readouterr().err
+    assert said.startswith(f"error: resume=auto: {runs}/0/checkpoints/step-00000004 was made with other settings ("), said
+    assert "; seed: 0 -> 5; " in said and ("), so this sweep would refuse that job; continue a sweep with the values it was "
+                                            "made with, in the same order (job N continues the directory of job N), and sweep "
+                                            "new values without resume=auto in new directories (sweep job: ") in said, said
+    assert said.count("\n") == 1 and said.endswith(" seed=5)\n"), said
+
+
 def test_an_optuna_sweep_from_the_command_line_is_checked_and_the_plugins_own_config_is_refused(capsys):
     """hydra/sweeper=rlhflab_optuna with the search on the command line has no params of its own: the preflight's
     read of them was 'Input cfg is not an OmegaConf config object (dict)'. hydra/sweeper=optuna minimized the gold

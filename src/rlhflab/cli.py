@@ -173,8 +173,8 @@ def check_sweep_jobs(which: dict[tuple[str, ...], str], composed: dict[tuple[str
                     plan = check_job(cfg)
                     if cfg.output.dir and not cfg.resume:  # a rerun of `-m ... output.dir=runs/${hydra:job.num}`
                         check_new_run_dir(cfg, Path(cfg.output.dir))
-                    elif cfg.output.dir and cfg.resume == "auto":  # the same, to continue it: a job that finished
-                        check_sweep_resume_dir(Path(cfg.output.dir))
+                    elif cfg.resume == "auto":  # the same, to continue it: a job that finished, or one of other settings
+                        check_sweep_resume_dir(Path(cfg.output.dir or cfg.hydra.runtime.output_dir), cfg)
                     given = cfg.model.get("sft_path") or cfg.model.get("name_or_path")
                     if given:
                         tokenizer = partial(load_tokenizer, cfg.model.get("tokenizer") or given, given)

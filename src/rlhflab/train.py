@@ -427,10 +427,21 @@ def check_new_run_dir(cfg: DictConfig, out: Path) -> None:
     ckpt.find(None, out, cfg)
 
 
-def check_sweep_resume_dir(out: Path) -> None:
+def check_sweep_resume_dir(out: Path, cfg: DictConfig | None = None) -> None:
     """A sweep job's output directory under resume=auto (cli.check_sweep_jobs, before the sweep starts): where a run
     saved its policy and kept no checkpoint (it finished), check_saved_policy refused that job at its start, a FAILED
-    child of the new parent, whose line said to retrain it in another directory."""
+    child of the new parent, whose line said to retrain it in another directory. Where its newest checkpoint was made
+    with other settings than the job's `cfg` (the sweep continued with another grid, or its values in another order:
+    job N continues job N's directory), ckpt.find refused each such job at its start, after the parent run was made."""
+    newest = ckpt.newest(ckpt.directory(out))
+    if newest is not None and cfg is not None:
+        job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # what a job's train(cfg) is given
+        changed = ckpt.differences((newest / ckpt.CONFIG).read_text(), job)
+        if changed:
+            raise ConfigError(f"resume=auto: {newest} was made with other settings ({'; '.join(changed)}), so this sweep "
+                              "would refuse that job; continue a sweep with the values it was made with, in the same "
+                              "order (job N continues the directory of job N), and sweep new values without resume=auto "
+                              "in new directories")
     policy = out / "policy"
     if not policy.is_dir() or any(ckpt.directory(out).glob("step-*")) or (out / UNWRITTEN).is_file():
         return  # (a run whose store stopped answering at its end: the job ends its MLflow run, end_unwritten_run)
