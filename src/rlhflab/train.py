@@ -436,7 +436,8 @@ def check_sweep_resume_dir(out: Path, cfg: DictConfig | None = None) -> None:
     newest = ckpt.newest(ckpt.directory(out))
     if newest is not None and cfg is not None:
         job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # what a job's train(cfg) is given
-        changed = ckpt.differences((newest / ckpt.CONFIG).read_text(), job)
+        choices = torch.load(newest / ckpt.STATE, weights_only=True).get("choices")  # not its weights: they are not compared
+        changed = ckpt.changes((newest / ckpt.CONFIG).read_text(), choices, job)
         if changed:
             raise ConfigError(f"resume=auto: {newest} was made with other settings ({'; '.join(changed)}), so this sweep "
                               "would refuse that job; continue a sweep with the values it was made with, in the same "

@@ -138,6 +138,12 @@ def group_changes(old: dict | None, new: dict | None, changed: list[str]) -> lis
             + [c for c in changed if c.partition(":")[0].partition(".")[0] not in said])
 
 
+def changes(saved_yaml: str, saved_choices: dict | None, cfg: DictConfig) -> list[str]:
+    """What a checkpoint (its config.yaml, its state's group choices) was made with that `cfg` changes and may not,
+    led by the groups changed: what find refuses a resume, and a sweep's preflight each job it would refuse."""
+    return group_changes(saved_choices, group_choices(), differences(saved_yaml, cfg))
+
+
 def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "output.dir") -> Checkpoint | None:
     """The checkpoint `resume` names (auto: the newest in output_dir), checked against the config. A new line
     of training (a new run, or a branch) is refused an output directory that holds another line's checkpoints:
@@ -167,7 +173,7 @@ def find(resume: str | None, output_dir: Path, cfg: DictConfig, key: str = "outp
             raise ConfigError(f"resume: {path} is older than {latest.name} beside it; start from it in another {key} "
                               f"(resume={path} {key}=<new dir>), or continue from the newest with resume=auto")
     checkpoint = read(path)
-    changed = group_changes(checkpoint.state.get("choices"), group_choices(), differences(checkpoint.config, cfg))
+    changed = changes(checkpoint.config, checkpoint.state.get("choices"), cfg)
     if changed:
         raise ConfigError(f"resume: {path} was made with other settings ({'; '.join(changed)}); run with the same settings "
                           "(only trainer.max_steps, checkpoint.*, output.*, cache_dir and logging keys may change) or start a new run in another "

@@ -64,6 +64,8 @@ class FunctionReward:
             raise ConfigError(f"reward.weights: {bad} is not a finite number; give each function a finite weight")
         self.components: dict[str, float] = {}
         self.warned = False
+        # which of TRL's completion_ids and trainer_state each function takes (by name, or in **kwargs): decided once
+        self.wants = [{g for g in GIVEN if takes(fn, g)} for _, fn in self.functions]
         self.eos_token_id: int | None = None  # setup: where each completion's ids (completion_ids) end
         self.max_steps = 0  # setup: the RL stage's budget, trainer_state.max_steps
 
@@ -81,14 +83,15 @@ class FunctionReward:
             for (_, fn), setting in zip(self.functions, self.settings):
                 check_signature(fn, setting, columns, task.sources[split], GIVEN)
 
-    def _given(self, fn, response: torch.Tensor | None, version: int) -> dict:
-        """completion_ids and trainer_state, for a function that takes them (TRL gives every function both)."""
+    def _given(self, response: torch.Tensor | None, version: int) -> dict:
+        """completion_ids and trainer_state, once per batch, where a function takes them (TRL gives every function both)."""
+        wanted = set().union(*self.wants)
         given = {}
-        if response is not None and takes(fn, "completion_ids"):
+        if response is not None and "completion_ids" in wanted:
             mask = (response_mask_from_eos(response, self.eos_token_id) if self.eos_token_id is not None
                     else torch.ones_like(response)).bool()
             given["completion_ids"] = [ids[keep].tolist() for ids, keep in zip(response.cpu(), mask.cpu())]
-        if takes(fn, "trainer_state"):
+        if "trainer_state" in wanted:
             from transformers import TrainerState
 
             given["trainer_state"] = TrainerState(global_step=int(version), max_steps=self.max_steps)
@@ -103,8 +106,9 @@ class FunctionReward:
         row_ids, source = rows.tolist() if rows is not None else None, None
         if rows is not None and hasattr(task, "row_source"):  # task=prompts: the file's rows, and which file
             row_ids, source = task.row_source(split, rows)
-        for (name, fn), weight, subject in zip(self.functions, self.weights, self.subjects):
-            values = call_reward(fn, subject, prompts, completions, {**kwargs, **self._given(fn, response, version)},
+        given = self._given(response, version)
+        for (name, fn), weight, subject, wants in zip(self.functions, self.weights, self.subjects, self.wants):
+            values = call_reward(fn, subject, prompts, completions, {**kwargs, **{g: given[g] for g in wants if g in given}},
                                  row_ids, source)
             applies = ~values.isnan()  # None: it does not apply there
             if applies.any():
