@@ -584,7 +584,7 @@ def store_goes_away(monkeypatch, when) -> dict:
                "log-batch (Caused by NewConnectionError(\"HTTPConnection(host='127.0.0.1', port=5123): Failed to "
                "establish a new connection: [Errno 111] Connection refused\"))")
     down = []
-    writes = {name: getattr(MlflowClient, name) for name in ("log_batch", "set_terminated", "set_tag", "log_table")}
+    writes = {name: getattr(MlflowClient, name) for name in ("log_batch", "set_terminated", "set_tag", "log_text")}
 
     def failing(name):
         def write(self, *args, **kwargs):
@@ -646,7 +646,7 @@ def test_a_tracking_store_that_stops_answering_stops_the_run_with_a_checkpoint_k
                    f"output.dir={out} continues from it"), err
     kept = torch.load(checkpoint / "state.pt", weights_only=True)["unwritten_metrics"]
     assert any(key == "train/reward" and step == 3 for key, _, _, step in kept), kept
-    for name in ("log_batch", "set_terminated", "set_tag", "log_table"):
+    for name in ("log_batch", "set_terminated", "set_tag", "log_text"):
         monkeypatch.setattr(MlflowClient, name, writes[name])  # it answers again
     run_id = run_id_of(out)
     uri = make_cfg().logger.tracking_uri
@@ -672,7 +672,7 @@ def test_a_store_lost_in_the_stages_is_tried_once_more_as_the_run_ends_not_at_ev
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "stopped answering ([Errno 111] Connection refused); the run stopped at RL step 1 with a checkpoint" in err, err
     assert writes["tries"] == ["log_batch", "log_batch"], writes["tries"]  # where it was lost, and as the run ended
-    for name in ("log_batch", "set_terminated", "set_tag", "log_table"):
+    for name in ("log_batch", "set_terminated", "set_tag", "log_text"):
         monkeypatch.setattr(MlflowClient, name, writes[name])  # it answers again
     uri = make_cfg().logger.tracking_uri
     run_id = run_id_of(out)
@@ -716,7 +716,7 @@ def test_a_tracking_store_gone_at_the_runs_end_leaves_its_metrics_in_a_file_that
                               f"values stay in {out}/unwritten_metrics.json and the MLflow run {run_id} is not ended")
     assert (out / "unwritten_metrics.json").is_file() and MlflowClient(uri).get_run(run_id).info.status == "RUNNING"
     assert [a.path for a in MlflowClient(uri).list_artifacts(run_id)] == ["config.yaml", "policy"]  # not generations.json
-    for name in ("log_batch", "set_terminated", "set_tag", "log_table"):
+    for name in ("log_batch", "set_terminated", "set_tag", "log_text"):
         monkeypatch.setattr(MlflowClient, name, writes[name])  # it answers again
     done = train(make_cfg(*args, "resume=auto"))
     assert done.run_id == run_id and done.module is None and (out / "policy" / "model.safetensors").read_bytes() == policy
@@ -801,7 +801,8 @@ def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(mak
     """A checkpoint at the step budget (a run killed after its last checkpoint, or rerun with resume=auto):
     nothing is trained, and the policy saved and the closing numbers are the checkpoint's. Not on a terminal, the
     resume's log says nothing of MLflow fetching the run's generations table to append to it (its tqdm bar
-    printed 'Downloading artifacts:   0%|          | 0/1 ...' three times into the log)."""
+    printed 'Downloading artifacts:   0%|          | 0/1 ...' three times into the log). The generations logged
+    are the run's, each once."""
     first = train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={tmp_path}/run"))
     saved = {k: v.clone() for k, v in first.module.memory.policy.state_dict().items()}
     capfd.readouterr()
@@ -812,6 +813,14 @@ def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(mak
     assert again.metrics["eval/gold_reward_before"] == first.metrics["eval/gold_reward_before"]
     now = again.module.memory.policy.state_dict()
     assert all(torch.equal(saved[k], now[k]) for k in saved)
+    # the generations of step 0 (the checkpoint's) and of the final evaluation, beside the policy and in the run's
+    # table, once: the resume lost step 0's, and MLflow's log_table appended the rest to the table the run held
+    rows = json.loads((tmp_path / "run" / "generations.json").read_text())
+    assert [row["rl_step"] for row in rows] == [0] * 4 + [2] * 4, rows
+    client = MlflowClient(make_cfg().logger.tracking_uri)
+    table = json.loads(Path(client.download_artifacts(first.run_id, "generations.json", str(tmp_path))).read_text())
+    assert table["data"] == [list(row.values()) for row in rows], (len(table["data"]), len(rows))
+    assert client.get_run(first.run_id).data.tags["mlflow.loggedArtifacts"] == '[{"path": "generations.json", "type": "table"}]'
 
 
 def test_a_budget_below_the_checkpoint_is_refused_and_keeps_the_policy_trained_further(make_cfg, tmp_path):

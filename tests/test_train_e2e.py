@@ -90,8 +90,9 @@ def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_p
     # and the same rows beside the policy, one object each, readable without MLflow (before: in MLflow only)
     kept = [[row[c] for c in table["columns"]] for row in json.loads((result.output_dir / "generations.json").read_text())]
     assert len(kept) == len(table["data"]) == 8
-    for ours, mlflows in zip(kept, table["data"]):  # MLflow's table keeps 10 significant digits
-        assert ours == [pytest.approx(v, rel=1e-8) if isinstance(v, float) else v for v in mlflows]
+    assert kept == table["data"]
+    # MLflow's UI shows it as a table (the tag MLflow's log_table sets)
+    assert json.loads(run.data.tags["mlflow.loggedArtifacts"]) == [{"path": "generations.json", "type": "table"}]
 
 
 def test_evaluations_are_labelled_with_the_rl_step_mlflow_plots_them_at(make_cfg, caplog):
@@ -220,9 +221,15 @@ def test_debug_preset_runs_the_whole_pipeline_into_its_own_experiment(tmp_path):
     from conftest import TRAIN
 
     env = os.environ | {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "RLHFLAB_CACHE": str(tmp_path / "cache")}
-    out = subprocess.run([sys.executable, TRAIN, "debug=default"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
+    # src/train.py as python runs it, and at exit which of the 68 MB MLflow loads and no run uses were imported
+    watch = ("import atexit, runpy, sys\n"
+             "atexit.register(lambda: print('imported:', *sorted(m for m in ('pandas', 'pyarrow') if m in sys.modules)))\n"
+             "sys.argv = sys.argv[1:]\n"
+             "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    out = subprocess.run([sys.executable, "-c", watch, TRAIN, "debug=default"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.splitlines()[-1] == "imported:", out.stdout[-2000:]  # none: MLflow imported without them
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("rlhflab-debug").experiment_id])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/gold_reward")] == [0, 2, 4]
@@ -237,6 +244,34 @@ def test_debug_preset_runs_the_whole_pipeline_into_its_own_experiment(tmp_path):
     assert any(f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning (all" in line
                for line in lines)
     assert not [line for line in lines if line != line.rstrip()]  # no padding to a console width
+
+
+def test_mlflow_is_imported_without_pandas_which_imports_after_it_and_an_hdfs_store_gets_pyarrow():
+    """import_mlflow hides pandas and pyarrow from MLflow's first import only (68 MB a run never used): afterwards they
+    import as usual, and a run whose artifacts go to HDFS gets MLflow's HDFS store with pyarrow's names. In a fresh
+    interpreter: this one imported MLflow long ago."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import sys
+        from rlhflab.naming import import_mlflow, ready_artifact_store
+        mlflow = import_mlflow()
+        from mlflow.store.artifact import hdfs_artifact_repo as hdfs
+        print("with MLflow:", *sorted(m for m in ("pandas", "pyarrow") if m in sys.modules))
+        ready_artifact_store("file:///tmp/run/artifacts")
+        print("file store:", hasattr(hdfs, "HadoopFileSystem"))
+        uri = "hdfs://namenode:8020/mlflow/1/abc/artifacts"
+        ready_artifact_store(uri)
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+        store = get_artifact_repository(uri)  # the class MLflow registered at its import, before the reload
+        print("hdfs store:", hasattr(hdfs, "HadoopFileSystem"), "HadoopFileSystem" in type(store).log_artifact.__globals__)
+        import pandas
+        print("pandas:", pandas.DataFrame({"a": [1]}).shape, import_mlflow() is mlflow)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["with MLflow:", "file store: False", "hdfs store: True True", "pandas: (1, 1) True"]
 
 
 def test_the_rl_bar_ends_on_the_last_evaluations_gold(make_cfg, capfd):

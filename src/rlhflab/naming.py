@@ -230,3 +230,43 @@ def check_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
         raise ConfigError(f"logger.tracking_uri: no MLflow server answers at {redact(tracking_uri)} ({why}); start it "
                           "(mlflow server --backend-store-uri sqlite:///mlflow.db --host HOST --port PORT), or log to "
                           "a file: logger.tracking_uri=sqlite:///mlflow.db") from None
+
+
+# What `import mlflow` loads and no rlhflab run uses: MLflow registers a pandas dataset type and an HDFS artifact store
+# when pandas and pyarrow import, and skips both where they do not (mlflow-skinny, which has neither). Together they
+# are 68 MB of every run's resident memory and 0.5 s of its start (benchmarks/import_rss.py; README, issue 14).
+MLFLOW_UNUSED = ("pandas", "pyarrow")
+HDFS_SCHEMES = ("hdfs", "viewfs")  # MLflow's HDFS artifact store, the one user of pyarrow at a run's use
+
+
+def import_mlflow():
+    """`import mlflow` as a run needs it: without pandas and pyarrow where nothing imported them yet. They are hidden
+    from MLflow's first import only, so a reward function, the report or HF datasets import them as usual after it.
+    Call before the process's first mlflow import; later calls do nothing. -> the mlflow module."""
+    import sys
+
+    if "mlflow" not in sys.modules:
+        hidden = [name for name in MLFLOW_UNUSED if name not in sys.modules]
+        for name in hidden:
+            sys.modules[name] = None  # its import raises ImportError, which MLflow's optional imports catch
+        try:
+            import mlflow  # noqa: F401
+        finally:
+            for name in hidden:
+                if sys.modules.get(name, 0) is None:
+                    del sys.modules[name]
+    return sys.modules["mlflow"]
+
+
+def ready_artifact_store(artifact_uri: str) -> None:
+    """Where a run's artifacts go to HDFS, the HDFS store MLflow skipped without pyarrow (import_mlflow) is loaded
+    again, now with it: reloading runs the module anew in its own namespace, so the class MLflow registered finds
+    pyarrow's names there."""
+    import sys
+    from urllib.parse import urlparse
+
+    module = sys.modules.get("mlflow.store.artifact.hdfs_artifact_repo")
+    if urlparse(str(artifact_uri)).scheme in HDFS_SCHEMES and module is not None and not hasattr(module, "HadoopFileSystem"):
+        import importlib
+
+        importlib.reload(module)

@@ -34,6 +34,7 @@ from rlhflab.naming import (
     SWEEP_TAG,
     behind_server,
     home_expanded,
+    import_mlflow,
     redact,
     short_override,
     sqlite_path,
@@ -525,6 +526,7 @@ BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "n
 
 
 def main(argv: list[str], prog: str = "python src/report.py") -> Report:
+    import_mlflow()  # as a run imports it: the report uses neither pandas nor pyarrow
     from mlflow.tracking import MlflowClient
 
     args = parse_args(argv, prog)

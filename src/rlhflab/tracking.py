@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError, WriteFailed
 from rlhflab.naming import (ERROR_TAG, MAX_TAG, PARENT_RUN_ENV, RUN_RECORD, STOP_TAG, SWEPT_ENV, absolute_uri, behind_server, check_server, default_run_name,
-                            named_run, redact, sqlite_path)
+                            import_mlflow, named_run, ready_artifact_store, redact, sqlite_path)
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
     gold-reward view. One made elsewhere (a sweep's parent, an older rlhflab, by hand) gets the kind and view as
     this one has them; a user's own description stays. The client is made under the store lock: making one
     creates (migrates) a fresh SQLite database."""
+    import_mlflow()  # the sweep's parent may make the experiment first
     from mlflow.tracking import MlflowClient
 
     tags = {"mlflow.experimentKind": EXPERIMENT_KIND, "mlflow.note.content": EXPERIMENT_NOTE,
@@ -271,6 +272,7 @@ class MlflowTracker:
     @property
     def client(self):
         if self._client is None:
+            import_mlflow()
             from mlflow.tracking import MlflowClient
 
             self._client = MlflowClient(self.tracking_uri)
@@ -279,6 +281,7 @@ class MlflowTracker:
     def cannot_continue(self, run_id: str, output_dir: Path) -> str | None:
         """Why the run `run_id` (a checkpoint's) cannot be continued in this store, or None: it is not there (another
         store, a relative sqlite path from another directory, a database deleted) or it was deleted."""
+        import_mlflow()  # a resume's first MLflow call
         from mlflow.exceptions import MlflowException
 
         try:
@@ -303,6 +306,7 @@ class MlflowTracker:
     def start(self, cfg: DictConfig, tags: dict[str, str], overrides: list[str], output_dir: Path,
               resume_run_id: str | None = None) -> str:
         """Create the run (or reopen `resume_run_id`), with params, the config, lineage and a description."""
+        import_mlflow()  # a run's first MLflow call: without what no run uses
         from mlflow.tracking.context.registry import resolve_tags
 
         if resume_run_id:  # in its own experiment: another logger.experiment_name made an empty one, and the link and
@@ -317,7 +321,9 @@ class MlflowTracker:
             client.update_run(resume_run_id, status="RUNNING")
             self.run_id = resume_run_id
             self.logged_steps = self._logged_steps()
-            ended = client.get_run(resume_run_id).data.tags
+            resumed = client.get_run(resume_run_id)
+            ready_artifact_store(resumed.info.artifact_uri)
+            ended = resumed.data.tags
             for tag in (ERROR_TAG, STOP_TAG):  # the failure or stop it goes on from: kept apart, so a run that
                 if ended.get(tag):  # finishes does not read as failed or stopped
                     client.set_tag(self.run_id, f"{tag}_before_resume", ended[tag])
@@ -344,6 +350,7 @@ class MlflowTracker:
         name = redact(named_run(self.run_name, tags.get("algo", ""), overrides, swept) or default_run_name(tags))
         run = client.create_run(experiment_id, run_name=name, tags=resolve_tags(tags))  # + source, git commit, user
         self.run_id = run.info.run_id
+        ready_artifact_store(run.info.artifact_uri)
         from mlflow.entities import Param
 
         log_param_batches(client, self.run_id, [Param(k, v) for k, v in flatten(OmegaConf.to_container(cfg, resolve=True)).items()])
@@ -562,15 +569,29 @@ class MlflowTracker:
                                                           redact(", ".join(f"{k}={v}" for k, v in params.items()))))
 
     def log_generations(self, rows: list[dict]) -> None:
-        """A table (MLflow's table artifact) of sampled completions with their rewards."""
+        """A table (MLflow's table artifact) of sampled completions with their rewards: every row the run sampled (a
+        resume's rows are the checkpoint's and on), so it replaces what the run held before. Written as MLflow's
+        `log_table` writes one (pandas' split JSON, and the run's tag of table artifacts), without pandas: its import
+        at the run's end was 68 MB of the run's peak memory (import_mlflow), and `log_table` appended the rows to
+        those a run held, so a resumed run's table held its rows twice."""
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
         if not rows:
             return
-        table = {key: [row[key] for row in rows] for key in rows[0]}
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
+
+        table = {"columns": list(rows[0]), "data": [[row[key] for key in rows[0]] for row in rows]}
+
+        def write():
+            self.client.log_text(self.run_id, json.dumps(table, ensure_ascii=False), "generations.json")
+            entry = {"path": "generations.json", "type": "table"}  # what makes MLflow's UI show it as a table
+            logged = json.loads(self.client.get_run(self.run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+            if entry not in logged:
+                self.client.set_tag(self.run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps([*logged, entry]))
+
         lost = "; the output directory's generations.json holds the same rows"
-        self._write_artifact("generations.json", lambda: self.client.log_table(self.run_id, data=table, artifact_file="generations.json"),
-                             lost, lambda: log.warning("mlflow: generations.json not logged (the store stopped answering)%s", lost))
+        self._write_artifact("generations.json", write, lost,
+                             lambda: log.warning("mlflow: generations.json not logged (the store stopped answering)%s", lost))
 
     def log_artifacts(self, path: Path, artifact_path: str) -> None:
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes

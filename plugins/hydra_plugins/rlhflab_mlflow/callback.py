@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhflab.naming import (
     ERROR_TAG, MAX_TAG, OBJECTIVE, PARENT_RUN_ENV, RUN_RECORD, SWEPT_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_CONTINUED_BY_TAG,
     SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_MOVED_FROM_TAG, SWEEP_OBJECTIVE_TAG,
-    SWEEP_OVERRIDES_TAG, SWEEP_TAG, clipped, default_run_name, run_name, home_expanded, model_tag, named_run, redact,
+    SWEEP_OVERRIDES_TAG, SWEEP_TAG, clipped, default_run_name, run_name, home_expanded, import_mlflow, model_tag, named_run, redact,
     short_override,
 )
 
@@ -90,6 +90,7 @@ class MlflowSweepCallback(Callback):
             self.objective = f"{optimized} less {OmegaConf.select(config, 'kl_penalty')} per nat of eval/kl above {budget}"
         self.metric = self.metric or optimized
         self.direction = self.direction or str(OmegaConf.select(config, "hydra.sweeper.direction") or "maximize")
+        import_mlflow()  # the sweep's first MLflow call
         from mlflow.tracking.context.registry import resolve_tags
 
         try:
@@ -160,6 +161,7 @@ class MlflowSweepCallback(Callback):
     # ---- helpers ------------------------------------------------------------------------
 
     def _client(self):
+        import_mlflow()
         from mlflow.tracking import MlflowClient
 
         return MlflowClient(self._uri)

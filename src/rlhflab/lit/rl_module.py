@@ -207,6 +207,7 @@ class RLHFModule(L.LightningModule):
                     params[name].copy_(tensor)
             self.updates, self.policy_version = checkpoint.state["updates"], checkpoint.state["policy_version"]
             self.eval_history = [tuple(e) for e in checkpoint.state["eval_history"]]
+            self.generation_rows = checkpoint.state["generation_rows"]  # the table the run ends with holds them too
             self.step_times = saved_step_times(checkpoint.state["step_times"])
             self.elapsed_before = checkpoint.state.get("elapsed", self.elapsed_before)  # none before 2026-11-26
             return
