@@ -274,6 +274,27 @@ def test_mlflow_is_imported_without_pandas_which_imports_after_it_and_an_hdfs_st
     assert out.stdout.splitlines() == ["with MLflow:", "file store: False", "hdfs store: True True", "pandas: (1, 1) True"]
 
 
+def test_the_generations_table_is_json_mlflow_reads_as_a_table_with_a_non_finite_reward_as_null(tmp_path):
+    """MLflow's log_table (pandas) wrote NaN as null; written without pandas, json.dumps wrote NaN, which no JSON
+    reader but Python's takes."""
+    from rlhflab.tracking import MlflowTracker
+
+    tracker = MlflowTracker(f"sqlite:///{tmp_path}/mlflow.db", "table", flush_every_s=0)
+    run_id = tracker.start(OmegaConf.create({"algo": {"name": "rloo"}}), {"algo": "rloo"}, [], tmp_path)
+    tracker.log_generations([{"rl_step": 0, "prompt": "dog é", "reward": float("nan")},
+                             {"rl_step": 2, "prompt": "cat", "reward": 0.25}])
+    tracker.finish()
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    text = Path(client.download_artifacts(run_id, "generations.json", str(tmp_path))).read_text(encoding="utf-8")
+
+    def not_json(name):
+        raise AssertionError(f"{name} in {text}")
+
+    table = json.loads(text, parse_constant=not_json)
+    assert table == {"columns": ["rl_step", "prompt", "reward"], "data": [[0, "dog é", None], [2, "cat", 0.25]]}
+    assert json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"]) == [{"path": "generations.json", "type": "table"}]
+
+
 def test_the_rl_bar_ends_on_the_last_evaluations_gold(make_cfg, capfd):
     """Where the last step was no evaluation step (rl.eval_every=3 of 4 steps), Lightning closed the bar before the
     module's final evaluation, and the bar ended on the gold of step 3 where the log and MLflow said step 4's."""

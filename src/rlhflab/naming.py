@@ -234,7 +234,7 @@ def check_server(tracking_uri: str, timeout_s: float = 10.0) -> None:
 
 # What `import mlflow` loads and no rlhflab run uses: MLflow registers a pandas dataset type and an HDFS artifact store
 # when pandas and pyarrow import, and skips both where they do not (mlflow-skinny, which has neither). Together they
-# are 68 MB of every run's resident memory and 0.5 s of its start (benchmarks/import_rss.py; README, issue 14).
+# were 62-70 MB of every run's peak RSS and ~0.4 s of its start (README, "Against TRL"; benchmarks/import_rss.py).
 MLFLOW_UNUSED = ("pandas", "pyarrow")
 HDFS_SCHEMES = ("hdfs", "viewfs")  # MLflow's HDFS artifact store, the one user of pyarrow at a run's use
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -572,7 +573,7 @@ class MlflowTracker:
         """A table (MLflow's table artifact) of sampled completions with their rewards: every row the run sampled (a
         resume's rows are the checkpoint's and on), so it replaces what the run held before. Written as MLflow's
         `log_table` writes one (pandas' split JSON, and the run's tag of table artifacts), without pandas: its import
-        at the run's end was 68 MB of the run's peak memory (import_mlflow), and `log_table` appended the rows to
+        at the run's end was 62-70 MB of the run's peak memory (import_mlflow), and `log_table` appended the rows to
         those a run held, so a resumed run's table held its rows twice."""
         if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
             return
@@ -580,7 +581,10 @@ class MlflowTracker:
             return
         from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
 
-        table = {"columns": list(rows[0]), "data": [[row[key] for key in rows[0]] for row in rows]}
+        def cell(value):  # as pandas writes a non-finite float: null (json.dumps wrote NaN, which is not JSON)
+            return None if isinstance(value, float) and not math.isfinite(value) else value
+
+        table = {"columns": list(rows[0]), "data": [[cell(row[key]) for key in rows[0]] for row in rows]}
 
         def write():
             self.client.log_text(self.run_id, json.dumps(table, ensure_ascii=False), "generations.json")
