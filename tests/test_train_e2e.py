@@ -221,9 +221,11 @@ def test_debug_preset_runs_the_whole_pipeline_into_its_own_experiment(tmp_path):
     from conftest import TRAIN
 
     env = os.environ | {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "RLHFLAB_CACHE": str(tmp_path / "cache")}
-    # src/train.py as python runs it, and at exit which of the 68 MB MLflow loads and no run uses were imported
+    # src/train.py as python runs it, and at exit which of the 68 MB MLflow loads and the 23 MB torchmetrics loads, that
+    # no run uses, were imported
     watch = ("import atexit, runpy, sys\n"
-             "atexit.register(lambda: print('imported:', *sorted(m for m in ('pandas', 'pyarrow') if m in sys.modules)))\n"
+             "atexit.register(lambda: print('imported:', *sorted(m for m in ('pandas', 'pyarrow', 'matplotlib')\n"
+             "                                                   if m in sys.modules)))\n"
              "sys.argv = sys.argv[1:]\n"
              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
     out = subprocess.run([sys.executable, "-c", watch, TRAIN, "debug=default"], cwd=tmp_path, env=env, capture_output=True,
@@ -272,6 +274,38 @@ def test_mlflow_is_imported_without_pandas_which_imports_after_it_and_an_hdfs_st
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["with MLflow:", "file store: False", "hdfs store: True True", "pandas: (1, 1) True"]
+
+
+def test_lightning_imports_torchmetrics_without_pyplot_which_imports_after_it_and_keeps_plots_where_it_came_first():
+    """torchmetrics imports matplotlib.pyplot at its import where matplotlib is installed (MLflow installs it): 23 MB of
+    a run's peak memory. Importing rlhflab turns that off for torchmetrics only; matplotlib imports as usual after, and a
+    process that imported pyplot first keeps torchmetrics' plots. Fresh interpreters: this one imported both long ago."""
+    import os
+    import subprocess
+    import sys
+
+    after = """if True:
+        import sys
+        import rlhflab.train
+        from torchmetrics.utilities.imports import _MATPLOTLIB_AVAILABLE
+        print("run:", "matplotlib" in sys.modules, bool(_MATPLOTLIB_AVAILABLE))
+        import matplotlib.pyplot as plt
+        print("after:", type(plt.figure()).__name__)
+    """
+    first = """if True:
+        import matplotlib.pyplot
+        import rlhflab.train
+        from torchmetrics.utilities.imports import _MATPLOTLIB_AVAILABLE
+        from torchmetrics.utilities.plot import _AX_TYPE
+        print("first:", bool(_MATPLOTLIB_AVAILABLE), _AX_TYPE.__name__)
+    """
+    env = os.environ | {"MPLBACKEND": "Agg"}
+    lines = []
+    for code in (after, first):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines += out.stdout.splitlines()
+    assert lines == ["run: False False", "after: Figure", "first: True Axes"]
 
 
 def test_the_generations_table_is_json_mlflow_reads_as_a_table_with_a_non_finite_reward_as_null(tmp_path):
