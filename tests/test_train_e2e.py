@@ -286,7 +286,8 @@ def test_lightning_imports_torchmetrics_without_pyplot_which_imports_after_it_an
 
     after = """if True:
         import sys
-        import rlhflab.train
+        import rlhflab
+        import lightning.pytorch  # a run's importer of torchmetrics (the whole run: the debug preset's test)
         from torchmetrics.utilities.imports import _MATPLOTLIB_AVAILABLE
         print("run:", "matplotlib" in sys.modules, bool(_MATPLOTLIB_AVAILABLE))
         import matplotlib.pyplot as plt
@@ -294,7 +295,8 @@ def test_lightning_imports_torchmetrics_without_pyplot_which_imports_after_it_an
     """
     first = """if True:
         import matplotlib.pyplot
-        import rlhflab.train
+        import rlhflab
+        import lightning.pytorch
         from torchmetrics.utilities.imports import _MATPLOTLIB_AVAILABLE
         from torchmetrics.utilities.plot import _AX_TYPE
         print("first:", bool(_MATPLOTLIB_AVAILABLE), _AX_TYPE.__name__)
