@@ -526,6 +526,32 @@ def test_a_reward_function_edited_before_a_resume_is_said(make_cfg, tmp_path, ca
     assert MlflowClient(uri).get_run(first.run_id).data.tags["rlhflab.edited_at_step"] == f"2: {fn} (reward.fn)"
 
 
+def test_a_tag_the_store_did_not_take_goes_with_the_checkpoint_and_the_resume_writes_it(make_cfg, tmp_path, monkeypatch):
+    """A resume that retrains on an edited reward function tags its run (rlhflab.edited_at_step), once: the next
+    resume starts from a checkpoint written with the edited function and has nothing to say. When the store stopped
+    answering at that tag, the run stopped at the next step with a checkpoint that kept its metrics but not the tag,
+    and the resume that wrote the metrics never set it: the run's record lost which steps had another reward."""
+    import rlhflab.train as entry
+
+    fn = tmp_path / "words.py"
+    fn.write_text("def score(prompts, completions, **columns):\n    return [float(c.count('good')) for c in completions]\n")
+    args = ["reward=function", f"reward.fn={fn}:score", "checkpoint.every_n_steps=2", "logger.flush_every_s=0"]
+    first = train(make_cfg(*args, "trainer.max_steps=2"))
+    fn.write_text(fn.read_text().replace("float(", "2 * float("))
+    writes = store_goes_away(monkeypatch, lambda m: False, tag=lambda key: key == "rlhflab.edited_at_step")
+    with pytest.raises(SystemExit) as exit:
+        entry.main(make_cfg(*args, "trainer.max_steps=4", "resume=auto"))
+    assert exit.value.code == 1
+    tag = f"2: {fn} (reward.fn)"
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000003"
+    assert torch.load(checkpoint / "state.pt", weights_only=True)["unwritten_tags"] == {"rlhflab.edited_at_step": tag}
+    for name in ("log_batch", "set_terminated", "set_tag", "log_text"):
+        monkeypatch.setattr(MlflowClient, name, writes[name])  # it answers again
+    assert train(make_cfg(*args, "trainer.max_steps=4", "resume=auto")).run_id == first.run_id
+    run = MlflowClient(make_cfg().logger.tracking_uri).get_run(first.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["rlhflab.edited_at_step"] == tag
+
+
 def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_does(make_cfg, tmp_path, capsys):
     """A reward function (or its server) that fails mid-run: the error line named only the failure, though the run
     had a checkpoint to continue from once the cause is fixed. It now names the checkpoint and the command."""
@@ -572,8 +598,9 @@ def test_a_reward_that_fails_after_a_checkpoint_says_how_to_continue_and_resume_
     assert all(a <= b for (_, a), (_, b) in zip(clock, clock[1:])) and clock[-1][1] <= done.metrics["perf/rl_s"]
 
 
-def store_goes_away(monkeypatch, when) -> dict:
-    """From the first metrics write holding a row `when` picks, the client's writes raise what MLflow raises for a
+def store_goes_away(monkeypatch, when, tag=lambda key: False) -> dict:
+    """From the first metrics write holding a row `when` picks (or the first tag whose key `tag` picks), the client's
+    writes raise what MLflow raises for a
     server that refuses connections (seen against a killed `mlflow server`). Returns the real writes, and under
     "tries" the list of the writes the run tried since (each costs minutes of MLflow's retries against a real server;
     the system metrics thread's are its own, and not counted: under load it wrote 4 where the run wrote 2)."""
@@ -588,7 +615,7 @@ def store_goes_away(monkeypatch, when) -> dict:
 
     def failing(name):
         def write(self, *args, **kwargs):
-            if not down and any(when(m) for m in kwargs.get("metrics") or ()):
+            if not down and (any(when(m) for m in kwargs.get("metrics") or ()) or (name == "set_tag" and tag(args[1]))):
                 down.append(True)
             if down:
                 if threading.current_thread() is threading.main_thread():  # the run's own tries: MLflow's system

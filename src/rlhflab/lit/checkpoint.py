@@ -325,8 +325,10 @@ class Checkpointer(L.Callback):
         if distributed.is_main():
             if hasattr(module.logger, "flush"):  # rlhflab's RunLogger: metrics up to this step, written now
                 module.logger.flush()
-                # what the store did not take (it stopped answering) goes with the checkpoint; a resume writes it
-                state = {**state, "unwritten_metrics": module.logger.tracker.unwritten()}
+                # what the store did not take (it stopped answering) goes with the checkpoint; a resume writes it:
+                # its metrics, and the tags set since (a resume's rlhflab.edited_at_step, said once and not again)
+                tracker = module.logger.tracker
+                state = {**state, "unwritten_metrics": tracker.unwritten(), "unwritten_tags": dict(tracker.pending_tags)}
             self.last = write(self.root, module.updates, tensors, optimizer, state, self.config_yaml, self.keep)
             log.info("checkpoint: %s", self.last)
         return self.last
