@@ -517,6 +517,7 @@ def test_a_full_disk_under_the_sqlite_store_is_said_once_without_tracebacks(make
     assert "Traceback" not in err and "SQLAlchemy database error" not in err, err[-3000:]
 
 
+@pytest.mark.mlflow_migrations
 def test_a_full_disk_as_the_sqlite_store_is_made_is_one_short_line(tmp_path):
     """The line held SQLAlchemy's whole CREATE TABLE statement and its FAQ link, and no fix."""
     from rlhflab.tracking import ensure_experiment
