@@ -521,15 +521,18 @@ class MlflowTracker:
         with self.writing(what, skipped):
             write()
 
-    def replay(self, rows: list) -> int:
-        """Metrics a stopped run's checkpoint kept because the store did not take them (`unwritten`), logged
-        first on resume; a step the run already holds is not logged twice. Returns how many were new."""
+    def replay(self, rows: list, tags: dict) -> int:
+        """What a stopped run kept because the store did not take it (a checkpoint's or UNWRITTEN's), written first
+        on resume: its metric `rows` (`unwritten`; a step the run already holds is not logged twice), then its
+        `tags`. Returns how many metric values were new."""
         from mlflow.entities import Metric
 
         new = [Metric(key, value, timestamp, step) for key, value, timestamp, step in rows
                if step > self.logged_steps.get(key, -1)]
         self.pending += new
         self.flush()
+        for key, value in tags.items():
+            self.set_tag(key, value)
         return len(new)
 
     def rl_ended(self) -> None:
@@ -543,10 +546,7 @@ class MlflowTracker:
         `tags`. Returns how many metric values were new; a store that still does not answer leaves `lost` set."""
         self.run_id = run_id
         self.logged_steps = self._logged_steps()
-        written = self.replay(rows)
-        for key, value in tags.items():
-            self.set_tag(key, value)
-        return written
+        return self.replay(rows, tags)
 
     def unwritten(self) -> list[list]:
         """The buffered metrics as plain rows (key, value, timestamp, step), for a checkpoint."""

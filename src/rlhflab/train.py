@@ -203,9 +203,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
                     tracker.log_again_after(resume.updates)
                     tracker.set_tag("rlhflab.edited_at_step", f"{resume.updates}: {', '.join(edited)}"[:MAX_TAG])
                 if continued:  # what the stopped run could not write (its store stopped answering), first
-                    tracker.replay(resume.state.get("unwritten_metrics", []))
-                    for key, value in resume.state.get("unwritten_tags", {}).items():
-                        tracker.set_tag(key, value)
+                    tracker.replay(resume.state.get("unwritten_metrics", []), resume.state.get("unwritten_tags", {}))
                 (out / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "tracking_uri": redact(absolute_uri(tracker.tracking_uri)),
                                                                  "experiment": tracker.experiment_name}, indent=1))
             result = _run(cfg, plan, tracker, out, resume)
