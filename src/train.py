@@ -3,6 +3,10 @@
 import os
 import sys
 
+from rlhflab import startup  # light: the standard library only
+
+startup.pause()  # no cyclic garbage collection while torch, Lightning and MLflow import (rlhflab/startup.py)
+
 # Before torch is imported: with active OpenMP waiting, 2 threads on 2 cores run 5-20x slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

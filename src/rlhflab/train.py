@@ -25,7 +25,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rlhflab import distributed
+from rlhflab import distributed, startup
 from rlhflab.callables import source_keys
 from rlhflab.config import Plan, check_devices, check_task_data, check_trainer, validate
 from rlhflab.errors import (ONE_LINE, ConfigError, NonFiniteError, RankLost, RewardError, RunInterrupted, TrackingLost,
@@ -513,6 +513,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     tokenizer, counts = plan.fitted or fit_tokenizer(cfg, task, base and base.path)  # read before the run where the model is given
     if tokenizer is None:  # the task's own, which set the prompts up before the run: the copy saved with the model
         tokenizer = load_tokenizer(base.path)
+    startup.resume()  # imported and built what lives to the run's end: the collector walks what training makes
     if counts:
         tracker.log_metrics(counts, step=0)
     # The stages the memory strategy needs (sft and rm, or hydra_sft), each skipped when given or cached.
