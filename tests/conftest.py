@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 import os
 
+from rlhflab import startup
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker, which imports every test module as it collects: see
+    startup.pause()  # pytest_collection_finish (the controller collects nothing, and -n 0 is left as it is)
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see docs/ENV.md
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest-xdist's workers export COLUMNS=80 and LINES=24. The runs these tests start are piped, as a cluster
@@ -27,6 +32,13 @@ from omegaconf import DictConfig, open_dict
 from rlhflab.schema import register
 
 register()  # the group schemas, as src/train.py registers them
+
+
+def pytest_collection_finish(session) -> None:
+    """A worker imported torch, Lightning, transformers and MLflow as it collected: as src/train.py's run, with the
+    collector paused, then those objects frozen (rlhflab/startup.py), so each full collection while the tests run
+    walks what they make."""
+    startup.resume()
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
