@@ -5,7 +5,8 @@ import sys
 
 from rlhflab import startup  # light: the standard library only
 
-startup.pause()  # no cyclic garbage collection while torch, Lightning and MLflow import (rlhflab/startup.py)
+if __name__ == "__main__":  # not where a spawned process (mode=async on CUDA) imports this file as __mp_main__
+    startup.pause()  # no cyclic garbage collection while torch, Lightning and MLflow import (rlhflab/startup.py)
 
 # Before torch is imported: with active OpenMP waiting, 2 threads on 2 cores run 5-20x slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -41,6 +41,15 @@ def test_a_process_that_did_not_pause_is_left_as_it_is():
     assert probe("gc.disable()", "startup.pause()", "startup.resume()") == [[False, 0]] * 3  # the caller's own choice
 
 
+def test_a_process_spawned_from_the_command_line_keeps_its_collector_on():
+    """multiprocessing's spawn (the generator of mode=async on CUDA) imports src/train.py as __mp_main__ and never
+    runs a training job that would resume the collector: it is not paused there."""
+    code = (f"import gc, runpy, sys; sys.path.insert(0, {str(ROOT / 'src')!r}); "
+            f"runpy.run_path({str(ROOT / 'src' / 'train.py')!r}, run_name='__mp_main__'); print(gc.isenabled())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["True"], out.stderr[-2000:]
+
+
 def test_a_command_line_run_trains_with_the_collector_on_and_its_start_frozen(tmp_path, stage_cache):
     """src/train.py pauses the collector for its imports; the run resumes it before training: a reward function
     called during RL sees it on, with torch, Lightning and MLflow's objects frozen."""
