@@ -133,43 +133,30 @@ def stage_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def mlflow_migrated_once(tmp_path_factory):
+def mlflow_migrated_once(tmp_path_factory, stage_cache):
     """MLflow gives a new SQLite store its schema by running its ~50 migrations (alembic): 2-4 s per store on this
-    machine, and most tests make one (their own tmp_path/mlflow.db). In the test process (and what it forks), a new,
-    empty SQLite store instead gets a copy of one that MLflow's own `_initialize_tables` migrated once this session
-    (sqlite3's backup API: ~0.2 s); MLflow then goes on as usual (its schema check, its default experiment). Nothing
-    is created before MLflow opens the store, as before. The runs the tests start as subprocesses (the CLI, sweeps,
-    ranks) still migrate each new store for real, under rlhflab's store lock, and so does a test marked
-    `mlflow_migrations` (what MLflow's own creation of a store does, e.g. on a full disk, is what it tests)."""
-    import sqlite3
-
+    machine, and most tests make one (their own tmp_path/mlflow.db). rlhflab's runs with the session's stage cache
+    (in the test process, and the CLI's subprocesses) copy the cache's empty store instead (tracking.seed_store);
+    it is made here once, by MLflow's migrations, as a run makes it. A store a test opens with MLflow itself (a
+    client of its own) gets the same copy when MLflow would migrate it (sqlite3's backup API); MLflow then goes
+    on as usual (its schema check, its default experiment). A test marked `mlflow_migrations` gets MLflow's own
+    creation (what it does, e.g. on a full disk, is what it tests)."""
     import mlflow.store.db.utils as db_utils
     import sqlalchemy
 
-    base = tmp_path_factory.getbasetemp()
-    base = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # shared by the workers, as stage_cache
-    template = base / "mlflow-migrated.db"
+    from rlhflab.tracking import copy_database, ensure_experiment, store_template
+
+    template = store_template(stage_cache)
     migrate = db_utils._initialize_tables
-    if not template.exists():
-        made = base / f"mlflow-migrated-{os.getpid()}.db"
-        engine = sqlalchemy.create_engine(f"sqlite:///{made}")
-        try:
-            with warnings.catch_warnings():  # SQLAlchemy's deprecations inside MLflow's migration scripts
-                warnings.simplefilter("ignore")
-                migrate(engine)
-        finally:
-            engine.dispose()
-        os.replace(made, template)  # whole or not at all, whichever worker is first
+    if not template.exists():  # the first worker to get here (a second makes its own, kept whole or not at all)
+        with warnings.catch_warnings():  # SQLAlchemy's deprecations inside MLflow's migration scripts
+            warnings.simplefilter("ignore")
+            ensure_experiment(f"sqlite:///{tmp_path_factory.mktemp('first-store')}/mlflow.db", "rlhflab", stage_cache)
 
     def initialize_tables(engine) -> None:
         if engine.dialect.name != "sqlite" or sqlalchemy.inspect(engine).get_table_names():
             return migrate(engine)  # another database, or a partial store: MLflow's own way
-        raw, source = engine.raw_connection(), sqlite3.connect(template)
-        try:
-            source.backup(raw.driver_connection)
-        finally:
-            source.close()
-            raw.close()
+        copy_database(template, Path(engine.url.database))
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(db_utils, "_initialize_tables", initialize_tables)

@@ -359,3 +359,54 @@ def test_the_run_names_hydras_directory_where_output_dir_moves_the_run_elsewhere
     note = tags["mlflow.note.content"]
     assert f"Output directory (output.dir): `{out}`" in note
     assert f"Hydra output directory (train.log, .hydra/): `{hydra_dir}`" in note
+
+
+def _counting_migrations(monkeypatch) -> list[str]:
+    """The databases MLflow gives its tables by running its migrations (a new store it makes itself)."""
+    import mlflow.store.db.utils as db_utils
+
+    migrate, made = db_utils._initialize_tables, []
+    monkeypatch.setattr(db_utils, "_initialize_tables", lambda engine: (made.append(engine.url.database), migrate(engine))[1])
+    return made
+
+
+@pytest.mark.mlflow_migrations
+def test_a_new_sqlite_store_is_a_copy_of_the_empty_one_the_cache_keeps(tmp_path, monkeypatch):
+    """MLflow ran its ~50 migrations for every new store, 2-5 s of each first run in a new directory (and of most
+    tests' runs). The first new store a cache sees is MLflow's own; an empty copy of it is kept in the cache, and every
+    later new store is that copy, which MLflow opens as its own: its default experiment in its own directory."""
+    import sqlite3
+
+    from rlhflab.tracking import ensure_experiment, store_template
+
+    made, cache = _counting_migrations(monkeypatch), tmp_path / "cache"
+    for name in "abc":
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)  # MLflow puts its default experiment's files in the working directory
+        assert ensure_experiment(f"sqlite:///{tmp_path / name}/mlflow.db", "rlhflab", cache) == "1"
+    assert made == [str(tmp_path / "a" / "mlflow.db")]
+    with sqlite3.connect(store_template(cache)) as kept:
+        assert kept.execute("select count(*) from experiments").fetchone() == (0,)
+    for name in "abc":
+        experiments = MlflowClient(f"sqlite:///{tmp_path / name}/mlflow.db").search_experiments()
+        assert {(e.experiment_id, e.name, e.artifact_location) for e in experiments} == {
+            ("0", "Default", str(tmp_path / name / "mlruns" / "0")), ("1", "rlhflab", str(tmp_path / name / "mlruns" / "rlhflab"))}
+    ensure_experiment(f"sqlite:///{tmp_path / 'a'}/mlflow.db", "other", cache)  # a store that exists is not replaced
+    assert {e.name for e in MlflowClient(f"sqlite:///{tmp_path / 'a'}/mlflow.db").search_experiments()} == {"Default", "rlhflab", "other"}
+    store_template(cache).write_text("not a database")  # a broken copy: MLflow makes the store, as without one
+    ensure_experiment(f"sqlite:///{tmp_path}/d.db", "rlhflab", cache)
+    assert made[1:] == [str(tmp_path / "d.db")] and not list(tmp_path.glob(".d.db.*"))
+
+
+@pytest.mark.mlflow_migrations
+def test_a_run_and_a_sweep_make_their_new_store_from_the_caches_copy(make_cfg, tmp_path, monkeypatch, stage_cache):
+    """The run's tracker and the sweep's callback pass the run's cache_dir to ensure_experiment."""
+    from hydra_plugins.rlhflab_mlflow.callback import MlflowSweepCallback
+
+    made = _counting_migrations(monkeypatch)
+    cfg = make_cfg("trainer.max_steps=1")
+    result = train(cfg)
+    assert made == [] and MlflowClient(cfg.logger.tracking_uri).get_run(result.run_id).info.status == "FINISHED"
+    callback = MlflowSweepCallback()
+    callback._uri = f"sqlite:///{tmp_path}/sweep.db"
+    assert callback._experiment_id(OmegaConf.create({"cache_dir": str(stage_cache)})) == "1" and made == []

@@ -139,11 +139,82 @@ def artifact_home(tracking_uri: str, name: str) -> str | None:
     return str(db.expanduser().resolve().parent / "mlruns" / (re.sub(r"[^\w.-]+", "_", name).strip("._") or "experiment"))
 
 
-def ensure_experiment(tracking_uri: str, name: str) -> str:
+def store_template(cache_dir) -> Path:
+    """Where `cache_dir` keeps an empty SQLite store with this MLflow's tables (one per MLflow version: the schema
+    check of another version refuses it)."""
+    import mlflow
+
+    return Path(cache_dir).expanduser() / "mlflow" / f"empty-store-{mlflow.__version__}.db"
+
+
+def copy_database(source: Path, target: Path) -> None:
+    """A consistent copy of SQLite database `source` (sqlite3's backup API: not a file copy that could catch a
+    write half done), opened read-only."""
+    import sqlite3
+
+    src = sqlite3.connect(f"file:{source}?mode=ro", uri=True)
+    try:
+        dst = sqlite3.connect(target)
+        try:
+            src.backup(dst)
+        finally:
+            dst.close()
+    finally:
+        src.close()
+
+
+def seed_store(db: Path, cache_dir) -> bool:
+    """Make the new SQLite store `db` a copy of `cache_dir`'s empty one (under the store lock; `db` does not exist).
+    MLflow gives a new store its tables by running its ~50 migrations, 2-5 s of Python on a 2-core machine; the copy
+    takes milliseconds, and MLflow then opens it as usual (its schema check, its own default experiment). False
+    when there is no template (the first store made with this cache) or it cannot be copied: MLflow makes the
+    store itself, as without one. Never over a store that appeared meanwhile."""
+    import sqlite3
+
+    template = store_template(cache_dir)
+    if not template.is_file():
+        return False
+    part = db.with_name(f".{db.name}.{os.getpid()}.part")
+    try:
+        copy_database(template, part)
+        os.link(part, db)  # whole, and only if db is still missing
+        return True
+    except FileExistsError:
+        return False
+    except (OSError, sqlite3.Error) as err:
+        log.debug("mlflow: a new store from %s failed (%s); MLflow makes it", template, err)
+        return False
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def keep_template(db: Path, cache_dir) -> None:
+    """Keep a copy of the store MLflow just made (its tables, before any experiment of rlhflab's) in `cache_dir`, without
+    the default experiment (MLflow makes that, with its artifact location in the working directory, as it opens
+    each store): the next new store is a copy of it (seed_store)."""
+    import sqlite3
+
+    template = store_template(cache_dir)
+    if template.exists():
+        return
+    part = template.with_name(f"{template.name}.{os.getpid()}.part")
+    try:
+        template.parent.mkdir(parents=True, exist_ok=True)
+        copy_database(db, part)
+        with sqlite3.connect(part) as con:
+            con.execute("DELETE FROM experiments")
+        os.replace(part, template)  # whole or not at all, whichever process is first
+    except (OSError, sqlite3.Error) as err:  # a read-only or full cache: every new store is migrated, as without one
+        log.debug("mlflow: could not keep an empty store in %s (%s)", template, err)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def ensure_experiment(tracking_uri: str, name: str, cache_dir=None) -> str:
     """The id of experiment `name`, created if missing, with rlhflab's kind (training view), description and
     gold-reward view. One made elsewhere (a sweep's parent, an older rlhflab, by hand) gets the kind and view as
     this one has them; a user's own description stays. The client is made under the store lock: making one
-    creates (migrates) a fresh SQLite database."""
+    creates (migrates) a fresh SQLite database, or copies `cache_dir`'s empty one (seed_store)."""
     import_mlflow()  # the sweep's parent may make the experiment first
     from mlflow.tracking import MlflowClient
 
@@ -157,9 +228,13 @@ def ensure_experiment(tracking_uri: str, name: str) -> str:
     opened = False
     try:
         with store_lock(tracking_uri):
+            new = db is not None and not db.exists()
+            seeded = new and cache_dir is not None and seed_store(db, cache_dir)
             client = MlflowClient(tracking_uri)
             experiment = client.get_experiment_by_name(name)
             opened = True
+            if new and not seeded and cache_dir is not None:
+                keep_template(db, cache_dir)
             if experiment is None:
                 try:
                     return client.create_experiment(name, artifact_location=artifact_home(tracking_uri, name), tags=tags)
@@ -333,7 +408,8 @@ class MlflowTracker:
             log.info("mlflow: resuming run %s at %s", self.run_id, redact(self.tracking_uri))
             self._start_system_metrics()
             return self.run_id
-        experiment_id = self.experiment_id = ensure_experiment(self.tracking_uri, self.experiment_name)
+        experiment_id = self.experiment_id = ensure_experiment(self.tracking_uri, self.experiment_name,
+                                                               OmegaConf.select(cfg, "cache_dir"))
         client = self.client  # after: a fresh SQLite store is made under ensure_experiment's lock
         tags = {k: redact(str(v)) for k, v in tags.items()}
         if os.environ.get(PARENT_RUN_ENV):

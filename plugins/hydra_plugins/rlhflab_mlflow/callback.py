@@ -169,7 +169,8 @@ class MlflowSweepCallback(Callback):
     def _experiment_id(self, config: DictConfig) -> str:
         from rlhflab.tracking import ensure_experiment
 
-        return ensure_experiment(self._uri, OmegaConf.select(config, "logger.experiment_name") or "rlhflab")
+        return ensure_experiment(self._uri, OmegaConf.select(config, "logger.experiment_name") or "rlhflab",
+                                 OmegaConf.select(config, "cache_dir"))
 
     def _find_child(self, client, config: DictConfig):
         """The run this job's tracker created: the first unclaimed child started after on_job_start."""
