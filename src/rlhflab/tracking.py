@@ -151,8 +151,9 @@ def copy_database(source: Path, target: Path) -> None:
     """A consistent copy of SQLite database `source` (sqlite3's backup API: not a file copy that could catch a
     write half done), opened read-only."""
     import sqlite3
+    from urllib.parse import quote
 
-    src = sqlite3.connect(f"file:{source}?mode=ro", uri=True)
+    src = sqlite3.connect(f"file:{quote(str(Path(source).absolute()))}?mode=ro", uri=True)  # a '?' or '#' in the path
     try:
         dst = sqlite3.connect(target)
         try:
