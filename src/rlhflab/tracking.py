@@ -166,7 +166,7 @@ def copy_database(source: Path, target: Path) -> None:
 
 def seed_store(db: Path, cache_dir) -> bool:
     """Make the new SQLite store `db` a copy of `cache_dir`'s empty one (under the store lock; `db` does not exist).
-    MLflow gives a new store its tables by running its ~50 migrations, 2-5 s of Python on a 2-core machine; the copy
+    MLflow gives a new store its tables by running its ~50 migrations, 1-5 s of Python on a 2-core machine; the copy
     takes milliseconds, and MLflow then opens it as usual (its schema check, its own default experiment). False
     when there is no template (the first store made with this cache) or it cannot be copied: MLflow makes the
     store itself, as without one. Never over a store that appeared meanwhile."""
@@ -202,8 +202,12 @@ def keep_template(db: Path, cache_dir) -> None:
     try:
         template.parent.mkdir(parents=True, exist_ok=True)
         copy_database(db, part)
-        with sqlite3.connect(part) as con:
-            con.execute("DELETE FROM experiments")
+        con = sqlite3.connect(part)
+        try:
+            with con:  # committed
+                con.execute("DELETE FROM experiments")
+        finally:
+            con.close()
         os.replace(part, template)  # whole or not at all, whichever process is first
     except (OSError, sqlite3.Error) as err:  # a read-only or full cache: every new store is migrated, as without one
         log.debug("mlflow: could not keep an empty store in %s (%s)", template, err)
