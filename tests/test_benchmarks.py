@@ -305,3 +305,18 @@ def test_an_override_of_what_both_sides_share_is_warned():
     parsed = vs_trl.parse([])
     for key, flag in vs_trl.SHARED_KEYS.items():  # each is what rlhflab_cmd sets from the shared flag
         assert any(arg.startswith(f"{key}=") for arg in vs_trl.rlhflab_cmd(parsed, "rloo", None, 1, ROOT, [])), key
+
+
+def test_the_generation_benchmarks_decode_loop_samples_what_generate_samples(tmp_path):
+    """benchmarks/generation.py times a decode loop of its own against rlhflab's generator (`generate()`); its
+    numbers say something only while the loop draws the same tokens and log-probs from the same seed. Checked on
+    another architecture than the tiny Llama it was measured on: GPT-NeoX (partial rotary, its own position ids)."""
+    from conftest import save_tiny_neox
+
+    sft = save_tiny_neox(tmp_path / "neox")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation.py"), "--sft", str(sft), "--calls", "2"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("the loop draws the same tokens and log-probs as generate()") == 5, out.stdout
+    assert [line.split(" |")[0] for line in out.stdout.splitlines() if line.startswith("| generate") or line.startswith("| decode")] == [
+        "| generate(), 32 rows", "| generate(), 64 rows", "| generate(), 128 rows", "| decode loop, 64 rows"]
