@@ -227,17 +227,18 @@ def test_rlhflabs_optuna_plugin_imports_without_hydra_optuna_sweeper():
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr  # imported; no plugin without its base
 
 
-def test_rlhflab_runs_write_only_into_their_directory_and_the_readme_gives_the_same_command():
+def test_rlhflab_runs_write_only_into_their_directory_and_the_record_gives_the_same_command():
     """Each rlhflab run of vs_trl.py left Hydra's train.log and .hydra/ in outputs/<date>/<time>/ of the repository
-    (61 directories for the default --reps 5), past the work directory the script deletes. The README's import_rss.py
-    command is 'the sync RLOO run of the table ... same settings': the script's own command, word for word."""
+    (61 directories for the default --reps 5), past the work directory the script deletes. The import_rss.py command
+    docs/MEASUREMENTS.md gives (the README's before it moved there) is 'the sync RLOO run of the table ... same
+    settings': the script's own command, word for word."""
     import re
 
     vs_trl = load_vs_trl()
     cmd = vs_trl.rlhflab_cmd(vs_trl.parse([]), "rloo", "$SFT", 60, Path("$W/run"), [])
     assert "hydra.run.dir=$W/run" in cmd and "output.dir=$W/run" in cmd
-    readme = (ROOT / "README.md").read_text()
-    shown = re.search(r"import_rss\.py --json \$W/rlhflab\.json -- src/train\.py (.*?)\n    python", readme, re.S)
+    record = (ROOT / "docs" / "MEASUREMENTS.md").read_text()
+    shown = re.search(r"import_rss\.py --json \$W/rlhflab\.json -- src/train\.py (.*?)\n    python", record, re.S)
     assert shown and shown.group(1).replace("\\\n", " ").split() == cmd[2:]
 
 
