@@ -151,17 +151,12 @@ def copy_database(source: Path, target: Path) -> None:
     """A consistent copy of SQLite database `source` (sqlite3's backup API: not a file copy that could catch a
     write half done), opened read-only."""
     import sqlite3
+    from contextlib import closing
     from urllib.parse import quote
 
-    src = sqlite3.connect(f"file:{quote(str(Path(source).absolute()))}?mode=ro", uri=True)  # a '?' or '#' in the path
-    try:
-        dst = sqlite3.connect(target)
-        try:
-            src.backup(dst)
-        finally:
-            dst.close()
-    finally:
-        src.close()
+    uri = f"file:{quote(str(Path(source).absolute()))}?mode=ro"  # quoted: a '?' or '#' in the path
+    with closing(sqlite3.connect(uri, uri=True)) as src, closing(sqlite3.connect(target)) as dst:
+        src.backup(dst)
 
 
 def seed_store(db: Path, cache_dir) -> bool:
@@ -194,6 +189,7 @@ def keep_template(db: Path, cache_dir) -> None:
     the default experiment (MLflow makes that, with its artifact location in the working directory, as it opens
     each store): the next new store is a copy of it (seed_store)."""
     import sqlite3
+    from contextlib import closing
 
     template = store_template(cache_dir)
     if template.exists():
@@ -202,12 +198,8 @@ def keep_template(db: Path, cache_dir) -> None:
     try:
         template.parent.mkdir(parents=True, exist_ok=True)
         copy_database(db, part)
-        con = sqlite3.connect(part)
-        try:
-            with con:  # committed
-                con.execute("DELETE FROM experiments")
-        finally:
-            con.close()
+        with closing(sqlite3.connect(part)) as con, con:  # closed, and committed before that
+            con.execute("DELETE FROM experiments")
         os.replace(part, template)  # whole or not at all, whichever process is first
     except (OSError, sqlite3.Error) as err:  # a read-only or full cache: every new store is migrated, as without one
         log.debug("mlflow: could not keep an empty store in %s (%s)", template, err)
