@@ -401,9 +401,13 @@ def running_mlflow_server(tmp_path: Path, ports=None):
         cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
                "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
                "--workers", "1"]
+        # Without MLflow's job execution (on by default in the pinned MLflow: a huey consumer and a job runner, two more
+        # processes importing MLflow beside the server's worker, for GenAI jobs no test runs).
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         with open(log, "w") as out:
             # Its own session, so that SIGTERM reaches the server and the workers it forks.
-            proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=env)
         url = f"http://127.0.0.1:{port}"
         try:
             if wait_healthy(url, port, proc, log):
@@ -423,7 +427,7 @@ def mlflow_server(tmp_path, monkeypatch):
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (it forks workers and job consumers), then kill what is left."""
+    """SIGTERM the server's process group (it forks its workers), then kill what is left."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
