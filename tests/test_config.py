@@ -560,7 +560,7 @@ def test_stage_batches_are_per_optimizer_step_over_all_ranks_and_their_cache_key
     assert per_rank_stages(stages, 1) == stages
     two = per_rank_stages(stages, 2)
     for name in ("sft", "rm"):
-        assert two[name]["batch_size"] * 2 == stages[name]["batch_size"] == 64
+        assert two[name]["batch_size"] * 2 == stages[name]["batch_size"] == 128
         assert config_key(two[name]) != config_key(stages[name]) != config_key(per_rank_stages(stages, 4)[name])
     assert two["hydra_sft"] == stages["hydra_sft"]  # it trains with sft's and rm's batch sizes
 
