@@ -7,7 +7,8 @@
     python benchmarks/vs_trl.py --model llama100m --max-new-tokens 32 --prompts-per-step 8 --steps 5 --reps 1 --sides rlhflab,rlhflab_2threads,rlhflab_async,trl,trl_2threads
 
 What is compared
-- The policy: the SFT policy of rlhflab's default run (stage `sft` of `python src/train.py`), made once by
+- The policy: the SFT policy of rlhflab's default run (stage `sft` of `python src/train.py`, in batches of 64 at lr
+  1e-3 as every recorded table used: PREP below), made once by
   rlhflab's own CLI into --cache and loaded by both sides from that directory (`model.sft_path=` for rlhflab,
   `from_pretrained` for TRL). The reference model is a frozen copy of it on both sides.
 - The prompts: the embedded sentiment task's train prompts (`SentimentTask(...).prompts("train")`).
