@@ -57,6 +57,9 @@ SHRINK = [
     "stages.sft.lr=1e-3",
     "stages.rm.batch_size=64",
     "stages.rm.lr=1e-3",
+    # one torch thread a stage, as every test ran them before stages.torch_threads (null: all cores), so that the two
+    # xdist workers' stages do not run 2 + 2 threads on 2 cores
+    "stages.torch_threads=1",
     "rl.prompts_per_step=16",
     "rl.eval_every=0",
     "rl.log_generations=4",

@@ -2,13 +2,15 @@
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from rlhflab.train import train
+from rlhflab.train import stage_threads, train
 
 REQUIRED_METRICS = [
     "train/reward", "train/kl", "train/loss", "eval/gold_reward",
@@ -50,10 +52,32 @@ def test_a_steps_time_holds_what_the_loop_does_between_steps(make_cfg, monkeypat
     assert "perf/mean_samples_per_s" in result.metrics and "perf/mean_overlap_eff" not in result.metrics
 
 
-def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_path):
+def test_stage_threads_default_to_the_cores_shared_among_the_ranks_and_give_the_count_back(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(1)
+    seen = {}
+    for threads, local_ranks, omp in ((None, 1, None), (None, 2, None), (None, 1, "3"), (1, 1, "3"), (3, 2, None)):
+        if omp:
+            monkeypatch.setenv("OMP_NUM_THREADS", omp)
+        else:
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        with stage_threads(threads, local_ranks):
+            seen[threads, local_ranks, omp] = torch.get_num_threads()
+        assert torch.get_num_threads() == 1
+    assert seen == {(None, 1, None): cores, (None, 2, None): max(1, cores // 2), (None, 1, "3"): 3, (1, 1, "3"): 1,
+                    (3, 2, None): 3}
+
+
+def test_default_pipeline_raises_gold_reward_and_lands_in_mlflow(make_cfg, tmp_path, caplog):
     # Its own cache: every stage runs here, whatever other tests trained before.
-    cfg = make_cfg("trainer.max_steps=80", f"cache_dir={tmp_path}/cache")
-    result = train(cfg)
+    cfg = make_cfg("trainer.max_steps=80", f"cache_dir={tmp_path}/cache", "stages.torch_threads=2")
+    with caplog.at_level(logging.INFO, logger="rlhflab"):
+        result = train(cfg)
+    # the stages with stages.torch_threads, RL and what follows with torch_threads again
+    assert "stage sft: training on 512 demonstrations, 2 torch threads" in caplog.text
+    assert "stage rm: training on 922 preference pairs (102 held out), 2 torch threads" in caplog.text
+    assert torch.get_num_threads() == cfg.torch_threads == 1
     before, after = result.metrics["eval/gold_reward_before"], result.metrics["eval/gold_reward"]
     assert after > before + 0.2, (before, after)
 

@@ -67,6 +67,7 @@ class HydraSFTStage:
 
 @dataclass
 class Stages:
+    torch_threads: Optional[int] = setting(ge=1)
     sft: SFTStage = MISSING
     rm: RMStage = MISSING
     hydra_sft: HydraSFTStage = MISSING

@@ -24,7 +24,7 @@ from rlhflab.models.cache import Saved, cached, config_key
 from rlhflab.models.heads import ScalarHead
 from rlhflab.models.sharding import save_whole
 from rlhflab.rng import fixed_seed
-from rlhflab.stages.supervised import accept_reward_report, pair_tensors, reward_report, vocab_key
+from rlhflab.stages.supervised import accept_reward_report, pair_tensors, reward_report, torch_threads_said, vocab_key
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ def run_hydra_sft(start: Saved, tokenizer, task, stages: dict, dtype: str, cache
 
     def build(tmp: Path) -> None:
         loader, held_out, demo_ids = _stage_data(tokenizer, prompts, responses, pairs, stages)
-        log.info("stage hydra_sft: training on %d demonstrations and %d preference pairs (%d held out)",
-                 len(prompts), len(pairs) - len(held_out[0]), len(held_out[0]))
+        log.info("stage hydra_sft: training on %d demonstrations and %d preference pairs (%d held out), %s",
+                 len(prompts), len(pairs) - len(held_out[0]), len(held_out[0]), torch_threads_said())
         with fixed_seed(stages["sft"]["seed"]):
             causal_lm = load_causal_lm(start.path, dtype)
             head = ScalarHead(causal_lm.config.hidden_size, dtype=causal_lm.dtype)

@@ -30,6 +30,12 @@ MIN_PAIRS_TO_JUDGE = 50
 CHANCE = 0.55
 
 
+def torch_threads_said() -> str:
+    """'2 torch threads': what a stage trains with (stages.torch_threads), in its first line."""
+    n = torch.get_num_threads()
+    return f"{n} torch thread{'s' if n != 1 else ''}"
+
+
 def vocab_key(tokenizer) -> str:
     return config_key(tokenizer.get_vocab())
 
@@ -41,7 +47,7 @@ def run_sft(base: Saved, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir
     key = config_key(base.identity, vocab_key(tokenizer), task.name, prompts, responses, stage_cfg, dtype)
 
     def build(tmp: Path) -> None:
-        log.info("stage sft: training on %d demonstrations", len(prompts))
+        log.info("stage sft: training on %d demonstrations, %s", len(prompts), torch_threads_said())
         with fixed_seed(stage_cfg["seed"]):
             model = load_causal_lm(base.path, dtype)
             data = encode_completions(tokenizer, prompts, responses)
@@ -127,7 +133,8 @@ def run_rm(sft: Saved, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir: 
 
     def build(tmp: Path) -> None:
         held_out = max(1, int(len(pairs) * stage_cfg["held_out_fraction"]))
-        log.info("stage rm: training on %d preference pairs (%d held out)", len(pairs) - held_out, held_out)
+        log.info("stage rm: training on %d preference pairs (%d held out), %s", len(pairs) - held_out, held_out,
+                 torch_threads_said())
         with fixed_seed(stage_cfg["seed"]):  # the fresh score head too: the same model for the same key
             model = load_reward_model(sft.path, dtype, tokenizer.pad_token_id)
             chosen, rejected = pair_tensors(tokenizer, pairs)
