@@ -494,9 +494,10 @@ def stage_threads(threads: int | None, local_ranks: int):
     """torch's thread count through the stages (stages.torch_threads), torch_threads's again after them.
 
     None: OMP_NUM_THREADS where it is set (a count per process: Lightning sets it for the ranks it starts), else every
-    core this process may use, shared among the ranks on this machine as Lightning shares them. Stage batches (128 rows) are large enough for intra-op
-    threads to pay: on 2 cores the default stages took 0.81x the time with 2 threads, their weights the same bit for
-    bit; RL's small steps do not (its generation runs slower with 2), so RL keeps torch_threads."""
+    core this process may use, shared among the ranks on this machine as Lightning shares them. Stage batches (128
+    rows) are large enough for intra-op threads to pay: on 2 cores the default stages took 0.80x the time with 2
+    threads, their weights the same bit for bit; RL's small steps do not (its generation runs slower with 2), so RL
+    keeps torch_threads."""
     given = int(os.environ.get("OMP_NUM_THREADS") or 0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads or given or max(1, len(os.sched_getaffinity(0)) // max(local_ranks, 1)))
