@@ -182,6 +182,36 @@ def test_a_stop_before_the_run_exists_says_so_in_one_line(tmp_path, answered):
                     "command again" if answered else "stopped: stopped by SIGINT while no run was training"), output[-3000:]
 
 
+def test_an_error_raised_as_a_stop_went_through_a_lock_is_the_stop_and_is_said(caplog):
+    """A sweep's job stopped by Ctrl-C in stage sft ended FAILED ('RuntimeError: release unlocked lock'), not KILLED:
+    the stop was raised inside threading's Condition.wait after it had released its lock, and the `with` around the
+    wait released it again. The same chain, made by a real lock."""
+    from rlhflab.interrupts import as_interrupt
+
+    lock = threading.Lock()
+
+    def waited():
+        with lock:
+            lock.release()  # where Condition.wait was when the stop came: its lock released, not yet taken back
+            raise RunInterrupted(signal.SIGINT)
+
+    with pytest.raises(RuntimeError, match="release unlocked lock") as raised:
+        waited()
+    with caplog.at_level(logging.INFO, logger="rlhflab"):
+        stop = as_interrupt(raised.value)
+    assert isinstance(stop, RunInterrupted) and stop.signum == signal.SIGINT
+    assert "RuntimeError: release unlocked lock, raised as the stop went through it" in caplog.text
+    # an error of its own, or one raised while another error (not a stop) went through, is not a stop
+    try:
+        try:
+            raise ValueError("bad value")
+        finally:
+            raise RuntimeError("cleanup failed")
+    except RuntimeError as err:
+        assert as_interrupt(err) is None
+    assert as_interrupt(RuntimeError("release unlocked lock")) is None
+
+
 @pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
 def test_a_stop_before_the_first_checkpoint_does_not_promise_a_resume(tmp_path, sweep):
     """Ctrl-C in stage sft said 'Continue with the same command and resume=auto', which started a new MLflow run
