@@ -16,6 +16,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from rlhflab.cli import preflight  # noqa: E402  (light: no torch)
 from rlhflab.schema import register  # noqa: E402
+from rlhflab.store_template import make_aside  # noqa: E402  (light: the standard library)
 
 register()  # the typed schemas every option file starts from
 
@@ -29,7 +30,8 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     try:
-        preflight(sys.argv[1:])  # --help, and one-line errors before anything heavy loads
+        stores = preflight(sys.argv[1:])  # --help, and one-line errors before anything heavy loads
+        make_aside(stores)  # a new store's empty copy made on the other core while rlhflab.train imports
         main()
     except KeyboardInterrupt:  # Ctrl-C outside rlhflab's handlers (while loading, or between a sweep's jobs)
         if os.environ.get("LOCAL_RANK", "0") == "0":  # rank 0 speaks for the ranks it launched

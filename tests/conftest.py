@@ -145,7 +145,7 @@ def stage_cache(tmp_path_factory) -> Path:
 def mlflow_migrated_once(tmp_path_factory, stage_cache):
     """MLflow gives a new SQLite store its schema by running its ~50 migrations (alembic): 2-4 s per store on this
     machine, and most tests make one (their own tmp_path/mlflow.db). rlhflab's runs with the session's stage cache
-    (in the test process, and the CLI's subprocesses) copy the cache's empty store instead (tracking.seed_store);
+    (in the test process, and the CLI's subprocesses) copy the cache's empty store instead (store_template.seed_store);
     it is made here once, by MLflow's migrations, as a run makes it. A store a test opens with MLflow itself (a
     client of its own) gets the same copy when MLflow would migrate it (sqlite3's backup API); MLflow then goes
     on as usual (its schema check, its default experiment). A test marked `mlflow_migrations` gets MLflow's own
@@ -153,7 +153,8 @@ def mlflow_migrated_once(tmp_path_factory, stage_cache):
     import mlflow.store.db.utils as db_utils
     import sqlalchemy
 
-    from rlhflab.tracking import copy_database, ensure_experiment, store_template
+    from rlhflab.store_template import copy_database, store_template
+    from rlhflab.tracking import ensure_experiment
 
     template = store_template(stage_cache)
     migrate = db_utils._initialize_tables
@@ -179,6 +180,15 @@ def _mlflow_migrations(request, mlflow_migrated_once, monkeypatch):
         import mlflow.store.db.utils as db_utils
 
         monkeypatch.setattr(db_utils, "_initialize_tables", mlflow_migrated_once)
+
+
+def counting_migrations(monkeypatch) -> list[str]:
+    """The databases MLflow gives its tables by running its migrations in this process (a new store it makes itself)."""
+    import mlflow.store.db.utils as db_utils
+
+    migrate, made = db_utils._initialize_tables, []
+    monkeypatch.setattr(db_utils, "_initialize_tables", lambda engine: (made.append(engine.url.database), migrate(engine))[1])
+    return made
 
 
 @pytest.fixture

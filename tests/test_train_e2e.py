@@ -10,6 +10,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
+from conftest import counting_migrations
 from rlhflab.train import stage_threads, train
 
 REQUIRED_METRICS = [
@@ -386,15 +387,6 @@ def test_the_run_names_hydras_directory_where_output_dir_moves_the_run_elsewhere
     assert f"Hydra output directory (train.log, .hydra/): `{hydra_dir}`" in note
 
 
-def _counting_migrations(monkeypatch) -> list[str]:
-    """The databases MLflow gives its tables by running its migrations (a new store it makes itself)."""
-    import mlflow.store.db.utils as db_utils
-
-    migrate, made = db_utils._initialize_tables, []
-    monkeypatch.setattr(db_utils, "_initialize_tables", lambda engine: (made.append(engine.url.database), migrate(engine))[1])
-    return made
-
-
 @pytest.mark.mlflow_migrations
 def test_a_new_sqlite_store_is_a_copy_of_the_empty_one_the_cache_keeps(tmp_path, monkeypatch):
     """MLflow ran its ~50 migrations for every new store, 2-5 s of each first run in a new directory (and of most
@@ -402,9 +394,10 @@ def test_a_new_sqlite_store_is_a_copy_of_the_empty_one_the_cache_keeps(tmp_path,
     later new store is that copy, which MLflow opens as its own: its default experiment in its own directory."""
     import sqlite3
 
-    from rlhflab.tracking import ensure_experiment, store_template
+    from rlhflab.store_template import store_template
+    from rlhflab.tracking import ensure_experiment
 
-    made, cache = _counting_migrations(monkeypatch), tmp_path / "cache"
+    made, cache = counting_migrations(monkeypatch), tmp_path / "cache"
     for name in "abc":
         (tmp_path / name).mkdir()
         monkeypatch.chdir(tmp_path / name)  # MLflow puts its default experiment's files in the working directory
@@ -428,7 +421,7 @@ def test_a_run_and_a_sweep_make_their_new_store_from_the_caches_copy(make_cfg, t
     """The run's tracker and the sweep's callback pass the run's cache_dir to ensure_experiment."""
     from hydra_plugins.rlhflab_mlflow.callback import MlflowSweepCallback
 
-    made = _counting_migrations(monkeypatch)
+    made = counting_migrations(monkeypatch)
     cfg = make_cfg("trainer.max_steps=1")
     result = train(cfg)
     assert made == [] and MlflowClient(cfg.logger.tracking_uri).get_run(result.run_id).info.status == "FINISHED"

@@ -38,14 +38,15 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def preflight(argv: list[str]) -> None:
-    """Print help, or check the command line's config; exits on bad input, returns when all is well."""
+def preflight(argv: list[str]) -> list[tuple[str, str | None]]:
+    """Print help, or check the command line's config; exits on bad input. Returns when all is well, with the
+    (logger.tracking_uri, cache_dir) of each job (for store_template.make_aside)."""
     if "--help" in argv or "-h" in argv:
         print(render_help())
         sys.exit(0)
     if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
         check_shell_completion(argv)
-        return
+        return []
     overrides = [a for a in argv if not a.startswith("-")]
     register()
     multirun = "-m" in argv or "--multirun" in argv
@@ -59,6 +60,7 @@ def preflight(argv: list[str]) -> None:
     servers: set[str] = set()
     outputs: set[str] = set()  # the fixed output.dir values of the jobs so far
     stores: dict[str, str] = {}  # the MLflow store and experiment of the sweep's first job
+    made: dict[tuple[str, str | None], None] = {}  # each job's (store, cache), in order: what preflight returns
     gridded: set[tuple[str, ...]] = set()  # jobs of a preset's grid, whose own grid is this one
     which = {}  # each job's words in a message
     parents: set[tuple[str, ...]] = set()  # jobs that are a preset's grid, not a job of their own
@@ -95,6 +97,8 @@ def preflight(argv: list[str]) -> None:
             if cfg.logger.tracking_uri not in servers:
                 servers.add(cfg.logger.tracking_uri)
                 check_server(cfg.logger.tracking_uri)
+            if tuple(job) not in parents:
+                made.setdefault((cfg.logger.tracking_uri, cfg.get("cache_dir")), None)
         except ConfigError as err:
             fail(f"{err}{which[tuple(job)]}")
         except Exception as err:  # Hydra's and OmegaConf's composition errors
@@ -102,6 +106,7 @@ def preflight(argv: list[str]) -> None:
     if sweeping:  # a job's own error first: it is the more precise (memory.target_modules=[nope] is wrong in any job)
         check_sweep_jobs({job: words for job, words in which.items() if job not in parents}, composed)
         check_sweep_base(overrides)
+    return list(made)
 
 
 def check_sweep_base(overrides: list[str]) -> None:

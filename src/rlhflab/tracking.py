@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhflab.errors import ConfigError, WriteFailed
 from rlhflab.naming import (ERROR_TAG, MAX_TAG, PARENT_RUN_ENV, RUN_RECORD, STOP_TAG, SWEPT_ENV, absolute_uri, behind_server, check_server, default_run_name,
                             import_mlflow, named_run, ready_artifact_store, redact, sqlite_path)
+from rlhflab.store_template import keep_template, seed_store
 
 log = logging.getLogger(__name__)
 
@@ -137,74 +138,6 @@ def artifact_home(tracking_uri: str, name: str) -> str | None:
     if db is None:
         return None
     return str(db.expanduser().resolve().parent / "mlruns" / (re.sub(r"[^\w.-]+", "_", name).strip("._") or "experiment"))
-
-
-def store_template(cache_dir) -> Path:
-    """Where `cache_dir` keeps an empty SQLite store with this MLflow's tables (one per MLflow version: the schema
-    check of another version refuses it)."""
-    import mlflow
-
-    return Path(cache_dir).expanduser() / "mlflow" / f"empty-store-{mlflow.__version__}.db"
-
-
-def copy_database(source: Path, target: Path) -> None:
-    """A consistent copy of SQLite database `source` (sqlite3's backup API: not a file copy that could catch a
-    write half done), opened read-only."""
-    import sqlite3
-    from contextlib import closing
-    from urllib.parse import quote
-
-    uri = f"file:{quote(str(Path(source).absolute()))}?mode=ro"  # quoted: a '?' or '#' in the path
-    with closing(sqlite3.connect(uri, uri=True)) as src, closing(sqlite3.connect(target)) as dst:
-        src.backup(dst)
-
-
-def seed_store(db: Path, cache_dir) -> bool:
-    """Make the new SQLite store `db` a copy of `cache_dir`'s empty one (under the store lock; `db` does not exist).
-    MLflow gives a new store its tables by running its ~50 migrations, 1-5 s of Python on a 2-core machine; the copy
-    takes milliseconds, and MLflow then opens it as usual (its schema check, its own default experiment). False
-    when there is no template (the first store made with this cache) or it cannot be copied: MLflow makes the
-    store itself, as without one. Never over a store that appeared meanwhile."""
-    import sqlite3
-
-    template = store_template(cache_dir)
-    if not template.is_file():
-        return False
-    part = db.with_name(f".{db.name}.{os.getpid()}.part")
-    try:
-        copy_database(template, part)
-        os.link(part, db)  # whole, and only if db is still missing
-        return True
-    except FileExistsError:
-        return False
-    except (OSError, sqlite3.Error) as err:
-        log.debug("mlflow: a new store from %s failed (%s); MLflow makes it", template, err)
-        return False
-    finally:
-        part.unlink(missing_ok=True)
-
-
-def keep_template(db: Path, cache_dir) -> None:
-    """Keep a copy of the store MLflow just made (its tables, before any experiment of rlhflab's) in `cache_dir`, without
-    the default experiment (MLflow makes that, with its artifact location in the working directory, as it opens
-    each store): the next new store is a copy of it (seed_store)."""
-    import sqlite3
-    from contextlib import closing
-
-    template = store_template(cache_dir)
-    if template.exists():
-        return
-    part = template.with_name(f"{template.name}.{os.getpid()}.part")
-    try:
-        template.parent.mkdir(parents=True, exist_ok=True)
-        copy_database(db, part)
-        with closing(sqlite3.connect(part)) as con, con:  # closed, and committed before that
-            con.execute("DELETE FROM experiments")
-        os.replace(part, template)  # whole or not at all, whichever process is first
-    except (OSError, sqlite3.Error) as err:  # a read-only or full cache: every new store is migrated, as without one
-        log.debug("mlflow: could not keep an empty store in %s (%s)", template, err)
-    finally:
-        part.unlink(missing_ok=True)
 
 
 def ensure_experiment(tracking_uri: str, name: str, cache_dir=None) -> str:
