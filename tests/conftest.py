@@ -60,6 +60,7 @@ SHRINK = [
     # one torch thread a stage, as every test ran them before stages.torch_threads (null: all cores), so that the two
     # xdist workers' stages do not run 2 + 2 threads on 2 cores
     "stages.torch_threads=1",
+    "stages.batch_threads=1",  # one forward a batch, as before stages.batch_threads (tests/test_stage_threads.py: 2)
     "rl.prompts_per_step=16",
     "rl.eval_every=0",
     "rl.log_generations=4",

@@ -13,6 +13,7 @@ runs jobs in one process), so it is a tracked byte count instead:
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -64,6 +65,7 @@ class ActivationMeter:
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
+        self.lock = threading.Lock()
 
     def reset(self) -> None:
         self.live.clear()
@@ -74,10 +76,11 @@ class ActivationMeter:
         def pack(t: torch.Tensor):
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr not in self.param_ptrs and ptr not in self.live:
-                self.live[ptr] = storage.nbytes()
-                self.current += storage.nbytes()
-                self.peak = max(self.peak, self.current)
+            with self.lock:  # the stages' batch threads (stages.batch_threads) pack at once
+                if ptr not in self.param_ptrs and ptr not in self.live:
+                    self.live[ptr] = storage.nbytes()
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -68,6 +68,7 @@ class HydraSFTStage:
 @dataclass
 class Stages:
     torch_threads: Optional[int] = setting(ge=1)
+    batch_threads: int = setting(ge=1)
     sft: SFTStage = MISSING
     rm: RMStage = MISSING
     hydra_sft: HydraSFTStage = MISSING

@@ -489,18 +489,37 @@ NOT_IN_STAGE_KEYS = ("_target_", "accelerator", "devices", "num_nodes", "strateg
                      "enable_checkpointing", "enable_model_summary", "enable_progress_bar", "num_sanity_val_steps")
 
 
+def batch_threads(cfg: DictConfig) -> int:
+    """stages.batch_threads where it applies: one process training on the CPU (under DDP/FSDP the ranks share the
+    batch; on a GPU its kernels do; 16-mixed's gradient scaler scales the returned loss alone), else 1."""
+    trainer = cfg.trainer
+    cpu = str(trainer.accelerator) == "cpu" or (str(trainer.accelerator) == "auto" and not torch.cuda.is_available())
+    if ranks(trainer) > 1 or not cpu or str(trainer.precision) in ("16-mixed", "16"):
+        return 1
+    return int(cfg.stages.batch_threads)
+
+
+def with_batch_threads(stages: dict, threads: int) -> dict:
+    """Stages sft and rm with their batch threads in their settings, so in their cache keys (the shares' sum
+    rounds as one forward does not); with 1, the keys are as before."""
+    if threads == 1:
+        return stages
+    return {**stages, **{name: {**stages[name], "batch_threads": threads} for name in ("sft", "rm")}}
+
+
 @contextmanager
-def stage_threads(threads: int | None, local_ranks: int):
+def stage_threads(threads: int | None, local_ranks: int, batch: int = 1):
     """torch's thread count through the stages (stages.torch_threads), torch_threads's again after them.
 
     None: OMP_NUM_THREADS where it is set (a count per process: Lightning sets it for the ranks it starts), else every
-    core this process may use, shared among the ranks on this machine as Lightning shares them. Stage batches (128
-    rows) are large enough for intra-op threads to pay: on 2 cores the default stages took 0.80x the time with 2
-    threads, their weights the same bit for bit; RL's small steps do not (its generation runs slower with 2), so RL
-    keeps torch_threads."""
+    core this process may use, shared among the ranks on this machine as Lightning shares them, and among the
+    `batch` threads (stages.batch_threads) that each train on a share of a batch. On 2 cores the default stages
+    took 0.80x the time with 2 intra-op threads as with 1 on 2026-11-29's host, and ~1.1x on 2026-12-01's; as two
+    batch threads of 1 intra-op thread, 0.67x that of 2 intra-op threads (docs/MEASUREMENTS.md). RL's small steps
+    keep torch_threads."""
     given = int(os.environ.get("OMP_NUM_THREADS") or 0)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads or given or max(1, len(os.sched_getaffinity(0)) // max(local_ranks, 1)))
+    torch.set_num_threads(threads or given or max(1, len(os.sched_getaffinity(0)) // max(local_ranks, 1) // batch))
     try:
         yield
     finally:
@@ -521,8 +540,12 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     started = time.perf_counter()
     cache_dir = Path(cfg.cache_dir)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    stages = per_rank_stages(with_trainer_settings(OmegaConf.to_container(cfg.stages, resolve=True),
-                                                   OmegaConf.to_container(cfg.trainer, resolve=True)), ranks(cfg.trainer))
+    # The stages the memory strategy needs (sft and rm, or hydra_sft), each skipped when given or cached.
+    needed = plan.memory.stages(plan.reward.needs_reward_model)
+    shares = 1 if "hydra_sft" in needed else batch_threads(cfg)  # hydra_sft trains on one forward a batch
+    stages = with_batch_threads(per_rank_stages(with_trainer_settings(
+        OmegaConf.to_container(cfg.stages, resolve=True), OmegaConf.to_container(cfg.trainer, resolve=True)),
+        ranks(cfg.trainer)), shares)
     logger = tracker.lightning_logger()
     task = plan.task
 
@@ -534,13 +557,11 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     startup.resume()  # imported and built what lives to the run's end: the collector walks what training makes
     if counts:
         tracker.log_metrics(counts, step=0)
-    # The stages the memory strategy needs (sft and rm, or hydra_sft), each skipped when given or cached.
-    needed = plan.memory.stages(plan.reward.needs_reward_model)
 
     def stage_trainer(stage: str, **overrides):
         return _make_trainer(cfg, logger, stage, max_steps=-1, **overrides)
 
-    with stage_threads(cfg.stages.torch_threads, ranks(cfg.trainer) // cfg.trainer.num_nodes):
+    with stage_threads(cfg.stages.torch_threads, ranks(cfg.trainer) // cfg.trainer.num_nodes, shares):
         policy, reward_model = run_stages(needed, model_cfg, base, tokenizer, task, stages, cache_dir, stage_trainer)
     tracker.log_params({"rlhflab.base_model": base and base.path, "rlhflab.policy_start": policy.path,
                         "rlhflab.reward_model": reward_model.path if reward_model else None})

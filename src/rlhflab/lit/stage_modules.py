@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -11,6 +14,71 @@ from rlhflab.errors import NonFiniteError
 from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
 from rlhflab.models.sharding import shard, warm_up
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
+from rlhflab.rollout.sources import autocast_as, current_autocast
+
+
+class BatchThreads:
+    """Stages sft and rm on the CPU in one process (stages.batch_threads): each batch's rows in `threads` shares,
+    each share's forward and backward in a thread of its own, their gradients summed where autograd accumulates
+    them (a + b, the same in either order). Each share's loss is its sum over the batch's count (rows or label
+    tokens), so the shares add up to the batch's mean: the loss and gradients of one forward, to rounding.
+
+    Why: a stage's batch of 128 rows on torch's intra-op threads waits on OpenMP at every op, which on 2 cores
+    under OMP_WAIT_POLICY=PASSIVE (src/train.py) is slower than one thread (the tiny SFT step: 52-56 ms with 2
+    intra-op threads, 37-46 ms with 1, 24-32 ms as two shares of 64 rows in two threads at 1 intra-op thread).
+    Spinning OpenMP threads instead (GOMP_SPINCOUNT) were as fast alone and 5x slower with a second run beside."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="rlhflab-stage") if threads > 1 else None
+        self.pending: list[torch.Tensor] = []  # the other shares' losses, for backward
+
+    def forwards(self, share: Callable[..., torch.Tensor], *rows: torch.Tensor) -> list[torch.Tensor]:
+        """share(*its rows) for each share of the rows, the first in this thread, under this thread's autocast and
+        grad mode -> the shares' losses; the other shares' are kept for `backward`."""
+        parts = list(zip(*(t.tensor_split(self.threads) for t in rows)))
+        state = current_autocast(), torch.is_grad_enabled()
+        others = [self.pool.submit(self._call, state, share, part) for part in parts[1:]]
+        try:
+            first = share(*parts[0])
+        finally:
+            rest = [wait(f) for f in others]  # each waited for, even when a forward failed: no share left running
+        for result in rest:
+            if isinstance(result, BaseException):
+                raise result
+        self.pending = rest
+        return [first, *rest]
+
+    @staticmethod
+    def _call(state, share, part):
+        autocast, grad = state
+        with autocast_as(autocast), torch.set_grad_enabled(grad):
+            return share(*part)
+
+    def backward(self, own: Callable[[], None], scale: float) -> None:
+        """The other shares' backwards (their losses times `scale`: Lightning divides the returned loss by
+        trainer.accumulate_grad_batches) in their threads, while `own` runs this thread's share's."""
+        pending, self.pending = self.pending, []
+        others = [self.pool.submit(lambda loss=loss: (loss * scale).backward()) for loss in pending]
+        try:
+            own()
+        finally:
+            errors = [e for e in (wait(f) for f in others) if isinstance(e, BaseException)]
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        self.pending = []
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def wait(future):
+    """A future's result, or the exception it raised."""
+    try:
+        return future.result()
+    except BaseException as err:  # noqa: BLE001 (handed to the caller, which raises it)
+        return err
 
 
 def require_finite(loss: torch.Tensor, stage: str, key: str, step: int, lr_key: str) -> None:
@@ -26,10 +94,11 @@ class SFTModule(L.LightningModule):
     fine-tune is the reference point the memory strategies are compared with.
     """
 
-    def __init__(self, model, lr: float) -> None:
+    def __init__(self, model, lr: float, batch_threads: int = 1) -> None:
         super().__init__()
         self.model = model
         self.lr = lr
+        self.shares = BatchThreads(batch_threads)
 
     def configure_model(self) -> None:
         if self.device_mesh is not None:  # trainer=fsdp
@@ -41,14 +110,34 @@ class SFTModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         input_ids, attention_mask, labels = batch
-        with self.activations.track():
-            loss = self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        if self.shares.threads > 1:
+            tokens = int((labels[:, 1:] != -100).sum())  # what the loss is the mean over (HF shifts the labels)
+
+            def share(ids, mask, share_labels):
+                with self.activations.track():
+                    return self.model(input_ids=ids, attention_mask=mask, labels=share_labels, num_items_in_batch=tokens).loss
+
+            losses = self.shares.forwards(share, input_ids, attention_mask, labels)
+            loss, own = sum(x.detach() for x in losses), losses[0]
+        else:
+            with self.activations.track():
+                loss = own = self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         require_finite(loss, "sft", "sft/loss", self.global_step, "stages.sft.lr")
         self.log("sft/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
-        return loss
+        return own
+
+    def backward(self, loss, *args, **kwargs) -> None:
+        if self.shares.threads > 1:
+            self.shares.backward(lambda: super(SFTModule, self).backward(loss, *args, **kwargs),
+                                 1 / self.trainer.accumulate_grad_batches)
+        else:
+            super().backward(loss, *args, **kwargs)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.activations.reset()  # backward has freed what the forward saved
+
+    def teardown(self, stage: str) -> None:
+        self.shares.close()
 
     def on_train_end(self) -> None:
         state = model_state_bytes([self.model], self.optimizers().optimizer)
@@ -64,10 +153,11 @@ class SFTModule(L.LightningModule):
 class RewardModule(L.LightningModule):
     """Bradley-Terry loss: -log sigmoid(r(chosen) - r(rejected))."""
 
-    def __init__(self, model, lr: float) -> None:
+    def __init__(self, model, lr: float, batch_threads: int = 1) -> None:
         super().__init__()
         self.model = model
         self.lr = lr
+        self.shares = BatchThreads(batch_threads)
 
     def configure_model(self) -> None:
         if self.device_mesh is not None:  # trainer=fsdp
@@ -80,16 +170,39 @@ class RewardModule(L.LightningModule):
         attention_mask = (input_ids != self.model.config.pad_token_id).long()
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)
 
-    def training_step(self, batch, batch_idx):
-        chosen, rejected = batch
+    def margins(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         # Chosen and rejected share one forward (pair_tensors pads them to one width), as in HydraSFTModule.
         scores = self.score(torch.cat([chosen, rejected])).view(2, -1)
-        margin = scores[0] - scores[1]
-        loss = -F.logsigmoid(margin).mean()
+        return scores[0] - scores[1]
+
+    def training_step(self, batch, batch_idx):
+        chosen, rejected = batch
+        if self.shares.threads > 1:
+            margins: list[torch.Tensor] = []
+
+            def share(c, r):
+                margins.append(margin := self.margins(c, r))  # (list.append is atomic under the GIL)
+                return -F.logsigmoid(margin).sum() / len(chosen)
+
+            losses = self.shares.forwards(share, chosen, rejected)
+            loss, own, margin = sum(x.detach() for x in losses), losses[0], torch.cat([m.detach() for m in margins])
+        else:
+            margin = self.margins(chosen, rejected)
+            loss = own = -F.logsigmoid(margin).mean()
         require_finite(loss, "rm", "rm/loss", self.global_step, "stages.rm.lr")
         self.log("rm/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         self.log("rm/accuracy", (margin > 0).float().mean(), prog_bar=True, on_step=True, on_epoch=False)
-        return loss
+        return own
+
+    def backward(self, loss, *args, **kwargs) -> None:
+        if self.shares.threads > 1:
+            self.shares.backward(lambda: super(RewardModule, self).backward(loss, *args, **kwargs),
+                                 1 / self.trainer.accumulate_grad_batches)
+        else:
+            super().backward(loss, *args, **kwargs)
+
+    def teardown(self, stage: str) -> None:
+        self.shares.close()
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.model.parameters(), lr=self.lr)

@@ -30,10 +30,12 @@ MIN_PAIRS_TO_JUDGE = 50
 CHANCE = 0.55
 
 
-def torch_threads_said() -> str:
-    """'2 torch threads': what a stage trains with (stages.torch_threads), in its first line."""
+def torch_threads_said(batch_threads: int = 1) -> str:
+    """'2 torch threads', or '2 batch threads of 1 torch thread': what a stage trains with (stages.torch_threads,
+    stages.batch_threads), in its first line."""
     n = torch.get_num_threads()
-    return f"{n} torch thread{'s' if n != 1 else ''}"
+    said = f"{n} torch thread{'s' if n != 1 else ''}"
+    return f"{batch_threads} batch threads of {said}" if batch_threads > 1 else said
 
 
 def vocab_key(tokenizer) -> str:
@@ -47,12 +49,13 @@ def run_sft(base: Saved, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir
     key = config_key(base.identity, vocab_key(tokenizer), task.name, prompts, responses, stage_cfg, dtype)
 
     def build(tmp: Path) -> None:
-        log.info("stage sft: training on %d demonstrations, %s", len(prompts), torch_threads_said())
+        log.info("stage sft: training on %d demonstrations, %s", len(prompts), torch_threads_said(stage_cfg.get("batch_threads", 1)))
         with fixed_seed(stage_cfg["seed"]):
             model = load_causal_lm(base.path, dtype)
             data = encode_completions(tokenizer, prompts, responses)
             loader = tensor_loader(*data, batch_size=stage_cfg["batch_size"], seed=stage_cfg["seed"])
-            make_trainer("sft", max_epochs=stage_cfg["epochs"]).fit(SFTModule(model, stage_cfg["lr"]), loader)
+            make_trainer("sft", max_epochs=stage_cfg["epochs"]).fit(
+                SFTModule(model, stage_cfg["lr"], stage_cfg.get("batch_threads", 1)), loader)
         save_whole(model, tmp)
         tokenizer.save_pretrained(tmp)
 
@@ -134,11 +137,11 @@ def run_rm(sft: Saved, tokenizer, task, stage_cfg: dict, dtype: str, cache_dir: 
     def build(tmp: Path) -> None:
         held_out = max(1, int(len(pairs) * stage_cfg["held_out_fraction"]))
         log.info("stage rm: training on %d preference pairs (%d held out), %s", len(pairs) - held_out, held_out,
-                 torch_threads_said())
+                 torch_threads_said(stage_cfg.get("batch_threads", 1)))
         with fixed_seed(stage_cfg["seed"]):  # the fresh score head too: the same model for the same key
             model = load_reward_model(sft.path, dtype, tokenizer.pad_token_id)
             chosen, rejected = pair_tensors(tokenizer, pairs)
-            module = RewardModule(model, stage_cfg["lr"])
+            module = RewardModule(model, stage_cfg["lr"], stage_cfg.get("batch_threads", 1))
             loader = tensor_loader(chosen[:-held_out], rejected[:-held_out], batch_size=stage_cfg["batch_size"], seed=stage_cfg["seed"])
             trainer = make_trainer("rm", max_epochs=stage_cfg["epochs"])
             trainer.fit(module, loader)

@@ -1,0 +1,125 @@
+"""stages.batch_threads: stages sft and rm train each batch as shares in threads of their own, and learn what one
+forward learns (to rounding)."""
+
+import os
+import threading
+
+import lightning as L
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+from rlhflab.lit.data import tensor_loader
+from rlhflab.lit.stage_modules import BatchThreads, RewardModule, SFTModule
+from rlhflab.train import batch_threads, stage_threads, with_batch_threads
+
+PAD = 0
+
+
+def tiny(cls):
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=40, pad_token_id=PAD, num_labels=1)
+    return cls(config)
+
+
+def fit(module, loader, accumulate: int) -> None:
+    L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+              enable_checkpointing=False, enable_model_summary=False, accumulate_grad_batches=accumulate).fit(module, loader)
+
+
+def threads_seen(model) -> set[str]:
+    """The names of the threads that run the model's forwards."""
+    seen = set()
+    model.model.embed_tokens.register_forward_hook(lambda *_: seen.add(threading.current_thread().name))
+    return seen
+
+
+def sft_data():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 40, (24, 9), generator=g)
+    ids[::3, 7:] = PAD  # rows of different lengths
+    labels = ids.clone()
+    labels[:, :3] = -100  # the prompt
+    labels[ids == PAD] = -100
+    return ids, (ids != PAD).long(), labels
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_sft_in_two_batch_threads_learns_what_one_forward_learns(accumulate):
+    models = {}
+    for threads in (1, 2):
+        model = tiny(LlamaForCausalLM)
+        seen = threads_seen(model)
+        module = SFTModule(model, 1e-2, threads)
+        fit(module, tensor_loader(*sft_data(), batch_size=8, seed=0), accumulate)
+        models[threads] = (model, seen)
+    (one, seen_one), (two, seen_two) = models[1], models[2]
+    # the shares ran in a thread of their own: the test compares two ways of training, not one twice
+    assert not any(n.startswith("rlhflab-stage") for n in seen_one) and any(n.startswith("rlhflab-stage") for n in seen_two)
+    start = tiny(LlamaForCausalLM)
+    moved = 0
+    for (name, a), b, s in zip(one.named_parameters(), two.parameters(), start.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)  # rounding: AdamW moves each ~1e-2
+        moved += not torch.equal(a, s)
+    assert moved == len(list(start.parameters()))  # every weight trained (a share's gradients dropped would differ)
+
+
+def test_rm_in_two_batch_threads_learns_what_one_forward_learns():
+    g = torch.Generator().manual_seed(2)
+    chosen, rejected = torch.randint(1, 40, (2, 20, 7), generator=g)
+    chosen[::4, 5:] = PAD
+    trained = {}
+    for threads in (1, 2):
+        model = tiny(LlamaForSequenceClassification)
+        fit(RewardModule(model, 1e-2, threads), tensor_loader(chosen, rejected, batch_size=10, seed=0), 1)
+        trained[threads] = model
+    for (name, a), b in zip(trained[1].named_parameters(), trained[2].parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)  # rounding: AdamW moves each ~1e-2
+
+
+def test_a_share_that_fails_raises_its_error_after_every_share_has_ended():
+    shares = BatchThreads(2)
+    ended = []
+
+    def share(rows):
+        if threading.current_thread().name.startswith("rlhflab-stage"):
+            raise ValueError("the second share")
+        ended.append(len(rows))
+        return rows.sum()
+
+    with pytest.raises(ValueError, match="the second share"):
+        shares.forwards(share, torch.arange(6))
+    assert ended == [3] and shares.pending == []
+    shares.close()
+
+
+def test_batch_threads_apply_to_one_process_on_the_cpu(make_cfg):
+    assert batch_threads(make_cfg("stages.batch_threads=2")) == 2
+    assert batch_threads(make_cfg("stages.batch_threads=2", "trainer=ddp")) == 1  # the ranks share the batch
+    assert batch_threads(make_cfg("stages.batch_threads=2", "trainer.precision=16-mixed")) == 1  # its scaler
+    gpu = make_cfg("stages.batch_threads=2")
+    gpu.trainer.accelerator = "gpu"
+    assert batch_threads(gpu) == 1
+    stages = {"sft": {"lr": 1.0}, "rm": {"lr": 2.0}, "hydra_sft": {}}
+    assert with_batch_threads(stages, 1) is stages  # one forward: the stage caches' keys as before
+    assert with_batch_threads(stages, 2) == {"sft": {"lr": 1.0, "batch_threads": 2}, "rm": {"lr": 2.0, "batch_threads": 2},
+                                             "hydra_sft": {}}
+
+
+def test_batch_threads_share_the_cores_with_torchs_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    with stage_threads(None, 1, 2):
+        assert torch.get_num_threads() == max(1, cores // 2)
+    with stage_threads(3, 1, 2):  # stages.torch_threads, as given
+        assert torch.get_num_threads() == 3
+
+
+def test_the_helper_thread_runs_under_the_callers_autocast():
+    shares = BatchThreads(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dtypes = shares.forwards(lambda x: (x @ x.T).sum(), torch.ones(4, 3))
+    assert [d.dtype for d in dtypes] == [torch.bfloat16, torch.bfloat16]
+    shares.close()
+
