@@ -73,6 +73,23 @@ class BatchThreads:
             self.pool.shutdown()
 
 
+class SharedBatches(L.LightningModule):
+    """A stage's module whose batches train as `shares` (BatchThreads): the other shares' backwards beside the one
+    Lightning runs on the loss training_step returned (the first share's)."""
+
+    shares: BatchThreads
+
+    def backward(self, loss, *args, **kwargs) -> None:
+        if self.shares.threads > 1:
+            self.shares.backward(lambda: super(SharedBatches, self).backward(loss, *args, **kwargs),
+                                 1 / self.trainer.accumulate_grad_batches)
+        else:
+            super().backward(loss, *args, **kwargs)
+
+    def teardown(self, stage: str) -> None:
+        self.shares.close()
+
+
 def wait(future):
     """A future's result, or the exception it raised."""
     try:
@@ -87,7 +104,7 @@ def require_finite(loss: torch.Tensor, stage: str, key: str, step: int, lr_key: 
         raise NonFiniteError(f"stage {stage}: {key} is {loss.item()} at step {step}; nothing was cached. Lower {lr_key} and run again")
 
 
-class SFTModule(L.LightningModule):
+class SFTModule(SharedBatches):
     """Next-token cross-entropy on the response (and EOS) of each demonstration.
 
     Also measures its memory the way the RL stage does (rlhflab.perf): a full
@@ -126,18 +143,9 @@ class SFTModule(L.LightningModule):
         self.log("sft/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         return own
 
-    def backward(self, loss, *args, **kwargs) -> None:
-        if self.shares.threads > 1:
-            self.shares.backward(lambda: super(SFTModule, self).backward(loss, *args, **kwargs),
-                                 1 / self.trainer.accumulate_grad_batches)
-        else:
-            super().backward(loss, *args, **kwargs)
-
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.activations.reset()  # backward has freed what the forward saved
 
-    def teardown(self, stage: str) -> None:
-        self.shares.close()
 
     def on_train_end(self) -> None:
         state = model_state_bytes([self.model], self.optimizers().optimizer)
@@ -150,7 +158,7 @@ class SFTModule(L.LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=self.lr)
 
 
-class RewardModule(L.LightningModule):
+class RewardModule(SharedBatches):
     """Bradley-Terry loss: -log sigmoid(r(chosen) - r(rejected))."""
 
     def __init__(self, model, lr: float, batch_threads: int = 1) -> None:
@@ -194,15 +202,6 @@ class RewardModule(L.LightningModule):
         self.log("rm/accuracy", (margin > 0).float().mean(), prog_bar=True, on_step=True, on_epoch=False)
         return own
 
-    def backward(self, loss, *args, **kwargs) -> None:
-        if self.shares.threads > 1:
-            self.shares.backward(lambda: super(RewardModule, self).backward(loss, *args, **kwargs),
-                                 1 / self.trainer.accumulate_grad_batches)
-        else:
-            super().backward(loss, *args, **kwargs)
-
-    def teardown(self, stage: str) -> None:
-        self.shares.close()
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.model.parameters(), lr=self.lr)
