@@ -212,11 +212,12 @@ ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "PYTHONU
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 # Models: the overrides of the (untimed) run that makes the SFT policy; tiny = the default run's stage sft, at the
-# batch and rate every recorded table used (train.yaml's before 128 at 2e-3: the same policy, cached in --cache).
+# batch and rate every recorded table used (train.yaml's before 128 at 2e-3: the same policy, cached in --cache),
+# in one forward a batch as before stages.batch_threads (whose shares round otherwise: another policy's last digits).
 PREP = {
-    "tiny": ["stages.sft.batch_size=64", "stages.sft.lr=1e-3"],
+    "tiny": ["stages.sft.batch_size=64", "stages.sft.lr=1e-3", "stages.batch_threads=1"],
     # A 113M-parameter Llama is slow on CPU: a short SFT (its completions run to the token budget more often).
-    "llama100m": ["task.num_demonstrations=64", "stages.sft.epochs=1", "stages.sft.batch_size=32"],
+    "llama100m": ["task.num_demonstrations=64", "stages.sft.epochs=1", "stages.sft.batch_size=32", "stages.batch_threads=1"],
 }
 # Per model, rlhflab overrides of every run that only shorten its untimed before/after evaluation
 # (64 held-out prompts x 4 samples take minutes on a 113M model on CPU); TRL evaluates nothing.
