@@ -37,7 +37,7 @@ def threads_seen(model) -> set[str]:
 
 def sft_data():
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 40, (24, 9), generator=g)
+    ids = torch.randint(1, 40, (25, 9), generator=g)  # batches of 8: the last of 1 row, one share
     ids[::3, 7:] = PAD  # rows of different lengths
     labels = ids.clone()
     labels[:, :3] = -100  # the prompt

@@ -36,7 +36,8 @@ class BatchThreads:
     def forwards(self, share: Callable[..., torch.Tensor], *rows: torch.Tensor) -> list[torch.Tensor]:
         """share(*its rows) for each share of the rows, the first in this thread, under this thread's autocast and
         grad mode -> the shares' losses; the other shares' are kept for `backward`."""
-        parts = list(zip(*(t.tensor_split(self.threads) for t in rows)))
+        # no empty share: a batch of fewer rows than threads (an epoch's last) takes one thread a row
+        parts = list(zip(*(t.tensor_split(min(self.threads, len(t))) for t in rows)))
         state = current_autocast(), torch.is_grad_enabled()
         others = [self.pool.submit(self._call, state, share, part) for part in parts[1:]]
         try:
@@ -146,7 +147,6 @@ class SFTModule(SharedBatches):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.activations.reset()  # backward has freed what the forward saved
 
-
     def on_train_end(self) -> None:
         state = model_state_bytes([self.model], self.optimizers().optimizer)
         peak, _ = peak_memory_mb(state, self.activations.peak, self.device)
@@ -201,7 +201,6 @@ class RewardModule(SharedBatches):
         self.log("rm/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         self.log("rm/accuracy", (margin > 0).float().mean(), prog_bar=True, on_step=True, on_epoch=False)
         return own
-
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.model.parameters(), lr=self.lr)
