@@ -472,6 +472,14 @@ def check_budget_reaches(cfg: DictConfig, plan: Plan, resume: ckpt.Checkpoint | 
                           f"{resume.path.name} in another directory: resume={resume.path} output.dir=<new dir>")
 
 
+def in_sft_and_rm(stages: dict, **settings) -> dict:
+    """`stages` with `settings` added to stages sft's and rm's own (so to their cache keys); with none, `stages`
+    itself: the keys are as before."""
+    if not settings:
+        return stages
+    return {**stages, **{name: {**stages[name], **settings} for name in ("sft", "rm")}}
+
+
 def per_rank_stages(stages: dict, world: int) -> dict:
     """stages.sft/rm.batch_size is per optimizer step, as rl.prompts_per_step is: each of `world` ranks loads its
     share (validation made it divide). The ranks go into the stage caches' keys (stages.<stage>.ranks): the data
@@ -502,9 +510,7 @@ def batch_threads(cfg: DictConfig) -> int:
 def with_batch_threads(stages: dict, threads: int) -> dict:
     """Stages sft and rm with their batch threads in their settings, so in their cache keys (the shares' sum
     rounds as one forward does not); with 1, the keys are as before."""
-    if threads == 1:
-        return stages
-    return {**stages, **{name: {**stages[name], "batch_threads": threads} for name in ("sft", "rm")}}
+    return in_sft_and_rm(stages, **({"batch_threads": threads} if threads > 1 else {}))
 
 
 @contextmanager
@@ -531,9 +537,7 @@ def with_trainer_settings(stages: dict, trainer: dict) -> dict:
     `+trainer.accumulate_grad_batches`) in their settings, so in their cache keys: a bf16-mixed run's SFT and reward
     models were read by a later 32-true run as its own. Where there are none, the keys are as before."""
     math = {k: v for k, v in trainer.items() if k not in NOT_IN_STAGE_KEYS and not (k == "precision" and str(v) in ("32-true", "32"))}
-    if not math:
-        return stages
-    return {**stages, **{name: {**stages[name], "trainer": math} for name in ("sft", "rm")}}
+    return in_sft_and_rm(stages, **({"trainer": math} if math else {}))
 
 
 def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume: ckpt.Checkpoint | None) -> Result:
