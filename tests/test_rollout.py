@@ -138,6 +138,39 @@ def test_by_length_gives_one_forwards_numbers_and_gradients():
     assert [(q[1], r[1]) for q, r in shapes] == [(3, 3), (6, 16)]
 
 
+def test_a_batchs_rows_split_anywhere_get_the_whole_batchs_numbers_bit_for_bit():
+    """mode.reference=balance: the generator computes the reference log-probs of a batch's first m rows, the learner
+    the rest, m following timings. Each side computes its rows in the groups and at the widths the whole batch's
+    forwards give them, so any m gives the numbers of the whole batch exactly and a rerun is bit for bit. Grouped
+    by their own lengths instead (each side's rows bucketed apart), 8 of 17 splits moved some log-probs by ~5e-7."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=64)).eval()
+    n, P, R = 64, 12, 9
+    g = torch.Generator().manual_seed(1)
+    query = torch.randint(3, 48, (n, P), generator=g)
+    for i, p in enumerate(torch.randint(3, P + 1, (n,), generator=g).tolist()):
+        query[i, : P - p] = PAD
+    mask = _mask(torch.randint(1, R + 1, (n,), generator=g).tolist(), R)
+    response = torch.randint(3, 48, (n, R), generator=g).masked_fill(mask == 0, PAD)
+
+    def forward(q, r):
+        ids, att, pos = join(q, r, PAD)
+        return token_logprobs(model(input_ids=ids, attention_mask=att, position_ids=pos).logits[:, q.shape[1] - 1 : -1], r, 1.0)
+
+    groups = length_buckets(mask, P, max_buckets=4)
+    assert groups is not None and len(groups) >= 2
+    with torch.no_grad():
+        whole = by_length(forward, query, response, mask, groups, PAD)
+        for m in range(n + 1):
+            first = by_length(forward, query, response, mask, groups, PAD, rows=slice(0, m))
+            rest = by_length(forward, query, response, mask, groups, PAD, rows=slice(m, n))
+            assert first.shape == (m, R) and rest.shape == (n - m, R)
+            assert torch.equal(torch.cat([first, rest]), whole), m
+        assert torch.equal(by_length(forward, query, response, mask, None, PAD, rows=slice(5, 40)),
+                           by_length(forward, query, response, mask, None, PAD)[5:40])
+
+
 def test_prompt_batches_are_as_wide_as_their_own_longest_prompt():
     """Prompts are padded once to the dataset's longest; each batch drops the columns that are padding in all of
     its rows, so one long prompt in the dataset does not widen every batch's generation and forwards."""

@@ -366,20 +366,24 @@ class RLHFModule(L.LightningModule):
                         "the policy may have collapsed; lower rl.lr", float(scores[0]), FLAT_STEPS_WARNING, float(metrics["train/kl"]))
 
     def _by_length(self, forward, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor,
-                   split: bool = True) -> torch.Tensor:
+                   split: bool = True, rows: slice | None = None) -> torch.Tensor:
         """forward(query, response) -> (n, R), 0 on padding, over groups of rows of similar completion length
         (rl.length_buckets), each padded to its own longest row: one run-on completion no longer pads them all.
-        One forward when sharded (trainer=fsdp): every rank must run the same forwards, and their lengths differ."""
+        One forward when sharded (trainer=fsdp): every rank must run the same forwards, and their lengths differ.
+        rows: only those rows, each in the group the whole batch puts it in (`by_length`)."""
         buckets = None
         if split and not self.sharded:
             buckets = length_buckets(mask, query.shape[1], self.cfg.length_buckets)
-        return by_length(forward, query, response, mask, buckets, self.memory.pad_token_id)
+        return by_length(forward, query, response, mask, buckets, self.memory.pad_token_id, rows)
 
-    def _reference_logprobs(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _reference_logprobs(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor,
+                            rows: slice | None = None) -> torch.Tensor:
         """(n, R) the frozen reference's log-probs at the sampling temperature, 0 on padding (the generator
-        process calls this too). Not split by length where the reference shares the scoring forward (hydra)."""
+        process calls this too). Not split by length where the reference shares the scoring forward (hydra).
+        rows: only those rows of the batch (mode.reference=balance: its first rows in the generator, the rest
+        here), with the numbers they get in the whole batch's forwards."""
         return self._by_length(lambda q, r: self.memory.reference_logprobs(q, r, self.temperature), query, response, mask,
-                               split=not getattr(self.memory, "reference_shares_scoring_forward", False))
+                               split=not getattr(self.memory, "reference_shares_scoring_forward", False), rows=rows)
 
     def _policy_logprobs(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(n, R) the current policy's log-probs (with grad when enabled), 0 on padding."""

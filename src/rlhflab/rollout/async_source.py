@@ -103,8 +103,10 @@ class ReferenceSplit:
     learner L + (n - m) l (its step without the reference, then the other rows): equal at
     m = (L + n l - G) / (g + l), clamped to [0, n]. The generator measures G and g; L and l come with each
     weights push. Every estimate is smoothed (half the last, half the new one), and m is n / 2 until both
-    sides have reported. The split follows timings, so a rerun gives the same numbers only to float rounding
-    (the rows' forwards are grouped differently), not bit for bit.
+    sides have reported. The split follows timings, yet the numbers do not: each side computes its rows in the
+    groups and at the widths the whole batch's forwards give them (`by_length`'s rows), so a rerun, and
+    mode.reference=generator or learner, give the same numbers bit for bit (on the CPU, where a row's numbers do
+    not depend on the rows beside it in a forward).
     """
 
     SMOOTH = 0.5  # weight of the newest measurement
@@ -280,8 +282,8 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
                 m = n if split is None else split.rows(n)  # balance: the first m rows here, the rest in the learner
                 t1 = time.perf_counter()
                 with torch.no_grad(), autocast_as(autocast):  # no rows (balance): no forward, which a model cannot run on an empty batch
-                    rollout.ref_logprobs = (reference(rollout.query[:m], rollout.response[:m], rollout.response_mask[:m]) if m
-                                            else rollout.logprobs.new_zeros((0, rollout.logprobs.shape[1])))
+                    rollout.ref_logprobs = (reference(rollout.query, rollout.response, rollout.response_mask, rows=slice(0, m))
+                                            if m else rollout.logprobs.new_zeros((0, rollout.logprobs.shape[1])))
                 if split is not None:
                     split.generated(t1 - t0, time.perf_counter() - t1, m)
                     rollout.extras["ref_rows_generator"] = m / n

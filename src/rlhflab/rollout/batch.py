@@ -106,9 +106,13 @@ def trim_left(query: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     """Left-padded (n, P) prompts without the leading columns that are padding in every row: a batch is as wide
     as its own longest prompt, not the dataset's. Those columns are masked out wherever the prompts are read
     (generation, `join`), and positions count from each row's first real token, so nothing else changes."""
+    return query[:, first_column(query, pad_token_id):]
+
+
+def first_column(query: torch.Tensor, pad_token_id: int) -> int:
+    """The first column of left-padded (n, P) prompts where some row's prompt has begun (`trim_left` cuts there)."""
     started = (query != pad_token_id).any(0)
-    first = int(started.int().argmax()) if bool(started.any()) else query.shape[1] - 1
-    return query[:, first:]
+    return int(started.int().argmax()) if bool(started.any()) else query.shape[1] - 1
 
 
 def completion_lengths(response_mask: torch.Tensor) -> torch.Tensor:
@@ -159,24 +163,39 @@ def length_buckets(response_mask: torch.Tensor, prompt_width: int, max_buckets: 
 
 
 def by_length(forward, query: torch.Tensor, response: torch.Tensor, response_mask: torch.Tensor,
-              buckets: list[torch.Tensor] | None, pad_token_id: int) -> torch.Tensor:
+              buckets: list[torch.Tensor] | None, pad_token_id: int, rows: slice | None = None) -> torch.Tensor:
     """forward(query, response) -> (m, w) per group of rows (`length_buckets`), put back as (n, R) in the batch's
     row order and multiplied by the mask. Each group's response is cut to its longest row and its query to the
     columns where some row's prompt has begun: the cut columns are padding the forward masks out (prompt) or
     never reads (causal attention: positions after a row's last token), so the numbers are those of one forward
-    over the batch. Gradients flow to every group's forward."""
+    over the batch. Gradients flow to every group's forward.
+
+    rows: only these rows of the batch ((len, R) out; mode.reference=balance, where the generator computes a batch's
+    first rows and the learner the rest). Each is computed in the group the whole batch puts it in, cut to that
+    group's widths, so it gets the numbers it gets in the batch's own forwards wherever a row's numbers do not
+    depend on the rows beside it in a forward (on the CPU they do not: tests/test_rollout.py). A group's widths
+    set the numbers: cut to its own rows' widths, a split moved them by ~5e-7."""
+    mask = response_mask if rows is None else response_mask[rows]
     if buckets is None:
-        return forward(query, response) * response_mask
+        return (forward(query, response) if rows is None else forward(query[rows], response[rows])) * mask
+    start, stop, step = (rows or slice(None)).indices(len(response))
+    if step != 1:
+        raise ValueError(f"rows={rows}: a slice of consecutive rows")
     width = response.shape[1]
     lengths = completion_lengths(response_mask).clamp(min=1)
-    parts = []
-    for rows in buckets:
-        w = int(lengths[rows].max())
-        out = forward(trim_left(query[rows], pad_token_id), response[rows, :w])
-        parts.append(torch.nn.functional.pad(out, (0, width - w)))
-    inverse = torch.empty_like(torch.cat(buckets))
-    inverse[torch.cat(buckets)] = torch.arange(len(inverse), device=inverse.device)
-    return torch.cat(parts)[inverse] * response_mask
+    parts, placed = [], []
+    for group in buckets:
+        mine = group[(group >= start) & (group < stop)]
+        if len(mine):
+            w, first = int(lengths[group].max()), first_column(query[group], pad_token_id)  # the whole group's widths
+            parts.append(torch.nn.functional.pad(forward(query[mine, first:], response[mine, :w]), (0, width - w)))
+            placed.append(mine - start)
+    if not parts:
+        return torch.zeros(mask.shape, device=mask.device)
+    placed = torch.cat(placed)
+    inverse = torch.empty_like(placed)
+    inverse[placed] = torch.arange(len(placed), device=placed.device)
+    return torch.cat(parts)[inverse] * mask
 
 
 def pad_completions(tokens: list[list[int]], logprobs: list[list[float]], budget: int, pad_token_id: int):

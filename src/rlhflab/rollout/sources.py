@@ -79,9 +79,10 @@ class SyncSource:
 
     def finish_reference(self, rollout: Rollout, reference) -> torch.Tensor:
         """(n, R) reference log-probs of a rollout whose source computed only its first rows (mode.reference=balance):
-        `reference(query, response, response_mask)` computes the rest, which go after them."""
+        `reference(query, response, response_mask, rows)` computes the rest, which go after them."""
         m = len(rollout.ref_logprobs)
-        return torch.cat([rollout.ref_logprobs, reference(rollout.query[m:], rollout.response[m:], rollout.response_mask[m:])])
+        rest = reference(rollout.query, rollout.response, rollout.response_mask, rows=slice(m, rollout.num_samples))
+        return torch.cat([rollout.ref_logprobs, rest])
 
     def old_policy(self, rollout: Rollout, recompute):
         """(old log-probs, importance weights or None, metrics) from the correction; `recompute()` is
