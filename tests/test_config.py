@@ -361,16 +361,17 @@ def test_thread_reference_refused_for_torch_threads_null_names_the_key_as_typed(
 @pytest.mark.parametrize(
     "override, where",
     [
-        ("", "generator"),  # forked: the generator shares the reference model and the learner's step loses a forward
+        ("", "balance"),  # forked: the generator shares the reference model; the rows split so both are equally busy
+        ("trainer=gpu", "generator"),  # a learner on a GPU would give its rows other numbers than the CPU generator's
         ("mode.start_method=spawn", "learner"),
-        ("memory=lora", "generator"),
+        ("memory=lora", "balance"),
         ("memory=hydra", "learner"),  # it reads the trunk output the reward head scored with (reward=model): free there
-        ("memory=hydra reward=rule", "generator"),  # no reward head: the reference is a forward wherever it runs
+        ("memory=hydra reward=rule", "balance"),  # no reward head: the reference is a forward wherever it runs
         ("memory=hydra mode.reference=generator", "generator"),  # asked for: kept
-        ("mode.reference=balance", "balance"),
+        ("mode.reference=generator", "generator"),
     ],
 )
-def test_async_reference_auto_is_the_generator_unless_the_learners_costs_nothing(override, where):
+def test_async_reference_auto_is_shared_with_the_generator_unless_the_learners_costs_nothing(override, where):
     assert validate(compose_cfg(["mode=async", *override.split()])).source.reference == where
 
 
@@ -420,7 +421,7 @@ def test_the_model_tag_names_the_model_that_runs(override, tag):
 @pytest.mark.parametrize(
     "override, method, reference",
     [
-        ("", "fork", "generator"),
+        ("", "fork", "balance"),
         ("mode.device=cuda:1", "spawn", "learner"),  # alone: it asked for 'set mode.start_method=spawn' first
         ("mode.device=cuda:1 mode.start_method=spawn", "spawn", "learner"),
         ("mode.start_method=spawn", "spawn", "learner"),
