@@ -30,13 +30,9 @@ Sides (--sides; the default is the first five)
   partly take turns for it). The same numbers again.
 - `rlhflab sync 1 thread`: the same with mode.reference=learner: one thread, the reference's forward before the
   update's, exactly TRL's use of the machine.
-- `rlhflab async`: mode=async staleness=1 mode.reference=balance (what the default `auto` picks on the CPU): a forked
-  generator process (1 torch thread) makes batch i with the weights after update i-1, and the reference log-probs
-  of its first rows, while the learner (1 torch thread) trains on batch i-1 and computes the other rows' (the split
-  keeps both equally busy; the numbers are those of either alone, bit for bit). Two processes, so both of the
-  machine's 2 cores; batches are one update stale. `rlhflab async balance` is the same side under its older name.
-- `rlhflab async generator`: the same with mode.reference=generator, every reference row in the generator (the
-  async side of the tables before 2026-12-02, when `auto` picked it).
+- `rlhflab async`: mode=async staleness=1 mode.reference=generator: a forked generator process (1 torch thread)
+  makes batch i with the weights after update i-1, and its reference log-probs, while the learner (1 torch
+  thread) trains on batch i-1. Two processes, so both of the machine's 2 cores; batches are one update stale.
 - `TRL`: one process, 1 torch thread. TRL has no way to put a second CPU core to work but intra-op threads.
 - `TRL 2 threads` and `rlhflab sync 2 threads` (mode.reference=learner, torch_threads=2): each framework's use of
   both cores through intra-op threads. Which thread count is a framework's best depends on the model, so the
@@ -137,14 +133,12 @@ SIDE_MODE = {
     "rlhflab_process": ["mode=sync", "mode.reference=process", "torch_threads=1"],
     "rlhflab_1thread": ["mode=sync", "mode.reference=learner", "torch_threads=1"],
     "rlhflab_2threads": ["mode=sync", "mode.reference=learner", "torch_threads=2"],
-    # Each batch's reference rows split between generator and learner so both are equally busy (auto's choice).
-    "rlhflab_async": ["mode=async", "staleness=1", "mode.reference=balance", "mode.generator_threads=1",
+    "rlhflab_async": ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1",
                       "mode.learner_threads=1", "torch_threads=1"],
-    # The same with every reference row in the generator (the async side before 2026-12-02).
-    "rlhflab_async_generator": ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1",
-                                "mode.learner_threads=1", "torch_threads=1"],
+    # The same with each batch's reference rows split between generator and learner so both are equally busy.
+    "rlhflab_async_balance": ["mode=async", "staleness=1", "mode.reference=balance", "mode.generator_threads=1",
+                              "mode.learner_threads=1", "torch_threads=1"],
 }
-SIDE_MODE["rlhflab_async_balance"] = SIDE_MODE["rlhflab_async"]  # its name in the commands of older tables
 # TRL's sides: torch.set_num_threads in its one process, and its tracker (report_to): none, or MLflow into a
 # SQLite store in the run's directory as rlhflab's (TRL's MLflowCallback, logging every step as logging_steps=1).
 TRL_SIDE = {"trl": {"threads": 1, "report_to": "none"}, "trl_2threads": {"threads": 2, "report_to": "none"},
@@ -152,8 +146,7 @@ TRL_SIDE = {"trl": {"threads": 1, "report_to": "none"}, "trl_2threads": {"thread
 SIDES = (*SIDE_MODE, *TRL_SIDE)
 DEFAULT_SIDES = ("rlhflab", "rlhflab_process", "rlhflab_1thread", "rlhflab_async", "trl")
 SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_process": "rlhflab sync process", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
-              "rlhflab_async": "rlhflab async", "rlhflab_async_balance": "rlhflab async balance",
-              "rlhflab_async_generator": "rlhflab async generator", "trl": "TRL",
+              "rlhflab_async": "rlhflab async", "rlhflab_async_balance": "rlhflab async balance", "trl": "TRL",
               "trl_2threads": "TRL 2 threads",
               "trl_mlflow": "TRL + MLflow"}
 

@@ -361,17 +361,16 @@ def test_thread_reference_refused_for_torch_threads_null_names_the_key_as_typed(
 @pytest.mark.parametrize(
     "override, where",
     [
-        ("", "balance"),  # forked: the generator shares the reference model; the rows split so both are equally busy
-        ("trainer=gpu", "generator"),  # a learner on a GPU would give its rows other numbers than the CPU generator's
+        ("", "generator"),  # forked: the generator shares the reference model and the learner's step loses a forward
         ("mode.start_method=spawn", "learner"),
-        ("memory=lora", "balance"),
+        ("memory=lora", "generator"),
         ("memory=hydra", "learner"),  # it reads the trunk output the reward head scored with (reward=model): free there
-        ("memory=hydra reward=rule", "balance"),  # no reward head: the reference is a forward wherever it runs
+        ("memory=hydra reward=rule", "generator"),  # no reward head: the reference is a forward wherever it runs
         ("memory=hydra mode.reference=generator", "generator"),  # asked for: kept
-        ("mode.reference=generator", "generator"),
+        ("mode.reference=balance", "balance"),
     ],
 )
-def test_async_reference_auto_is_shared_with_the_generator_unless_the_learners_costs_nothing(override, where):
+def test_async_reference_auto_is_the_generator_unless_the_learners_costs_nothing(override, where):
     assert validate(compose_cfg(["mode=async", *override.split()])).source.reference == where
 
 
@@ -421,7 +420,7 @@ def test_the_model_tag_names_the_model_that_runs(override, tag):
 @pytest.mark.parametrize(
     "override, method, reference",
     [
-        ("", "fork", "balance"),
+        ("", "fork", "generator"),
         ("mode.device=cuda:1", "spawn", "learner"),  # alone: it asked for 'set mode.start_method=spawn' first
         ("mode.device=cuda:1 mode.start_method=spawn", "spawn", "learner"),
         ("mode.start_method=spawn", "spawn", "learner"),

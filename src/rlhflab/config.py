@@ -62,10 +62,8 @@ def _instantiate(group: str, node: DictConfig, **kwargs):
 def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
     """mode.reference=auto, and whether `thread` can run.
 
-    mode=async: `auto` is `balance` when the generator is forked (it shares the reference model) and the learner is
-    on the CPU: each batch's rows split between the two so that both are equally busy, with the numbers of either
-    alone, bit for bit (a learner on a GPU would give its rows a GPU's numbers: `generator` there); else the learner;
-    the learner too where its reference costs no forward: memory=hydra scoring with its reward head, whose trunk
+    mode=async: `auto` is the generator when it is forked (it shares the reference model), else the learner; the
+    learner too where its reference costs no forward: memory=hydra scoring with its reward head, whose trunk
     output the reference reads.
     mode=sync: `thread` runs the reference's forward in a second thread beside the update's
     policy forward, `process` in a forked process (its own GIL: faster where the model is small enough for
@@ -75,8 +73,7 @@ def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
     if source.name != "sync":
         free_in_learner = getattr(memory, "reference_shares_scoring_forward", False) and reward.needs_reward_model
         if source.reference == "auto":
-            source.reference = ("learner" if source.start_method != "fork" or free_in_learner
-                                else "balance" if cfg.trainer.accelerator == "cpu" else "generator")
+            source.reference = "generator" if source.start_method == "fork" and not free_in_learner else "learner"
         return
     cores = len(os.sched_getaffinity(0))
     threads = cfg.torch_threads or torch.get_num_threads()

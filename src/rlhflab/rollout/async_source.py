@@ -311,8 +311,8 @@ class AsyncSource(SyncSource):
       update), `generator` (after generating each batch, so the learner's step loses a forward; fork only:
       the forked process shares the reference's weights, copy on write) or `balance` (fork only: the generator
       takes a batch's first rows, the learner the rest, split so both are equally busy; ReferenceSplit);
-      `auto`: config.resolve_reference picks balance when forked with the learner on the CPU (generator with it on a
-      GPU), else learner (and learner where the learner's costs nothing: hydra with a reward head).
+      `auto`: config.resolve_reference picks generator when forked, else learner (and learner where the learner's
+      costs nothing: hydra with a reward head).
     correction: the off-policy correction (`off_policy=`) for stale samples.
     """
 
