@@ -1,4 +1,4 @@
-"""stages.batch_threads: stages sft and rm train each batch as shares in threads of their own, and learn what one
+"""stages.batch_threads: stages sft, rm and hydra_sft train each batch as shares in threads of their own, and learn what one
 forward learns (to rounding)."""
 
 import os
@@ -10,7 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from rlhflab.lit.data import tensor_loader
-from rlhflab.lit.stage_modules import BatchThreads, RewardModule, SFTModule
+from rlhflab.lit.stage_modules import BatchThreads, HydraSFTModule, RewardModule, SFTModule
+from rlhflab.models.heads import ScalarHead
 from rlhflab.train import batch_threads, stage_threads, with_batch_threads
 
 PAD = 0
@@ -76,6 +77,33 @@ def test_rm_in_two_batch_threads_learns_what_one_forward_learns():
         trained[threads] = model
     for (name, a), b in zip(trained[1].named_parameters(), trained[2].parameters()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)  # rounding: AdamW moves each ~1e-2
+
+
+def test_hydra_sft_in_two_batch_threads_learns_what_one_forward_learns():
+    """Each share is a share of the demonstrations and one of the pairs (batches of their own sizes: 8 demonstrations
+    and 6 pairs a step, the pairs' last batch of 1 pair, where the step runs as one share), the LM head, the reward
+    head and the trunk trained by both losses."""
+    from lightning.pytorch.utilities import CombinedLoader
+
+    g = torch.Generator().manual_seed(3)
+    chosen, rejected = torch.randint(1, 40, (2, 13, 7), generator=g)
+    chosen[::4, 5:] = PAD
+    trained = {}
+    for threads in (1, 2):
+        model = tiny(LlamaForCausalLM)
+        seen = threads_seen(model)
+        head = ScalarHead(model.config.hidden_size)
+        loader = CombinedLoader({"sft": tensor_loader(*sft_data(), batch_size=8, seed=0),
+                                 "rm": tensor_loader(chosen, rejected, batch_size=6, seed=0)}, mode="max_size_cycle")
+        fit(HydraSFTModule(model, head, PAD, 1e-2, 1e-2, 0.5, threads), loader, 1)
+        trained[threads] = (model, head, seen)
+    (one, one_head, seen_one), (two, two_head, seen_two) = trained[1], trained[2]
+    assert not any(n.startswith("rlhflab-stage") for n in seen_one) and any(n.startswith("rlhflab-stage") for n in seen_two)
+    start = tiny(LlamaForCausalLM)
+    for (name, a), b, s in zip([*one.named_parameters(), *one_head.named_parameters()],
+                               [*two.parameters(), *two_head.parameters()], [*start.parameters(), None]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)  # rounding: AdamW moves each ~1e-2
+        assert s is None or not torch.equal(a, s), name  # every weight trained
 
 
 def test_a_share_that_fails_raises_its_error_after_every_share_has_ended():

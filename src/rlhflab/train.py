@@ -508,8 +508,8 @@ def batch_threads(cfg: DictConfig) -> int:
 
 
 def with_batch_threads(stages: dict, threads: int) -> dict:
-    """Stages sft and rm with their batch threads in their settings, so in their cache keys (the shares' sum
-    rounds as one forward does not); with 1, the keys are as before."""
+    """Stages sft and rm with their batch threads in their settings, so in their cache keys and hydra_sft's, which
+    reads them there (the shares' sum rounds as one forward does not); with 1, the keys are as before."""
     return in_sft_and_rm(stages, **({"batch_threads": threads} if threads > 1 else {}))
 
 
@@ -546,7 +546,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     # The stages the memory strategy needs (sft and rm, or hydra_sft), each skipped when given or cached.
     needed = plan.memory.stages(plan.reward.needs_reward_model)
-    shares = 1 if "hydra_sft" in needed else batch_threads(cfg)  # hydra_sft trains on one forward a batch
+    shares = batch_threads(cfg)
     stages = with_batch_threads(per_rank_stages(with_trainer_settings(
         OmegaConf.to_container(cfg.stages, resolve=True), OmegaConf.to_container(cfg.trainer, resolve=True)),
         ranks(cfg.trainer)), shares)

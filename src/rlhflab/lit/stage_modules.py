@@ -18,7 +18,7 @@ from rlhflab.rollout.sources import autocast_as, current_autocast
 
 
 class BatchThreads:
-    """Stages sft and rm on the CPU in one process (stages.batch_threads): each batch's rows in `threads` shares,
+    """Stages sft, rm and hydra_sft on the CPU in one process (stages.batch_threads): each batch's rows in `threads` shares,
     each share's forward and backward in a thread of its own, their gradients summed where autograd accumulates
     them (a + b, the same in either order). Each share's loss is its sum over the batch's count (rows or label
     tokens), so the shares add up to the batch's mean: the loss and gradients of one forward, to rounding.
@@ -36,8 +36,10 @@ class BatchThreads:
     def forwards(self, share: Callable[..., torch.Tensor], *rows: torch.Tensor) -> list[torch.Tensor]:
         """share(*its rows) for each share of the rows, the first in this thread, under this thread's autocast and
         grad mode -> the shares' losses; the other shares' are kept for `backward`."""
-        # no empty share: a batch of fewer rows than threads (an epoch's last) takes one thread a row
-        parts = list(zip(*(t.tensor_split(min(self.threads, len(t))) for t in rows)))
+        # no empty share: a batch of fewer rows than threads (an epoch's last) takes one thread a row; every tensor
+        # in as many shares (hydra_sft's demonstrations and pairs are batches of their own sizes)
+        count = min(self.threads, *(len(t) for t in rows))
+        parts = list(zip(*(t.tensor_split(count) for t in rows)))
         state = current_autocast(), torch.is_grad_enabled()
         others = [self.pool.submit(self._call, state, share, part) for part in parts[1:]]
         try:
@@ -206,16 +208,19 @@ class RewardModule(SharedBatches):
         return torch.optim.AdamW(self.model.parameters(), lr=self.lr)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(n, T, V) logits, (n, T) labels (-100 = ignore) -> mean next-token cross-entropy."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """(n, T, V) logits, (n, T) labels (-100 = ignore) -> mean (or sum) next-token cross-entropy."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100, reduction=reduction)
 
 
-class HydraSFTModule(L.LightningModule):
-    """loss = LM cross-entropy on demonstrations + reward_loss_weight x -log sigmoid(r(chosen) - r(rejected))."""
+class HydraSFTModule(SharedBatches):
+    """loss = LM cross-entropy on demonstrations + reward_loss_weight x -log sigmoid(r(chosen) - r(rejected)).
+    With batch_threads > 1 (BatchThreads) each share is a share of the demonstrations and one of the pairs, its loss
+    their sums over the whole batch's label tokens and pairs."""
 
     def __init__(
-        self, causal_lm, reward_head: ScalarHead, pad_token_id: int, lm_lr: float, reward_lr: float, reward_loss_weight: float
+        self, causal_lm, reward_head: ScalarHead, pad_token_id: int, lm_lr: float, reward_lr: float, reward_loss_weight: float,
+        batch_threads: int = 1,
     ) -> None:
         super().__init__()
         self.causal_lm = causal_lm
@@ -224,6 +229,7 @@ class HydraSFTModule(L.LightningModule):
         self.lm_lr = lm_lr
         self.reward_lr = reward_lr
         self.reward_loss_weight = reward_loss_weight
+        self.shares = BatchThreads(batch_threads)
 
     def configure_model(self) -> None:
         if self.device_mesh is not None:  # trainer=fsdp
@@ -238,23 +244,41 @@ class HydraSFTModule(L.LightningModule):
         hidden = trunk(self.causal_lm, input_ids, (input_ids != self.pad_token_id).long())
         return sequence_scores(self.reward_head, hidden, input_ids, self.pad_token_id)
 
-    def training_step(self, batch, batch_idx):
-        input_ids, attention_mask, labels = batch["sft"]
-        chosen, rejected = batch["rm"]
+    def losses(self, input_ids, attention_mask, labels, chosen, rejected, tokens: int | None = None, pairs: int | None = None):
+        """(LM loss, preference loss, margins) of demonstrations and pairs: means, or sums over `tokens` label tokens
+        and `pairs` pairs (a share of a batch that has them)."""
         logits = self.causal_lm.get_output_embeddings()(trunk(self.causal_lm, input_ids, attention_mask))
-        sft_loss = lm_loss(logits, labels)
+        sft_loss = lm_loss(logits, labels) if tokens is None else lm_loss(logits, labels, "sum") / tokens
         # Chosen and rejected share one forward.
         scores = self.score(torch.cat([chosen, rejected])).view(2, -1)
         margin = scores[0] - scores[1]
-        rm_loss = -F.logsigmoid(margin).mean()
-        loss = sft_loss + self.reward_loss_weight * rm_loss
+        rm_loss = -F.logsigmoid(margin).mean() if pairs is None else -F.logsigmoid(margin).sum() / pairs
+        return sft_loss, rm_loss, margin
+
+    def training_step(self, batch, batch_idx):
+        input_ids, attention_mask, labels = batch["sft"]
+        chosen, rejected = batch["rm"]
+        if self.shares.threads > 1:
+            tokens, pairs, parts = int((labels[:, 1:] != -100).sum()), len(chosen), []
+
+            def share(*rows):
+                parts.append(part := self.losses(*rows, tokens=tokens, pairs=pairs))  # (list.append is atomic under the GIL)
+                return part[0] + self.reward_loss_weight * part[1]
+
+            own = self.shares.forwards(share, input_ids, attention_mask, labels, chosen, rejected)[0]
+            sft_loss, rm_loss = (sum(part[i].detach() for part in parts) for i in (0, 1))
+            margin = torch.cat([part[2].detach() for part in parts])
+            loss = sft_loss + self.reward_loss_weight * rm_loss
+        else:
+            sft_loss, rm_loss, margin = self.losses(input_ids, attention_mask, labels, chosen, rejected)
+            loss = own = sft_loss + self.reward_loss_weight * rm_loss
         require_finite(loss, "hydra_sft", "hydra_sft/loss", self.global_step, "stages.sft.lr or stages.rm.lr")
         # The same keys as stages sft and rm, so their curves compare across memory strategies.
         self.log_dict(
             {"sft/loss": sft_loss, "rm/loss": rm_loss, "rm/accuracy": (margin > 0).float().mean(), "hydra_sft/loss": loss},
             prog_bar=True, on_step=True, on_epoch=False,
         )
-        return loss
+        return own
 
     def configure_optimizers(self):
         return torch.optim.AdamW(

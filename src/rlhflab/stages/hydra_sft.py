@@ -58,14 +58,17 @@ def run_hydra_sft(start: Saved, tokenizer, task, stages: dict, dtype: str, cache
     key = config_key(start.identity, vocab_key(tokenizer), task.name, stages["sft"], stages["rm"], reward_loss_weight,
                      prompts, responses, pairs, dtype)
 
+    threads = stages["sft"].get("batch_threads", 1)  # stages.batch_threads where it applies (train.batch_threads)
+
     def build(tmp: Path) -> None:
         loader, held_out, demo_ids = _stage_data(tokenizer, prompts, responses, pairs, stages)
         log.info("stage hydra_sft: training on %d demonstrations and %d preference pairs (%d held out), %s",
-                 len(prompts), len(pairs) - len(held_out[0]), len(held_out[0]), torch_threads_said())
+                 len(prompts), len(pairs) - len(held_out[0]), len(held_out[0]), torch_threads_said(threads))
         with fixed_seed(stages["sft"]["seed"]):
             causal_lm = load_causal_lm(start.path, dtype)
             head = ScalarHead(causal_lm.config.hidden_size, dtype=causal_lm.dtype)
-            module = HydraSFTModule(causal_lm, head, tokenizer.pad_token_id, stages["sft"]["lr"], stages["rm"]["lr"], reward_loss_weight)
+            module = HydraSFTModule(causal_lm, head, tokenizer.pad_token_id, stages["sft"]["lr"], stages["rm"]["lr"], reward_loss_weight,
+                                    threads)
             trainer = make_trainer("hydra_sft", max_epochs=max(stages["sft"]["epochs"], stages["rm"]["epochs"]))
             trainer.fit(module, loader)
         norm = reward_report(module, held_out, demo_ids, task, prompts, responses)
