@@ -66,10 +66,15 @@ def test_sft_in_two_batch_threads_learns_what_one_forward_learns(accumulate):
     assert moved == len(list(start.parameters()))  # every weight trained (a share's gradients dropped would differ)
 
 
-def test_rm_in_two_batch_threads_learns_what_one_forward_learns():
-    g = torch.Generator().manual_seed(2)
-    chosen, rejected = torch.randint(1, 40, (2, 20, 7), generator=g)
+def pair_data(seed: int, pairs: int):
+    """(chosen, rejected) token ids, some chosen rows shorter."""
+    chosen, rejected = torch.randint(1, 40, (2, pairs, 7), generator=torch.Generator().manual_seed(seed))
     chosen[::4, 5:] = PAD
+    return chosen, rejected
+
+
+def test_rm_in_two_batch_threads_learns_what_one_forward_learns():
+    chosen, rejected = pair_data(2, 20)
     trained = {}
     for threads in (1, 2):
         model = tiny(LlamaForSequenceClassification)
@@ -85,9 +90,7 @@ def test_hydra_sft_in_two_batch_threads_learns_what_one_forward_learns():
     head and the trunk trained by both losses."""
     from lightning.pytorch.utilities import CombinedLoader
 
-    g = torch.Generator().manual_seed(3)
-    chosen, rejected = torch.randint(1, 40, (2, 13, 7), generator=g)
-    chosen[::4, 5:] = PAD
+    chosen, rejected = pair_data(3, 13)
     trained = {}
     for threads in (1, 2):
         model = tiny(LlamaForCausalLM)
