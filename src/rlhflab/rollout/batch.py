@@ -185,7 +185,7 @@ def by_length(forward, query: torch.Tensor, response: torch.Tensor, response_mas
     lengths = completion_lengths(response_mask).clamp(min=1)
     parts, placed = [], []
     for group in buckets:
-        mine = group[(group >= start) & (group < stop)]
+        mine = group if rows is None else group[(group >= start) & (group < stop)]
         if len(mine):
             w, first = int(lengths[group].max()), first_column(query[group], pad_token_id)  # the whole group's widths
             parts.append(torch.nn.functional.pad(forward(query[mine, first:], response[mine, :w]), (0, width - w)))
