@@ -21,18 +21,20 @@ def test_gold_reward_ignores_words_past_the_budget():
     assert task.gold_reward(["p"], ["good good good good"]).item() == 1.0
 
 
-def test_preference_pairs_made_once_are_the_settings_own_and_a_callers_edit_does_not_reach_them():
-    """They are kept per process by the task's settings (a sweep's preflight made ~0.5 s of them for every job)."""
+def test_preference_pairs_and_demonstrations_made_once_are_the_settings_own_and_a_callers_edit_does_not_reach_them():
+    """They are kept per process by the task's settings (a sweep's preflight made ~0.5 s of pairs for every job)."""
     from rlhflab.tasks import sentiment
 
-    sentiment._PAIRS.clear()
-    first = SentimentTask(num_preference_pairs=50).preference_pairs()
-    first.pop()
-    again = SentimentTask(num_preference_pairs=50).preference_pairs()
-    assert len(again) == 50 and again[:49] == first and len(sentiment._PAIRS) == 1
-    assert SentimentTask(num_preference_pairs=50, seed=1).preference_pairs() != again  # another seed, other pairs
-    assert SentimentTask(num_preference_pairs=50, response_words=4).preference_pairs() != again
-    assert len(sentiment._PAIRS) == 3
+    sentiment._MADE.clear()
+    for rows, size in (("preference_pairs", "num_preference_pairs"), ("demonstrations", "num_demonstrations")):
+        first = getattr(SentimentTask(**{size: 50}), rows)()
+        first.pop()
+        again = getattr(SentimentTask(**{size: 50}), rows)()
+        assert len(again) == 50 and again[:49] == first
+        assert getattr(SentimentTask(**{size: 50}, seed=1), rows)() != again  # another seed, other rows
+        assert getattr(SentimentTask(**{size: 50}, response_words=4), rows)() != again
+        assert getattr(SentimentTask(**{size: 40}), rows)() == again[:40] != again  # fewer: the same stream, cut
+    assert len(sentiment._MADE) == 8
 
 
 def test_preference_pairs_are_labelled_by_gold_and_cover_high_rewards():

@@ -68,7 +68,17 @@ def load_words(words_file: str | None) -> WordLists:
     return WordLists(**lists)
 
 
-_PAIRS: dict[tuple, tuple] = {}  # SentimentTask.preference_pairs by its settings
+_MADE: dict[tuple, tuple] = {}  # SentimentTask's demonstrations and preference pairs by their settings
+
+
+def _once(key: tuple, make) -> list:
+    """make()'s rows, made once per process for the same settings (a sweep's preflight asks for every job's: ~0.5 s of
+    pairs and ~30 ms of demonstrations each); a copy, so that a caller's edit does not reach them."""
+    if key not in _MADE:
+        if len(_MADE) >= 16:  # a sweep over the task's settings: the oldest go
+            del _MADE[next(iter(_MADE))]
+        _MADE[key] = tuple(make())
+    return list(_MADE[key])
 
 
 class SentimentTask:
@@ -136,15 +146,20 @@ class SentimentTask:
         rng = self._rng(split)
         return [self._prompt(rng) for _ in range(n)]
 
+    def _settings(self) -> tuple:
+        return (self.words.positive, self.words.negative, self.words.neutral, self.prompt_words, self.response_words,
+                self.seed)
+
     def demonstrations(self) -> list[tuple[str, str]]:
-        """(prompt, response) pairs of random continuations of 3/4 to full length."""
-        rng = self._rng("sft")
-        shortest = max(1, (3 * self.response_words) // 4)
-        out = []
-        for _ in range(self.num_demonstrations):
-            n = rng.randint(shortest, self.response_words)
-            out.append((self._prompt(rng), " ".join(rng.choice(self.words.all) for _ in range(n))))
-        return out
+        """(prompt, response) pairs of random continuations of 3/4 to full length (made once per process, `_once`)."""
+        def make():
+            rng = self._rng("sft")
+            shortest = max(1, (3 * self.response_words) // 4)
+            for _ in range(self.num_demonstrations):
+                n = rng.randint(shortest, self.response_words)
+                yield self._prompt(rng), " ".join(rng.choice(self.words.all) for _ in range(n))
+
+        return _once(("demonstrations", *self._settings(), self.num_demonstrations), make)
 
     def _biased_response(self, rng: random.Random) -> str:
         # A per-response "mood" spreads pairs over the whole reward range: a
@@ -162,11 +177,8 @@ class SentimentTask:
         return " ".join(words)
 
     def preference_pairs(self) -> list[tuple[str, str, str]]:
-        """(prompt, chosen, rejected), labelled by the gold reward; ties are skipped. Made once per process for the
-        same settings (~0.5 s: a sweep's preflight made them for every job)."""
-        key = (self.words.positive, self.words.negative, self.words.neutral, self.prompt_words, self.response_words,
-               self.num_preference_pairs, self.seed)
-        if key not in _PAIRS:
+        """(prompt, chosen, rejected), labelled by the gold reward; ties are skipped (made once per process, `_once`)."""
+        def make():
             rng = self._rng("rm")
             out = []
             while len(out) < self.num_preference_pairs:
@@ -174,10 +186,9 @@ class SentimentTask:
                 ra, rb = self.gold_reward([prompt, prompt], [a, b]).tolist()
                 if ra != rb:
                     out.append((prompt, a, b) if ra > rb else (prompt, b, a))
-            if len(_PAIRS) >= 8:  # a sweep over the task's settings: the oldest go
-                del _PAIRS[next(iter(_PAIRS))]
-            _PAIRS[key] = tuple(out)
-        return list(_PAIRS[key])
+            return out
+
+        return _once(("pairs", *self._settings(), self.num_preference_pairs), make)
 
     def setup(self, tokenizer) -> dict[str, int]:
         """Its prompts are words of its own tokenizer: nothing to adapt."""
