@@ -117,7 +117,7 @@ def test_a_share_that_fails_raises_its_error_after_every_share_has_ended():
         if threading.current_thread().name.startswith("rlhflab-stage"):
             raise ValueError("the second share")
         ended.append(len(rows))
-        return rows.sum()
+        return (rows.sum(),)
 
     with pytest.raises(ValueError, match="the second share"):
         shares.forwards(share, torch.arange(6))
@@ -150,7 +150,7 @@ def test_batch_threads_share_the_cores_with_torchs_threads(monkeypatch):
 def test_the_helper_thread_runs_under_the_callers_autocast():
     shares = BatchThreads(2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        dtypes = shares.forwards(lambda x: (x @ x.T).sum(), torch.ones(4, 3))
-    assert [d.dtype for d in dtypes] == [torch.bfloat16, torch.bfloat16]
+        dtypes = [loss.dtype for loss, in shares.forwards(lambda x: ((x @ x.T).sum(),), torch.ones(4, 3))]
+    assert dtypes == [torch.bfloat16, torch.bfloat16]
     shares.close()
 

@@ -544,8 +544,6 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     started = time.perf_counter()
     cache_dir = Path(cfg.cache_dir)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    # The stages the memory strategy needs (sft and rm, or hydra_sft), each skipped when given or cached.
-    needed = plan.memory.stages(plan.reward.needs_reward_model)
     shares = batch_threads(cfg)
     stages = with_batch_threads(per_rank_stages(with_trainer_settings(
         OmegaConf.to_container(cfg.stages, resolve=True), OmegaConf.to_container(cfg.trainer, resolve=True)),
@@ -561,6 +559,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     startup.resume()  # imported and built what lives to the run's end: the collector walks what training makes
     if counts:
         tracker.log_metrics(counts, step=0)
+    # The stages the memory strategy needs (sft and rm, or hydra_sft), each skipped when given or cached.
+    needed = plan.memory.stages(plan.reward.needs_reward_model)
 
     def stage_trainer(stage: str, **overrides):
         return _make_trainer(cfg, logger, stage, max_steps=-1, **overrides)

@@ -33,9 +33,10 @@ class BatchThreads:
         self.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="rlhflab-stage") if threads > 1 else None
         self.pending: list[torch.Tensor] = []  # the other shares' losses, for backward
 
-    def forwards(self, share: Callable[..., torch.Tensor], *rows: torch.Tensor) -> list[torch.Tensor]:
-        """share(*its rows) for each share of the rows, the first in this thread, under this thread's autocast and
-        grad mode -> the shares' losses; the other shares' are kept for `backward`."""
+    def forwards(self, share: Callable[..., tuple], *rows: torch.Tensor) -> list[tuple]:
+        """share(*its rows) -> (loss, what else it measured) for each share of the rows, the first in this thread,
+        under this thread's autocast and grad mode -> their results in the shares' order; the other shares' losses
+        are kept for `backward`."""
         # no empty share: a batch of fewer rows than threads (an epoch's last) takes one thread a row; every tensor
         # in as many shares (hydra_sft's demonstrations and pairs are batches of their own sizes)
         count = min(self.threads, *(len(t) for t in rows))
@@ -49,7 +50,7 @@ class BatchThreads:
         for result in rest:
             if isinstance(result, BaseException):
                 raise result
-        self.pending = rest
+        self.pending = [result[0] for result in rest]
         return [first, *rest]
 
     @staticmethod
@@ -135,9 +136,9 @@ class SFTModule(SharedBatches):
 
             def share(ids, mask, share_labels):
                 with self.activations.track():
-                    return self.model(input_ids=ids, attention_mask=mask, labels=share_labels, num_items_in_batch=tokens).loss
+                    return (self.model(input_ids=ids, attention_mask=mask, labels=share_labels, num_items_in_batch=tokens).loss,)
 
-            losses = self.shares.forwards(share, input_ids, attention_mask, labels)
+            losses = [out[0] for out in self.shares.forwards(share, input_ids, attention_mask, labels)]
             loss, own = sum(x.detach() for x in losses), losses[0]
         else:
             with self.activations.track():
@@ -188,14 +189,13 @@ class RewardModule(SharedBatches):
     def training_step(self, batch, batch_idx):
         chosen, rejected = batch
         if self.shares.threads > 1:
-            margins: list[torch.Tensor] = []
-
             def share(c, r):
-                margins.append(margin := self.margins(c, r))  # (list.append is atomic under the GIL)
-                return -F.logsigmoid(margin).sum() / len(chosen)
+                margin = self.margins(c, r)
+                return -F.logsigmoid(margin).sum() / len(chosen), margin
 
-            losses = self.shares.forwards(share, chosen, rejected)
-            loss, own, margin = sum(x.detach() for x in losses), losses[0], torch.cat([m.detach() for m in margins])
+            outs = self.shares.forwards(share, chosen, rejected)
+            loss, own = sum(out[0].detach() for out in outs), outs[0][0]
+            margin = torch.cat([out[1].detach() for out in outs])
         else:
             margin = self.margins(chosen, rejected)
             loss = own = -F.logsigmoid(margin).mean()
@@ -259,15 +259,16 @@ class HydraSFTModule(SharedBatches):
         input_ids, attention_mask, labels = batch["sft"]
         chosen, rejected = batch["rm"]
         if self.shares.threads > 1:
-            tokens, pairs, parts = int((labels[:, 1:] != -100).sum()), len(chosen), []
+            tokens, pairs = int((labels[:, 1:] != -100).sum()), len(chosen)
 
             def share(*rows):
-                parts.append(part := self.losses(*rows, tokens=tokens, pairs=pairs))  # (list.append is atomic under the GIL)
-                return part[0] + self.reward_loss_weight * part[1]
+                sft, rm, margin = self.losses(*rows, tokens=tokens, pairs=pairs)
+                return sft + self.reward_loss_weight * rm, sft, rm, margin
 
-            own = self.shares.forwards(share, input_ids, attention_mask, labels, chosen, rejected)[0]
-            sft_loss, rm_loss = (sum(part[i].detach() for part in parts) for i in (0, 1))
-            margin = torch.cat([part[2].detach() for part in parts])
+            outs = self.shares.forwards(share, input_ids, attention_mask, labels, chosen, rejected)
+            own = outs[0][0]
+            sft_loss, rm_loss = (sum(out[i].detach() for out in outs) for i in (1, 2))
+            margin = torch.cat([out[3].detach() for out in outs])
             loss = sft_loss + self.reward_loss_weight * rm_loss
         else:
             sft_loss, rm_loss, margin = self.losses(input_ids, attention_mask, labels, chosen, rejected)
