@@ -32,7 +32,7 @@ def resume() -> None:
     """What the process made so far to the permanent generation, and the collector on again (after `pause`)."""
     global _paused
     if _paused:
-        gc.collect()  # once (0.3-0.5 s): the imports' few cycles freed, not frozen (3-4 MB of a run's peak memory)
+        gc.collect()  # once (0.3-0.7 s): the imports' few cycles freed, not frozen (3-11 MB of a run's peak memory)
         gc.freeze()
         gc.enable()
         _paused = False
