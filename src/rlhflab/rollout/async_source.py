@@ -282,7 +282,8 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
                 m = n if split is None else split.rows(n)  # balance: the first m rows here, the rest in the learner
                 t1 = time.perf_counter()
                 with torch.no_grad(), autocast_as(autocast):  # no rows (balance): no forward, which a model cannot run on an empty batch
-                    rollout.ref_logprobs = (reference(rollout.query, rollout.response, rollout.response_mask, rows=slice(0, m))
+                    rows = None if m == n else slice(0, m)  # every row (generator, or balance's whole batch): no row mask
+                    rollout.ref_logprobs = (reference(rollout.query, rollout.response, rollout.response_mask, rows=rows)
                                             if m else rollout.logprobs.new_zeros((0, rollout.logprobs.shape[1])))
                 if split is not None:
                     split.generated(t1 - t0, time.perf_counter() - t1, m)
