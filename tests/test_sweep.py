@@ -264,6 +264,64 @@ def test_of_children_tied_on_the_metric_the_parent_names_the_first_job_as_optuna
     assert best.data.tags["rlhflab.sweep.job"] == "1"
 
 
+def _identity_of_an_ended_process() -> str:
+    """The PROCESS_TAG a process wrote before it ended (a real process, gone by the time this returns)."""
+    code = "from rlhflab.naming import process_identity; print(process_identity())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return out.stdout.strip()
+
+
+def test_a_process_is_gone_only_where_this_machine_can_tell():
+    from rlhflab.naming import process_gone, process_identity
+
+    ended, here = _identity_of_an_ended_process(), process_identity()
+    assert process_gone(ended) and not process_gone(here)
+    reused = json.loads(here) | {"start": "1"}  # this pid, but another process's start: the pid was reused
+    assert process_gone(json.dumps(reused))
+    for key, value in (("boot", "another-boot"), ("pid_ns", "pid:[1]")):  # another machine (or restart), a container
+        assert not process_gone(json.dumps(json.loads(ended) | {key: value})), key
+    for key in ("boot", "start", "pid_ns"):  # a platform without /proc said less: nothing to tell by
+        assert not process_gone(json.dumps({k: v for k, v in json.loads(ended).items() if k != key})), key
+    assert not any(process_gone(tag) for tag in (None, "", "garbage", "[1]", '{"pid": "x"}'))
+
+
+def test_a_sweep_ends_the_sweeps_a_gone_process_left_running_and_no_other(tmp_path, caplog):
+    """A sweep SIGKILLed (the OOM killer) skipped the exit hook that ends its parent: the parent and the job it was
+    running stayed RUNNING for good. The next sweep in the experiment ends them KILLED, with why; a sweep whose
+    process may still run (this one's, another machine's, one from before the tag) is left alone."""
+    from hydra_plugins.rlhflab_mlflow.callback import MlflowSweepCallback
+    from rlhflab.naming import PROCESS_TAG, STOP_TAG, process_identity
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/m.db")
+    experiment = client.create_experiment("rlhflab")
+    gone, here = _identity_of_an_ended_process(), process_identity()
+    elsewhere = json.dumps(json.loads(gone) | {"boot": "another-machine"})
+
+    def run(process: str | None, parent: str | None = None, status: str = "RUNNING") -> str:
+        tags = {"rlhflab.sweep": "1"} if parent is None else {"mlflow.parentRunId": parent}
+        made = client.create_run(experiment, tags=tags | ({PROCESS_TAG: process} if process else {})).info.run_id
+        if status != "RUNNING":
+            client.set_terminated(made, status)
+        return made
+
+    killed = run(gone)
+    killed_jobs = [run(gone, killed, status) for status in ("FINISHED", "RUNNING")]
+    job_elsewhere = run(elsewhere, killed)  # a job another launcher ran on another machine: it may still run
+    alive, other_machine, untagged, finished = run(here), run(elsewhere), run(None), run(gone, status="FINISHED")
+    callback = MlflowSweepCallback()
+    callback.parent_run_id = run(here)
+    with caplog.at_level("WARNING", logger="rlhflab.sweep"):
+        assert callback._end_sweeps_left_running(client, experiment) == [killed]
+    status = {r: client.get_run(r).info.status for r in (killed, *killed_jobs, job_elsewhere, alive, other_machine, untagged, finished)}
+    assert list(status.values()) == ["KILLED", "FINISHED", "KILLED", "RUNNING", "RUNNING", "RUNNING", "RUNNING", "FINISHED"]
+    for ended in (killed, killed_jobs[1]):
+        assert client.get_run(ended).data.tags[STOP_TAG] == (
+            "its sweep's process died without a word (SIGKILL, the OOM killer) before the sweep ended; ended by the next "
+            f"sweep in its experiment, {callback.parent_run_id}")
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"mlflow sweep: the sweep {killed} (") and said.endswith(f"is ended KILLED, with its job run {killed_jobs[1]}")
+
+
 @pytest.mark.parametrize("signalled", [True, False])
 def test_a_sweep_stopped_before_its_jobs_run_was_made_ends_killed_not_failed(tmp_path, monkeypatch, signalled):
     """A Ctrl-C as a job started, before its tracker made its run: the job had no KILLED run to tell a stop from a
@@ -691,6 +749,44 @@ def test_optuna_preset_runs_trials_as_children_and_optimises_the_kl_penalised_go
                       "log_artifacts=false"]).files[0].read_text()
     assert f"- best sweep/objective (eval/gold_reward less 0.01 per nat of eval/kl above 0.0): {best:.4f}" in summary
     assert "| objective |" in summary
+
+
+def test_a_sigkilled_sweep_is_ended_killed_by_the_next_sweep_which_continues_its_job(tmp_path, stage_cache):
+    """SIGKILL (the OOM killer) runs no exit hook: the sweep's parent and its job's run stayed RUNNING for good, even
+    after the job was continued under a new sweep. The next sweep ends them KILLED as it starts; the job's run then
+    continues (resume=auto) in its own run, under the new parent, and names the process that runs it now."""
+    from conftest import cli_run, wait_for
+    from rlhflab.naming import PROCESS_TAG, STOP_TAG
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {"MLFLOW_TRACKING_URI": uri, "RLHFLAB_CACHE": str(stage_cache), "OMP_WAIT_POLICY": "PASSIVE"}
+    lines: list[str] = []
+    sweep = ["-m", "algo=rloo", *TINY, "rl.eval_every=1", "checkpoint.every_n_steps=2", "output.dir=runs/${hydra:job.num}"]
+    with cli_run([*sweep, "trainer.max_steps=100000"], tmp_path, env) as proc:
+        reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
+        reader.start()
+        wait_for(lambda: any("eval after 3 RL steps" in line for line in lines), 300, "the job's third step", proc)
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+        reader.join(timeout=30)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("rlhflab").experiment_id
+    (parent,) = client.search_runs([experiment], "tags.`rlhflab.sweep` = '1'")
+    (job,) = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")  # no job tags: its
+    assert (parent.info.status, job.info.status) == ("RUNNING", "RUNNING")  # end never came, as SIGKILL leaves them
+    with cli_run([*sweep, "trainer.max_steps=4", "resume=auto"], tmp_path, env) as proc:
+        output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    assert (f"mlflow sweep: the sweep {parent.info.run_id} ({parent.info.run_name}), left RUNNING by a process that is "
+            f"gone (SIGKILL?), is ended KILLED, with its job run {job.info.run_id}") in output
+    new = [p for p in client.search_runs([experiment], "tags.`rlhflab.sweep` = '1'") if p.info.run_id != parent.info.run_id]
+    ended, continued = client.get_run(parent.info.run_id), client.get_run(job.info.run_id)
+    assert ended.info.status == "KILLED" and ended.data.tags[STOP_TAG].startswith("its sweep's process died without a word")
+    assert [p.info.status for p in new] == ["FINISHED"]
+    assert continued.info.status == "FINISHED" and continued.data.tags["mlflow.parentRunId"] == new[0].info.run_id
+    assert STOP_TAG not in continued.data.tags and "stopped_before_resume" in " ".join(continued.data.tags)
+    assert json.loads(continued.data.tags[PROCESS_TAG])["pid"] == proc.pid  # the second sweep's process, which ran it
+    assert [m.step for m in client.get_metric_history(job.info.run_id, "train/loss")][-2:] == [3, 4]
 
 
 def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job(tmp_path, stage_cache):

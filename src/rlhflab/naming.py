@@ -6,7 +6,10 @@ Imported by Hydra's plugin scan at every start, so it imports nothing heavy.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import socket
 from collections import Counter
 
 # Set by the sweep callback so that each job's run becomes a child of the sweep's parent run.
@@ -51,6 +54,9 @@ SWEEP_MOVED_FROM_TAG = f"{SWEEP_TAG}.moved_from"  # on a job's run a later sweep
 SWEEP_CONTINUED_BY_TAG = f"{SWEEP_TAG}.continued_by"  # on a parent: the later sweep its jobs' runs moved to
 ERROR_TAG = "rlhflab.error"  # on a FAILED run: what ended it, in one line (`<type>: <message>`)
 STOP_TAG = "rlhflab.stopped"  # on a KILLED run: what stopped it (`stopped by SIGPIPE (its output pipe was closed)`)
+# On a run and a sweep's parent: the process that runs it (process_identity), so that a later sweep can tell a parent
+# left RUNNING by a process that is gone (SIGKILL, the OOM killer, a reboot: no exit hook ran) from one still running.
+PROCESS_TAG = "rlhflab.process"
 MAX_TAG = 5000  # MLflow caps tag values (8000 chars); error messages are kept below it
 OBJECTIVE = "sweep/objective"  # on each job's run, with a KL budget (kl_budget): the value its sweeper was told
 
@@ -270,3 +276,52 @@ def ready_artifact_store(artifact_uri: str) -> None:
         import importlib
 
         importlib.reload(module)
+
+
+def _started(pid: int | str) -> str | None:
+    """When process `pid` started, in clock ticks after boot (/proc/PID/stat field 22); None without it."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[19]  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def process_identity() -> str:
+    """This process, for PROCESS_TAG (JSON): its host (for people), the kernel's boot id, its pid namespace, pid and
+    start time. A pid alone names another process once it is reused; the start time tells them apart."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = None
+    ident = {"host": socket.gethostname(), "boot": _read("/proc/sys/kernel/random/boot_id"), "pid_ns": namespace,
+             "pid": os.getpid(), "start": _started("self")}
+    return json.dumps({k: v for k, v in ident.items() if v is not None}, separators=(",", ":"))
+
+
+def process_gone(tag: str | None) -> bool:
+    """Whether the process a PROCESS_TAG names is certainly gone: it ran in this boot of this kernel (the boot id is
+    random at each boot, so no other machine has it) and pid namespace, and no process of its pid has its start time
+    now. Anything else (another machine, or this one before a restart, since a host name can be shared; another pid
+    namespace; a tag without these, from a run made before the tag or on a platform without /proc): False, as
+    nothing here can tell."""
+    try:
+        ident = json.loads(tag) if tag else {}
+        pid, start, boot, namespace = int(ident.get("pid")), ident.get("start"), ident.get("boot"), ident.get("pid_ns")
+    except (ValueError, TypeError, AttributeError):
+        return False
+    try:
+        here = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return False
+    if None in (start, boot) or boot != _read("/proc/sys/kernel/random/boot_id") or namespace != here:
+        return False
+    return _started(pid) != start

@@ -25,8 +25,9 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError, WriteFailed
-from rlhflab.naming import (ERROR_TAG, MAX_TAG, PARENT_RUN_ENV, RUN_RECORD, STOP_TAG, SWEPT_ENV, absolute_uri, behind_server, check_server, default_run_name,
-                            import_mlflow, named_run, ready_artifact_store, redact, sqlite_path)
+from rlhflab.naming import (ERROR_TAG, MAX_TAG, PARENT_RUN_ENV, PROCESS_TAG, RUN_RECORD, STOP_TAG, SWEPT_ENV, absolute_uri, behind_server,
+                            check_server, default_run_name, import_mlflow, named_run, process_identity, ready_artifact_store, redact,
+                            sqlite_path)
 from rlhflab.store_template import keep_template, seed_store
 
 log = logging.getLogger(__name__)
@@ -324,6 +325,7 @@ class MlflowTracker:
                 log.warning("mlflow: logger.experiment_name=%s, but the run this resumes is in experiment '%s' and goes "
                             "on there", self.experiment_name, held)
                 self.experiment_name = held
+            client.set_tag(resume_run_id, PROCESS_TAG, process_identity())  # before RUNNING: this process runs it now
             client.update_run(resume_run_id, status="RUNNING")
             self.run_id = resume_run_id
             self.logged_steps = self._logged_steps()
@@ -346,6 +348,7 @@ class MlflowTracker:
             tags["mlflow.parentRunId"] = os.environ[PARENT_RUN_ENV]
         command = " ".join(["python src/train.py", *map(redact, overrides)])
         tags |= {"rlhflab.overrides": " ".join(map(redact, overrides)), "rlhflab.output_dir": str(output_dir),
+                 PROCESS_TAG: process_identity(),
                  "mlflow.note.content": f"`{command}`\n\nHydra output directory: `{output_dir}`"}
         hydra_dir = hydra_run_dir()
         if hydra_dir is not None and hydra_dir != Path(output_dir).resolve():  # output.dir moved the run: train.log,
