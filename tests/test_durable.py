@@ -77,11 +77,13 @@ RUN = [*SHRINK, "trainer.max_steps=12", "checkpoint.every_n_steps=4", "rl.prompt
 @pytest.mark.slow
 def test_resume_after_sigkill_is_bit_identical_and_logs_each_step_once(tmp_path, stage_cache):
     """Killed with SIGKILL once a checkpoint exists, then `resume=auto`: the same final weights as an
-    uninterrupted run, one MLflow run, and every step of its history exactly once."""
+    uninterrupted run, one MLflow run, and every step of its history exactly once. Until the resume the killed run
+    stayed RUNNING for good; the next run in its experiment (here the uninterrupted one) ends it KILLED and says how
+    to continue it."""
+    from rlhflab.naming import STOP_TAG
+
     env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    with cli_run([*RUN, f"output.dir={whole}"], tmp_path, env) as proc:
-        assert proc.wait(timeout=300) == 0, proc.stdout.read()[-4000:]
     with cli_run([*RUN, f"output.dir={cut}"], tmp_path, env) as proc:
         wait_for(lambda: (cut / "checkpoints" / "step-00000008").is_dir(), 300, "the step-8 checkpoint", proc)
         os.kill(proc.pid, signal.SIGKILL)
@@ -89,6 +91,16 @@ def test_resume_after_sigkill_is_bit_identical_and_logs_each_step_once(tmp_path,
     # On a loaded machine the kill may land after a later checkpoint (step 12 = the whole budget): resume uses the newest.
     newest = max(p.name for p in (cut / "checkpoints").iterdir() if p.name.startswith("step-"))
     first_run = run_id_of(cut)
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    assert client.get_run(first_run).info.status == "RUNNING"
+    with cli_run([*RUN, f"output.dir={whole}"], tmp_path, env) as proc:
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()[-4000:]
+        said = "".join(proc.stdout.read().split())  # the console wraps long lines
+    name = "".join(client.get_run(first_run).info.run_name.split())
+    assert (f"mlflow:run{first_run}({name}),leftRUNNINGbyaprocessthatisgone(SIGKILL?),isendedKILLED;resume=autooutput.dir="
+            f"{cut}continuesitfromitsnewestcheckpoint") in said
+    killed = client.get_run(first_run)
+    assert killed.info.status == "KILLED" and killed.data.tags[STOP_TAG].endswith(f"next run in its experiment, {run_id_of(whole)}")
     with cli_run([*RUN, f"output.dir={cut}", "resume=auto"], tmp_path, env) as proc:
         assert proc.wait(timeout=300) == 0, proc.stdout.read()[-4000:]
         out = "".join(proc.stdout.read().split())  # the console wraps long paths
@@ -100,8 +112,7 @@ def test_resume_after_sigkill_is_bit_identical_and_logs_each_step_once(tmp_path,
     steps = [s for s, _ in history(uri, first_run, "train/reward")]
     assert steps == list(range(1, 13))
     assert [v for _, v in history(uri, first_run, "train/reward")] == [v for _, v in history(uri, run_id_of(whole), "train/reward")]
-    client = MlflowClient(uri)
-    assert client.get_run(first_run).info.status == "FINISHED"
+    assert client.get_run(first_run).info.status == "FINISHED" and STOP_TAG not in client.get_run(first_run).data.tags
     assert len(client.search_runs([client.get_run(first_run).info.experiment_id])) == 2  # whole + cut, no third
 
 

@@ -285,41 +285,46 @@ def test_a_process_is_gone_only_where_this_machine_can_tell():
     assert not any(process_gone(tag) for tag in (None, "", "garbage", "[1]", '{"pid": "x"}'))
 
 
-def test_a_sweep_ends_the_sweeps_a_gone_process_left_running_and_no_other(tmp_path, caplog):
+def test_the_next_run_ends_what_a_gone_process_left_running_and_nothing_else(tmp_path, caplog):
     """A sweep SIGKILLed (the OOM killer) skipped the exit hook that ends its parent: the parent and the job it was
-    running stayed RUNNING for good. The next sweep in the experiment ends them KILLED, with why; a sweep whose
-    process may still run (this one's, another machine's, one from before the tag) is left alone."""
-    from hydra_plugins.rlhflab_mlflow.callback import MlflowSweepCallback
+    running stayed RUNNING for good, as did a run SIGKILLed after its first checkpoint until a resume. The next run or
+    sweep in the experiment ends them KILLED, with why; a run whose process may still run (this one's, another
+    machine's, one from before the tag) is left alone."""
     from rlhflab.naming import PROCESS_TAG, STOP_TAG, process_identity
+    from rlhflab.tracking import end_runs_gone
 
     client = MlflowClient(f"sqlite:///{tmp_path}/m.db")
     experiment = client.create_experiment("rlhflab")
     gone, here = _identity_of_an_ended_process(), process_identity()
     elsewhere = json.dumps(json.loads(gone) | {"boot": "another-machine"})
 
-    def run(process: str | None, parent: str | None = None, status: str = "RUNNING") -> str:
-        tags = {"rlhflab.sweep": "1"} if parent is None else {"mlflow.parentRunId": parent}
+    def run(process: str | None, parent: str | None = None, status: str = "RUNNING", **tags) -> str:
+        tags |= {"rlhflab.sweep": "1"} if parent is None else {"mlflow.parentRunId": parent} if parent else {}
         made = client.create_run(experiment, tags=tags | ({PROCESS_TAG: process} if process else {})).info.run_id
         if status != "RUNNING":
             client.set_terminated(made, status)
         return made
 
+    (tmp_path / "a" / "checkpoints" / "step-00000004").mkdir(parents=True)
     killed = run(gone)
     killed_jobs = [run(gone, killed, status) for status in ("FINISHED", "RUNNING")]
     job_elsewhere = run(elsewhere, killed)  # a job another launcher ran on another machine: it may still run
     alive, other_machine, untagged, finished = run(here), run(elsewhere), run(None), run(gone, status="FINISHED")
-    callback = MlflowSweepCallback()
-    callback.parent_run_id = run(here)
-    with caplog.at_level("WARNING", logger="rlhflab.sweep"):
-        assert callback._end_sweeps_left_running(client, experiment) == [killed]
-    status = {r: client.get_run(r).info.status for r in (killed, *killed_jobs, job_elsewhere, alive, other_machine, untagged, finished)}
-    assert list(status.values()) == ["KILLED", "FINISHED", "KILLED", "RUNNING", "RUNNING", "RUNNING", "RUNNING", "FINISHED"]
-    for ended in (killed, killed_jobs[1]):
-        assert client.get_run(ended).data.tags[STOP_TAG] == (
-            "its sweep's process died without a word (SIGKILL, the OOM killer) before the sweep ended; ended by the next "
-            f"sweep in its experiment, {callback.parent_run_id}")
-    (said,) = [r.getMessage() for r in caplog.records]
-    assert said.startswith(f"mlflow sweep: the sweep {killed} (") and said.endswith(f"is ended KILLED, with its job run {killed_jobs[1]}")
+    single = run(gone, "", **{"rlhflab.output_dir": str(tmp_path / "a")})  # a run alone, with a checkpoint
+    by = run(here, "")
+    with caplog.at_level("WARNING", logger="rlhflab.tracking"):
+        assert sorted(r.info.run_id for r in end_runs_gone(client, experiment, by)) == sorted([killed, killed_jobs[1], single])
+    runs = (killed, *killed_jobs, job_elsewhere, alive, other_machine, untagged, finished, single, by)
+    assert [client.get_run(r).info.status for r in runs] == ["KILLED", "FINISHED", "KILLED", "RUNNING", "RUNNING", "RUNNING",
+                                                             "RUNNING", "FINISHED", "KILLED", "RUNNING"]
+    for ended in (killed, killed_jobs[1], single):
+        assert client.get_run(ended).data.tags[STOP_TAG] == ("its process died without a word (SIGKILL, the OOM killer) "
+                                                             f"before it ended; ended by the next run in its experiment, {by}")
+    said = sorted(r.getMessage() for r in caplog.records)
+    assert len(said) == 3 and all(", left RUNNING by a process that is gone (SIGKILL?), is ended KILLED" in s for s in said)
+    assert any(s.startswith(f"mlflow: the sweep {killed} (") for s in said)
+    assert any(s.startswith(f"mlflow: run {single} (") and s.endswith(
+        f"; resume=auto output.dir={tmp_path / 'a'} continues it from its newest checkpoint") for s in said)
 
 
 @pytest.mark.parametrize("signalled", [True, False])
@@ -777,11 +782,12 @@ def test_a_sigkilled_sweep_is_ended_killed_by_the_next_sweep_which_continues_its
     with cli_run([*sweep, "trainer.max_steps=4", "resume=auto"], tmp_path, env) as proc:
         output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
-    assert (f"mlflow sweep: the sweep {parent.info.run_id} ({parent.info.run_name}), left RUNNING by a process that is "
-            f"gone (SIGKILL?), is ended KILLED, with its job run {job.info.run_id}") in output
+    for what, run in (("the sweep", parent), ("run", job)):
+        assert (f"mlflow: {what} {run.info.run_id} ({run.info.run_name}), left RUNNING by a process that is gone (SIGKILL?), "
+                "is ended KILLED") in output
     new = [p for p in client.search_runs([experiment], "tags.`rlhflab.sweep` = '1'") if p.info.run_id != parent.info.run_id]
     ended, continued = client.get_run(parent.info.run_id), client.get_run(job.info.run_id)
-    assert ended.info.status == "KILLED" and ended.data.tags[STOP_TAG].startswith("its sweep's process died without a word")
+    assert ended.info.status == "KILLED" and ended.data.tags[STOP_TAG].startswith("its process died without a word")
     assert [p.info.status for p in new] == ["FINISHED"]
     assert continued.info.status == "FINISHED" and continued.data.tags["mlflow.parentRunId"] == new[0].info.run_id
     assert STOP_TAG not in continued.data.tags and "stopped_before_resume" in " ".join(continued.data.tags)

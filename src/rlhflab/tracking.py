@@ -26,8 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError, WriteFailed
 from rlhflab.naming import (ERROR_TAG, MAX_TAG, PARENT_RUN_ENV, PROCESS_TAG, RUN_RECORD, STOP_TAG, SWEPT_ENV, absolute_uri, behind_server,
-                            check_server, default_run_name, import_mlflow, named_run, process_identity, ready_artifact_store, redact,
-                            sqlite_path)
+                            check_server, default_run_name, import_mlflow, named_run, process_gone, process_identity,
+                            ready_artifact_store, redact, sqlite_path, SWEEP_TAG)
 from rlhflab.store_template import keep_template, seed_store
 
 log = logging.getLogger(__name__)
@@ -239,6 +239,30 @@ def store_error(err: BaseException) -> str:
     return redact(cause.group(0).strip(" .") if cause else text[:300])
 
 
+def end_runs_gone(client, experiment_id: str, by: str) -> list:
+    """The experiment's runs (a sweep's parent too) left RUNNING by a process that is gone: SIGKILL, the OOM killer
+    or a restart run no exit hook, and such a run stayed RUNNING for good (after its first checkpoint, until a resume
+    continued it; a sweep's parent always). Ended KILLED, with why in rlhflab.stopped; each one said in a warning (with
+    the command that continues a run that has checkpoints). Only what PROCESS_TAG says is certainly gone
+    (naming.process_gone): a run on another machine, or from before the tag, is left as it is. `by`: the run or sweep
+    that ends them. -> the runs ended."""
+    ended = []
+    for run in client.search_runs([experiment_id], "attributes.status = 'RUNNING'"):
+        tags = run.data.tags
+        if run.info.run_id == by or not process_gone(tags.get(PROCESS_TAG)):
+            continue
+        client.set_tag(run.info.run_id, STOP_TAG, "its process died without a word (SIGKILL, the OOM killer) before it "
+                                                  f"ended; ended by the next run in its experiment, {by}")
+        client.set_terminated(run.info.run_id, "KILLED")
+        ended.append(run)
+        out = tags.get("rlhflab.output_dir")
+        again = "" if SWEEP_TAG in tags or not out or not any(Path(out, "checkpoints").glob("step-*")) else \
+            f"; resume=auto output.dir={out} continues it from its newest checkpoint"
+        log.warning("mlflow: %s %s (%s), left RUNNING by a process that is gone (SIGKILL?), is ended KILLED%s",
+                    "the sweep" if SWEEP_TAG in tags else "run", run.info.run_id, run.info.run_name, again)
+    return ended
+
+
 class MlflowTracker:
     """Owns the MLflow run of one `train(cfg)` call.
 
@@ -408,6 +432,15 @@ class MlflowTracker:
             log.warning("mlflow: run %s, left RUNNING in %s by a process that died before its first checkpoint (SIGKILL?), "
                         "is ended KILLED; this run is tagged rlhflab.replaces_run=%s", old, output_dir, old)
         return ended
+
+    def end_runs_gone(self) -> None:
+        """end_runs_gone, by this run: what a process that is gone left RUNNING in its experiment (a store that cannot
+        search so, or stops answering, leaves them as they were; the run goes on)."""
+        try:
+            self._write("end of the runs left RUNNING by a process that is gone",
+                        lambda: end_runs_gone(self.client, self.experiment_id, self.run_id))
+        except Exception as err:
+            log.warning("mlflow: could not look for runs left RUNNING (%s)", " ".join(str(err).split())[:200])
 
     def _record_resume(self, cfg: DictConfig, overrides: list[str], tags: dict[str, str]) -> None:
         """What this resume is, where the UI shows it: MLflow keeps a param's first value, so the values the resume

@@ -199,6 +199,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
                 run_id = tracker.start(cfg, tags, hydra_overrides(), out, continued)
                 if not continued:  # a run this directory's last process left RUNNING, dead before any checkpoint
                     tracker.end_left_running(out)
+                tracker.end_runs_gone()  # and any other its experiment holds whose process is gone (SIGKILL)
                 if continued and edited:  # the steps after the checkpoint are retrained on other rewards
                     tracker.log_again_after(resume.updates)
                     tracker.set_tag("rlhflab.edited_at_step", f"{resume.updates}: {', '.join(edited)}"[:MAX_TAG])

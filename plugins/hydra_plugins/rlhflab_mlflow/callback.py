@@ -37,10 +37,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.naming import (
-    ERROR_TAG, MAX_TAG, OBJECTIVE, PARENT_RUN_ENV, PROCESS_TAG, RUN_RECORD, STOP_TAG, SWEPT_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_CONTINUED_BY_TAG,
+    ERROR_TAG, MAX_TAG, OBJECTIVE, PARENT_RUN_ENV, PROCESS_TAG, RUN_RECORD, SWEPT_ENV, RUN_TAG_GROUPS, SWEEP_BEST_RUN_NAME_TAG, SWEEP_CONTINUED_BY_TAG,
     SWEEP_JOB_TAG, SWEEP_METRIC_TAG, SWEEP_MOVED_FROM_TAG, SWEEP_OBJECTIVE_TAG,
     SWEEP_OVERRIDES_TAG, SWEEP_TAG, clipped, default_run_name, run_name, home_expanded, import_mlflow, model_tag, named_run,
-    process_gone, process_identity, redact, short_override,
+    process_identity, redact, short_override,
 )
 
 log = logging.getLogger("rlhflab.sweep")
@@ -108,7 +108,7 @@ class MlflowSweepCallback(Callback):
         self.parent_run_id = run.info.run_id
         client.log_text(self.parent_run_id, OmegaConf.to_yaml(config), "sweep_config.yaml")
         atexit.register(self._abandon)
-        self._end_sweeps_left_running(client, experiment_id)
+        self._end_runs_gone(client, experiment_id)
         from rlhflab import distributed  # (torch: only once a sweep with a parent starts)
 
         distributed.at_watch_exit(self._abandon)  # a rank failed and rank 0's watch ends the sweep with os._exit
@@ -161,34 +161,15 @@ class MlflowSweepCallback(Callback):
 
     # ---- helpers ------------------------------------------------------------------------
 
-    def _end_sweeps_left_running(self, client, experiment_id: str) -> list[str]:
-        """The experiment's sweeps left RUNNING by a process that is gone: SIGKILL (the OOM killer too) skips the exit
-        hook that ends a stopped sweep's parent, and it stayed RUNNING for good, with the job its process was running.
-        Each such parent, and its job runs left RUNNING by a process that is gone, are ended KILLED, with why in
-        rlhflab.stopped. Only what PROCESS_TAG says is certainly gone (naming.process_gone): a sweep on another machine,
-        or from before the tag, is left as it is. Never stops this sweep. -> the parents ended."""
-        ended = []
+    def _end_runs_gone(self, client, experiment_id: str) -> None:
+        """rlhflab.tracking.end_runs_gone, by this sweep: a sweep SIGKILLed (the OOM killer) skipped the exit hook that
+        ends its parent, which stayed RUNNING for good with the job its process was running. Never stops this sweep."""
+        from rlhflab.tracking import end_runs_gone
+
         try:
-            left = client.search_runs([experiment_id], f"tags.`{SWEEP_TAG}` = '1' and attributes.status = 'RUNNING'",
-                                      max_results=1000)
-            for parent in left:
-                old = parent.info.run_id
-                if old == self.parent_run_id or not process_gone(parent.data.tags.get(PROCESS_TAG)):
-                    continue
-                jobs = client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{old}' and attributes.status = 'RUNNING'")
-                jobs = [job for job in jobs if process_gone(job.data.tags.get(PROCESS_TAG))]
-                why = (f"its sweep's process died without a word (SIGKILL, the OOM killer) before the sweep ended; "
-                       f"ended by the next sweep in its experiment, {self.parent_run_id}")
-                for run in (*jobs, parent):
-                    client.set_tag(run.info.run_id, STOP_TAG, why)
-                    client.set_terminated(run.info.run_id, "KILLED")
-                ended.append(old)
-                log.warning("mlflow sweep: the sweep %s (%s), left RUNNING by a process that is gone (SIGKILL?), is ended "
-                            "KILLED%s", old, parent.info.run_name,
-                            f", with its job run{'s' if len(jobs) > 1 else ''} {', '.join(j.info.run_id for j in jobs)}" if jobs else "")
-        except Exception as err:  # a store that cannot search so: the sweep goes on, those parents as they were
-            log.warning("mlflow sweep: could not look for sweeps left RUNNING (%s)", " ".join(str(err).split())[:200])
-        return ended
+            end_runs_gone(client, experiment_id, self.parent_run_id)
+        except Exception as err:  # a store that cannot search so: the sweep goes on, those runs as they were
+            log.warning("mlflow sweep: could not look for runs left RUNNING (%s)", " ".join(str(err).split())[:200])
 
     def _client(self):
         import_mlflow()
