@@ -779,6 +779,11 @@ def test_a_sigkilled_sweep_is_ended_killed_by_the_next_sweep_which_continues_its
     (parent,) = client.search_runs([experiment], "tags.`rlhflab.sweep` = '1'")
     (job,) = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")  # no job tags: its
     assert (parent.info.status, job.info.status) == ("RUNNING", "RUNNING")  # end never came, as SIGKILL leaves them
+    from rlhflab.report import main as report
+
+    report([f"sweep={parent.info.run_id}", f"tracking_uri={uri}", f"out_dir={tmp_path}/report"])  # it said 'still running'
+    assert (f"`{parent.info.run_id}` at `{uri}`, RUNNING; but its process is gone (SIGKILL?): jobs after the last child "
+            "never ran, and the next run or sweep in its experiment ends it KILLED") in (tmp_path / "report" / "summary.md").read_text()
     with cli_run([*sweep, "trainer.max_steps=4", "resume=auto"], tmp_path, env) as proc:
         output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]

@@ -25,6 +25,7 @@ from rlhflab.naming import (
     HYDRA_ESCAPE,
     NOT_IN_NAMES,
     OBJECTIVE,
+    PROCESS_TAG,
     SWEEP_BEST_RUN_NAME_TAG,
     SWEEP_CONTINUED_BY_TAG,
     SWEEP_JOB_TAG,
@@ -35,6 +36,7 @@ from rlhflab.naming import (
     behind_server,
     home_expanded,
     import_mlflow,
+    process_gone,
     redact,
     short_override,
     sqlite_path,
@@ -475,6 +477,9 @@ def _markdown(client, parent, runs, rows, report: Report) -> str:
     stopped = {"KILLED": "; stopped by a signal: jobs after the last child never ran",
                "FAILED": "; the sweep died: jobs after the last child never ran",
                "RUNNING": "; still running"}.get(parent.info.status, "")
+    if parent.info.status == "RUNNING" and process_gone(tags.get(PROCESS_TAG)):  # SIGKILLed: no hook ended it
+        stopped = ("; but its process is gone (SIGKILL?): jobs after the last child never ran, and the next run or sweep "
+                   "in its experiment ends it KILLED")
     lines = [
         f"# {'' if parent.info.run_name.lower().startswith('sweep') else 'Sweep '}{parent.info.run_name}",  # not "Sweep sweep"
         "",
