@@ -54,8 +54,8 @@ SWEEP_MOVED_FROM_TAG = f"{SWEEP_TAG}.moved_from"  # on a job's run a later sweep
 SWEEP_CONTINUED_BY_TAG = f"{SWEEP_TAG}.continued_by"  # on a parent: the later sweep its jobs' runs moved to
 ERROR_TAG = "rlhflab.error"  # on a FAILED run: what ended it, in one line (`<type>: <message>`)
 STOP_TAG = "rlhflab.stopped"  # on a KILLED run: what stopped it (`stopped by SIGPIPE (its output pipe was closed)`)
-# On a run and a sweep's parent: the process that runs it (process_identity), so that a later sweep can tell a parent
-# left RUNNING by a process that is gone (SIGKILL, the OOM killer, a reboot: no exit hook ran) from one still running.
+# On a run and a sweep's parent: the process that runs it (process_identity), so that a later run or sweep can tell
+# one left RUNNING by a process that is gone (SIGKILL, the OOM killer: no exit hook ran) from one still running.
 PROCESS_TAG = "rlhflab.process"
 MAX_TAG = 5000  # MLflow caps tag values (8000 chars); error messages are kept below it
 OBJECTIVE = "sweep/objective"  # on each job's run, with a KL budget (kl_budget): the value its sweeper was told

@@ -25,9 +25,9 @@ from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
 from rlhflab.errors import ConfigError, WriteFailed
-from rlhflab.naming import (ERROR_TAG, MAX_TAG, PARENT_RUN_ENV, PROCESS_TAG, RUN_RECORD, STOP_TAG, SWEPT_ENV, absolute_uri, behind_server,
-                            check_server, default_run_name, import_mlflow, named_run, process_gone, process_identity,
-                            ready_artifact_store, redact, sqlite_path, SWEEP_TAG)
+from rlhflab.naming import (ERROR_TAG, MAX_TAG, PARENT_RUN_ENV, PROCESS_TAG, RUN_RECORD, STOP_TAG, SWEEP_TAG, SWEPT_ENV, absolute_uri,
+                            behind_server, check_server, default_run_name, import_mlflow, named_run, process_gone,
+                            process_identity, ready_artifact_store, redact, sqlite_path)
 from rlhflab.store_template import keep_template, seed_store
 
 log = logging.getLogger(__name__)
@@ -240,9 +240,9 @@ def store_error(err: BaseException) -> str:
 
 
 def end_runs_gone(client, experiment_id: str, by: str) -> list:
-    """The experiment's runs (a sweep's parent too) left RUNNING by a process that is gone: SIGKILL, the OOM killer
-    or a restart run no exit hook, and such a run stayed RUNNING for good (after its first checkpoint, until a resume
-    continued it; a sweep's parent always). Ended KILLED, with why in rlhflab.stopped; each one said in a warning (with
+    """The experiment's runs (a sweep's parent too) left RUNNING by a process that is gone: SIGKILL and the OOM killer
+    run no exit hook, and such a run stayed RUNNING for good (after its first checkpoint, until a resume continued it;
+    a sweep's parent always). Ended KILLED, with why in rlhflab.stopped; each one said in a warning (with
     the command that continues a run that has checkpoints). Only what PROCESS_TAG says is certainly gone
     (naming.process_gone): a run on another machine, or from before the tag, is left as it is. `by`: the run or sweep
     that ends them. -> the runs ended."""
