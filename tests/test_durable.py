@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -716,6 +718,151 @@ def test_a_store_lost_in_the_stages_is_tried_once_more_as_the_run_ends_not_at_ev
     run = MlflowClient(uri).get_run(run_id)
     assert run.info.status == "FINISHED" and "perf/param_bytes_trainable" in run.data.params  # not written then
     assert history(uri, run_id, "sft/loss") and [s for s, _ in history(uri, run_id, "train/reward")] == [1, 2, 3, 4]
+
+
+@contextmanager
+def unanswering_server():
+    """A local port that takes each connection and closes it unanswered, as a tracking server that died does: MLflow's
+    real client retries every request to it for minutes (urllib3's retries, a growing backoff). Yields its URL and
+    the list of connections it took."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.1)
+    taken, done = [], threading.Event()
+
+    def serve():
+        while not done.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            taken.append(conn.getpeername())
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", taken
+    finally:
+        done.set()
+        thread.join()
+        server.close()
+
+
+def signal_at_first_retry(monkeypatch) -> threading.Thread:
+    """SIGINT to this process as soon as MLflow's client retries the run's write (the tracker says so), while the
+    main thread waits in those retries."""
+    from rlhflab.interrupts import STOP
+    from rlhflab.tracking import MlflowTracker
+
+    retried, real = threading.Event(), MlflowTracker.retrying
+
+    def retrying(self, message):
+        real(self, message)
+        retried.set()
+
+    monkeypatch.setattr(MlflowTracker, "retrying", retrying)
+
+    def send():
+        if retried.wait(300) and STOP.store is not None:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    return sender
+
+
+@pytest.mark.parametrize("where", ["rl loop", "stage", "run's end"])
+def test_a_signal_while_mlflow_retries_a_store_that_does_not_answer_gives_the_store_up_at_once(tmp_path, monkeypatch,
+                                                                                                caplog, where):
+    """A tracking server that went down: MLflow's client retried each write for ~4 minutes, and nothing was said until
+    the retries ended. Ctrl-C in that time said it was stopping after this step, then waited them out (a second
+    Ctrl-C stopped at once, without a checkpoint). Now the first retry is said at once, and a first signal gives the
+    store up: the write ends, keeping its metrics (for the checkpoint, or the run's file), and the run's end tries
+    nothing more. Where the signal stops: in the RL loop at the next step; in a stage at once; as the run ends, once
+    it has ended (its status unwritten). Real MLflow client and urllib3 retries, against a port that answers nothing."""
+    from mlflow.entities import Metric
+
+    from rlhflab.interrupts import STOP
+    from rlhflab.quiet import quiet_libraries
+    from rlhflab.tracking import MlflowTracker
+
+    quiet_libraries()  # (urllib3's retries, said by the tracker; train() calls it)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with unanswering_server() as (url, taken), STOP.installed():
+            tracker = MlflowTracker(url, "gone", flush_every_s=0)
+            tracker.run_id = "0" * 32  # its run was made while the server answered
+            sender = signal_at_first_retry(monkeypatch)
+            if where == "rl loop":
+                with STOP.at_step_boundaries():
+                    tracker.log_metrics({"train/reward": 1.0}, step=1)
+                assert STOP.signum == signal.SIGINT  # the loop stops at its next step boundary, with a checkpoint
+            elif where == "stage":
+                with pytest.raises(RunInterrupted):
+                    tracker.log_metrics({"sft/loss": 1.0}, step=1)
+            else:
+                tracker.pending.append(Metric("perf/total_s", 1.0, 0, 2))
+                with STOP.ending_run():
+                    tracker.finish("FINISHED")
+                assert STOP.held == signal.SIGINT  # the caller acts on it once the run's end is over
+            sender.join()
+            tries = len(taken)
+            tracker.finish("KILLED")  # tries nothing more: each try is MLflow's minutes of retries again
+            assert len(taken) == tries and tries < 8, taken  # MLflow's 7 retries were not waited out
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert tracker.abandoned and tracker.lost.endswith("; SIGINT did not wait for MLflow's retries"), tracker.lost
+    assert len(tracker.pending) == 1  # kept: a checkpoint or the run's file holds it
+    said = [m for m in caplog.messages if m.startswith(f"mlflow: {url} does not answer (")]
+    assert said == [f"mlflow: {url} does not answer ({said[0].split('(', 1)[1].split(')')[0]}); MLflow retries for minutes "
+                    "(MLFLOW_HTTP_REQUEST_MAX_RETRIES) before the run goes on without it; Ctrl-C stops the run now"], said
+    assert not any("Retrying" in m for m in caplog.messages)  # urllib3's own lines stay unprinted
+
+
+def test_ctrl_c_while_the_tracking_server_is_down_stops_the_run_with_a_checkpoint_a_resume_continues(
+        make_cfg, tmp_path, monkeypatch, capsys):
+    """The run's whole path: its tracking server goes down at RL step 3 (here the tracker's client is pointed at a
+    port that answers nothing), the user presses Ctrl-C during MLflow's retries, and the run stops at that step's end
+    with a checkpoint that keeps the metrics the store did not take, in one line that says the MLflow run is left
+    RUNNING and why. With the store back, resume=auto continues it to FINISHED, every step logged once."""
+    import rlhflab.train as entry
+    from mlflow.tracking import MlflowClient as Client
+
+    from rlhflab.tracking import MlflowTracker
+
+    out, uri = tmp_path / "run", make_cfg().logger.tracking_uri
+    args = ["trainer.max_steps=8", "logger.flush_every_s=0", f"output.dir={out}"]
+    real = MlflowTracker.log_metrics
+    with unanswering_server() as (url, taken):
+        def log_metrics(self, metrics, step, again=False):
+            if step == 3 and "train/reward" in metrics and self.tracking_uri != url:  # the server goes down
+                self.tracking_uri, self._client = url, Client(url)
+                signal_at_first_retry(monkeypatch)
+            return real(self, metrics, step, again)
+
+        monkeypatch.setattr(MlflowTracker, "log_metrics", log_metrics)
+        before = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with pytest.raises(SystemExit) as exit:
+                entry.main(make_cfg(*args))
+        finally:
+            signal.signal(signal.SIGINT, before)
+        assert exit.value.code == 130 and 0 < len(taken) < 8, taken
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    checkpoint = out / "checkpoints" / "step-00000003"  # the step whose write it was: its boundary came next
+    assert re.fullmatch(rf"stopped: stopped by SIGINT; the MLflow run is left RUNNING, as {url} stopped answering "
+                        r"\([^;]+; SIGINT did not wait for MLflow's retries\)\. Continue with the same command and "
+                        rf"resume=auto output\.dir={out}", line), line
+    kept = torch.load(checkpoint / "state.pt", weights_only=True)["unwritten_metrics"]
+    assert {step for key, _, _, step in kept if key == "train/reward"} == {3}, kept
+    run_id = run_id_of(out)
+    assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"
+    monkeypatch.setattr(MlflowTracker, "log_metrics", real)  # it answers again
+    assert train(make_cfg(*args, "resume=auto")).run_id == run_id
+    assert MlflowClient(uri).get_run(run_id).info.status == "FINISHED"
+    assert [step for step, _ in history(uri, run_id, "train/reward")] == list(range(1, 9))
 
 
 def test_a_tracking_store_gone_at_the_runs_end_leaves_its_metrics_in_a_file_that_resume_auto_writes(make_cfg, tmp_path,

@@ -147,3 +147,16 @@ class RunInterrupted(BaseException):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM, 141 for SIGPIPE
+
+
+class StoreAbandoned(BaseException):
+    """A first SIGINT or SIGTERM came while the run's thread waited on a tracking store that did not answer (MLflow's
+    retries, minutes at its defaults): raised by the signal handler into that write, which gives the store up
+    (MlflowTracker.writing) while the stop goes on as a first signal's does. A BaseException, so that no `except
+    Exception` in MLflow, requests or urllib3 takes it for a failed request."""
+
+    def __init__(self, signum: int, why: str) -> None:
+        import signal
+
+        super().__init__(f"{why}; {signal.Signals(signum).name} did not wait for MLflow's retries")
+        self.signum = signum

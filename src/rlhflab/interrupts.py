@@ -19,7 +19,7 @@ import sys
 import threading
 from contextlib import contextmanager
 
-from rlhflab.errors import RunInterrupted
+from rlhflab.errors import RunInterrupted, StoreAbandoned
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,11 @@ class StopRequest:
         self.held: int | None = None
         # The status the job's MLflow run was ended with (None: not ended, e.g. its store stopped answering).
         self.ended: str | None = None
+        # Why the job's MLflow run could not be ended, when its store stopped answering (train sets it), or None.
+        self.lost: str | None = None
+        # The tracker whose write the main thread is in (MlflowTracker.writing), or None: its stuck() says whether the
+        # store has not answered it (MLflow's retries), in which case a first signal gives that store up (StoreAbandoned).
+        self.store = None
         # A stop raised where Python only prints it (`_unraisable`), to raise again once out of there (`_again`).
         self.again: int | None = None
         self._alarm_before = None
@@ -56,9 +61,15 @@ class StopRequest:
         self._hook_before = sys.unraisablehook
 
     def _handle(self, signum: int, frame) -> None:
+        # A write the store has not answered (MLflow retries for minutes): the stop does not wait for it (StoreAbandoned).
+        stuck = self.store.stuck() if self.store is not None else None
         if self.ending and self.held is None:  # interrupted there, the run stayed RUNNING with its last metrics unwritten
             self.held = signum
             self.signum = self.signum or signum
+            if stuck:
+                log.warning("%s received: the MLflow store does not answer (%s), so the run is left unended",
+                            signal.Signals(signum).name, stuck)
+                raise StoreAbandoned(signum, stuck)
             log.warning("%s received: ending the MLflow run first (send it again to stop at once)", signal.Signals(signum).name)
             return
         if self.signum is not None or not self.polling:
@@ -72,6 +83,8 @@ class StopRequest:
         log.log(logging.WARNING if distributed.is_main() else logging.INFO,
                 "%s received: stopping after this step with a checkpoint (send it again to stop at once)",
                 signal.Signals(signum).name)
+        if stuck:
+            raise StoreAbandoned(signum, stuck)
 
     @property
     def requested(self) -> bool:
@@ -89,6 +102,7 @@ class StopRequest:
             self.signum, self.closed_before = signal.SIGPIPE, False
             raise RunInterrupted(signal.SIGPIPE)
         self.signum, self.polling, self.finishing, self.ending, self.held, self.ended = None, False, False, False, None, None
+        self.lost = None
         previous = {s: signal.getsignal(s) for s in SIGNALS}
         outer, self.pid = self.pid, os.getpid()
         for s in SIGNALS:
@@ -230,7 +244,9 @@ def as_interrupt(err: BaseException) -> RunInterrupted | None:
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         stop = cause if isinstance(cause, RunInterrupted) else (
-            RunInterrupted(signal.SIGTERM) if type(cause).__name__ == "SIGTERMException" else None)
+            RunInterrupted(signal.SIGTERM) if type(cause).__name__ == "SIGTERMException" else
+            # (one that left its write in the instant the write ends, before MlflowTracker.writing could take it)
+            RunInterrupted(cause.signum) if isinstance(cause, StoreAbandoned) else None)
         if stop is not None:
             if cause is not err:
                 log.info("%s: %s, raised as the stop went through it (the stop is what ended the run)", type(err).__name__, err)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 
@@ -87,6 +88,24 @@ class _SaidByTheTracker(logging.Filter):
 _SAID = _SaidByTheTracker()
 
 
+class _Retries(logging.Filter):
+    """urllib3's lines below ERROR, its warning at each retry of a request to a tracking server that does not answer
+    among them (MLflow's client retries for minutes), and the system metrics thread's at each sample: not printed,
+    since the tracker says it once, with its cause. A retry of the run's own write (in the main thread) is told to the
+    tracker of that write (`STOP.store`), which says so at once and lets a signal give the store up."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        store = STOP.store
+        if store is not None and str(record.msg).startswith("Retrying") and threading.current_thread() is threading.main_thread():
+            store.retrying(record.getMessage())
+        return False
+
+
+_RETRIES = _Retries()
+
+
 def quiet_libraries() -> None:
     Console.on_broken_pipe = _reader_gone  # Rich's global console, which Lightning reconfigures at each stage
     # Lightning installs its own console handler; Hydra's root handler already prints its records.
@@ -100,7 +119,9 @@ def quiet_libraries() -> None:
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop notices
     # A tracking server that stopped answering: MLflow's client retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES), urllib3
     # warns at each retry, and the system-metrics thread at each sample; the tracker says it once, with its cause.
-    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    retries = logging.getLogger("urllib3.connectionpool")
+    if _RETRIES not in retries.filters:
+        retries.addFilter(_RETRIES)
     logging.getLogger("mlflow.system_metrics.system_metrics_monitor").setLevel(logging.ERROR)
     if not sys.stderr.isatty():  # a file, a pipe, a cluster job's log: MLflow's tqdm bars would be \r-noise in it
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # (a resume fetches generations.json)

@@ -16,6 +16,8 @@ import math
 import os
 import re
 import shutil
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +26,8 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
-from rlhflab.errors import ConfigError, WriteFailed
+from rlhflab.errors import ConfigError, RunInterrupted, StoreAbandoned, WriteFailed
+from rlhflab.interrupts import STOP
 from rlhflab.naming import (ERROR_TAG, MAX_TAG, PARENT_RUN_ENV, PROCESS_TAG, RUN_RECORD, STOP_TAG, SWEEP_TAG, SWEPT_ENV, absolute_uri,
                             behind_server, check_server, default_run_name, import_mlflow, named_run, process_gone,
                             process_identity, ready_artifact_store, redact, sqlite_path)
@@ -230,13 +233,19 @@ def error_text(err: BaseException) -> str:
     return re.sub(r"\(raised as a result of Query-invoked autoflush;[^)]*\) ?| ?\[SQL: .*", "", text)
 
 
+def network_cause(text: str) -> str | None:
+    """The OS's words in an HTTP failure that nests urllib3's in requests' in MLflow's ('API request to ... failed
+    with exception HTTPConnectionPool(...): Max retries exceeded ... [Errno 111] Connection refused'), or in urllib3's
+    retry warning ("... broken by 'ConnectionResetError(104, 'Connection reset by peer')'"), or None."""
+    text = re.sub(r"\w+Error\((-?\d+), '([^']*)'\)", r"[Errno \1] \2", text)
+    cause = re.search(r"\[Errno -?\d+\] [^'\"()]+|Read timed out|Connection aborted|Remote end closed connection", text)
+    return cause.group(0).strip(" .") if cause else None
+
+
 def store_error(err: BaseException) -> str:
     """One line of why, without the address's credentials."""
     text = error_text(err)
-    # MLflow's HTTP failure nests urllib3's in requests' ('API request to ... failed with exception
-    # HTTPConnectionPool(...): Max retries exceeded ... [Errno 111] Connection refused'): the OS's words say it
-    cause = re.search(r"\[Errno -?\d+\] [^'\"()]+|Read timed out|Connection aborted|Remote end closed connection", text)
-    return redact(cause.group(0).strip(" .") if cause else text[:300])
+    return redact(network_cause(text) or text[:300])
 
 
 def end_runs_gone(client, experiment_id: str, by: str) -> list:
@@ -296,6 +305,10 @@ class MlflowTracker:
         self.lost: str | None = None
         # what then happens, for the warning (rl_ended: no RL step is left to stop at)
         self.when_lost = "the run stops at its next RL step with a checkpoint that keeps what was not written"
+        # A signal gave the store up while it did not answer (StoreAbandoned): nothing more is tried in this process.
+        self.abandoned = False
+        self._retried: str | None = None  # why MLflow retries the write the run's thread is in (urllib3's cause), or None
+        self._said_retrying = False
         # MLflow prints "View run ... at <tracking URI>" when a run against a server ends, password and all;
         # the closing line of a run gives a redacted link instead.
         os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
@@ -526,7 +539,7 @@ class MlflowTracker:
         buffered (see `lost`). Once the store stopped answering, they wait (for a checkpoint, or the run's end, which
         tries `again`): each try against a server that is down costs MLflow's retries, ~4 minutes at its defaults."""
         self.flushed_at = time.monotonic()
-        if not self.pending or self.run_id is None or (self.lost is not None and not again):
+        if not self.pending or self.run_id is None or (self.lost is not None and (not again or self.abandoned)):
             return
         rows, self.pending = self.pending, []
         client, written = self.client, 0
@@ -542,17 +555,53 @@ class MlflowTracker:
     def writing(self, what: str, on_lost=lambda: None):
         """A write to the store. When the store does not answer (after MLflow's own retries) or fails on its side,
         the run goes on without it: `on_lost()` keeps what was not written, `lost` says why (warned once), and the
-        RL stage stops at its next step with a checkpoint. A request the store refuses (a bad value) still raises."""
+        RL stage stops at its next step with a checkpoint. A request the store refuses (a bad value) still raises.
+        While it waits on a store that does not answer (`stuck`), a signal gives the store up at once, as if
+        MLflow's retries had ended: a stop waited minutes for them, however often it said it was stopping."""
+        main = threading.current_thread() is threading.main_thread()  # (the only thread a signal's handler runs in)
+        if main:
+            outer, STOP.store, self._retried = STOP.store, self, None
         try:
             yield
+        except StoreAbandoned as err:  # a first signal: the stop goes on as the handler said, without the store
+            self._give_up(what, on_lost, str(err))
+        except RunInterrupted as err:  # a signal that stops at once (outside the RL loop, or a second one)
+            why = self.stuck()
+            if why is not None:
+                self._give_up(what, on_lost, f"{why}; {signal.Signals(err.signum).name} did not wait for MLflow's retries")
+            raise
         except Exception as err:
             if not store_failed(err):
                 raise
-            on_lost()
-            if self.lost is None:
-                log.warning("mlflow: %s did not take the run's %s (%s); %s", redact(self.tracking_uri), what, store_error(err),
-                            self.when_lost)
-            self.lost = store_error(err)
+            self._lose(what, on_lost, store_error(err))
+        finally:
+            if main:
+                STOP.store, self._retried = outer, None
+
+    def _lose(self, what: str, on_lost, why: str) -> None:
+        on_lost()
+        if self.lost is None:
+            log.warning("mlflow: %s did not take the run's %s (%s); %s", redact(self.tracking_uri), what, why, self.when_lost)
+        self.lost = why
+
+    def _give_up(self, what: str, on_lost, why: str) -> None:
+        self.abandoned = True
+        self._lose(what, on_lost, why)
+
+    def retrying(self, message: str) -> None:
+        """MLflow's client retries the write the run's thread is in (urllib3's warning, `message`): said once, as it
+        begins, with its cause; a signal now gives the store up (`stuck`)."""
+        self._retried = network_cause(message) or "MLflow's client retries its request"
+        if not self._said_retrying:
+            self._said_retrying = True
+            log.warning("mlflow: %s does not answer (%s); MLflow retries for minutes (MLFLOW_HTTP_REQUEST_MAX_RETRIES) "
+                        "before the run goes on without it; Ctrl-C stops the run now", redact(self.tracking_uri),
+                        self._retried)
+
+    def stuck(self) -> str | None:
+        """Why the write the run's thread is in waits on a store that does not answer (MLflow retries it), or None.
+        Only a retry tells: a write that is merely long (a policy's upload) is the store answering."""
+        return self._retried
 
     def _write(self, what: str, write, skipped=lambda: None) -> None:
         """A write other than metrics (which stay buffered for the checkpoint): not tried once the store stopped
@@ -717,7 +766,9 @@ class MlflowTracker:
         if self.run_id is None:
             return
         system, self._system = self._system, None
-        if system is not None:
+        if system is not None and self.abandoned:  # its thread may be in MLflow's retries too: stopped, not waited for
+            system._shutdown_event.set()  # (a daemon thread, which ends with the process)
+        elif system is not None:
             if self.lost is not None:  # its finish() writes the samples its thread could not: one more try, in this
                 system.mlflow_logger.flush = lambda: None  # thread, at a store that stopped answering (MLflow's retries)
             system.finish()
@@ -729,7 +780,7 @@ class MlflowTracker:
                 system.mlflow_logger.flush()
             except Exception as err:  # noqa: BLE001 - a warning: the run's own metrics are written
                 log.warning("mlflow: the last system metrics were not logged (%s)", err)
-        if self.pending:
+        if self.pending or self.abandoned:
             return  # not taken: the run stays RUNNING, and what is buffered goes to a checkpoint or a file (train)
         with self.writing(f"end ({status})"):
             self.client.set_terminated(self.run_id, status)

@@ -228,6 +228,7 @@ def _train_job(cfg: DictConfig, plan: Plan, out: Path, key: str) -> Result:
                 plan.source.close()
                 tracker.finish(status)
             STOP.ended = status if tracker.run_id and tracker.lost is None else None
+            STOP.lost = f"{redact(tracker.tracking_uri)} stopped answering ({tracker.lost})" if tracker.lost else None
             if STOP.signum is not None and status == "FAILED":  # the run ended as it was to, and then the stop (a
                 raise RunInterrupted(STOP.signum) from sys.exc_info()[1]  # sweep stops too); main names its error
     if tracker.lost:  # trained to the end, but the store stopped answering: what it did not take goes to a file
@@ -739,6 +740,8 @@ def main(cfg: DictConfig) -> float | None:
             how = how_to_continue(cfg, out, STOP.run_made)
         # A stop while the run was being set up (an unanswered tracking server, a slow hub) has no run to mark.
         what = f"; the MLflow run is {STOP.ended or 'KILLED'}" if STOP.run_made else " before its MLflow run was made"
+        if STOP.run_made and STOP.lost:  # it could not be ended: a resume continues it (its checkpoint keeps the metrics)
+            what = f"; the MLflow run is left RUNNING, as {STOP.lost}"
         if STOP.ended == "FAILED" and err.__cause__ is not None:  # the signal came as the failed run ended
             what += f" ({type(err.__cause__).__name__}: {err.__cause__})"
         if distributed.is_main():  # every rank stops alike; one says so
