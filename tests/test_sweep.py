@@ -553,6 +553,69 @@ def test_sweep_against_a_tracking_server(tmp_path, stage_cache, monkeypatch):
     assert not (tmp_path / "report").exists()
 
 
+def kill_server(url: str) -> None:
+    """SIGKILL the `mlflow server` that listens at `url`, and the workers of its process group: a server that died."""
+    import psutil
+
+    port = int(url.rsplit(":", 1)[1])
+    for process in psutil.process_iter():
+        try:
+            if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in process.net_connections(kind="tcp")):
+                os.killpg(os.getpgid(process.pid), signal.SIGKILL)
+                return
+        except (psutil.Error, ProcessLookupError):
+            continue
+    pytest.fail(f"no process listens at {url}")
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_sweep_whose_tracking_server_died_stops_at_once_and_leaves_the_parent_to_the_next_sweep(
+        tmp_path, stage_cache, monkeypatch):
+    """The tracking server dies in a sweep's job, and the user presses Ctrl-C once the run says MLflow retries: the
+    job waited out MLflow's retries (~4 minutes) at its next write, and again as it ended, then the sweep's exit hook
+    asked the dead server for its parent (minutes more, then a traceback). Now the job stops at the step's end with
+    its checkpoint, and the exit hook leaves the parent RUNNING, in one line each; the next sweep in the experiment,
+    with the server back, ends the parent and the job's run KILLED."""
+    from conftest import cli_run, wait_for
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    env = {"RLHFLAB_CACHE": str(stage_cache), "OMP_WAIT_POLICY": "PASSIVE"}
+    lines: list[str] = []
+    port = free_port()
+    with running_mlflow_server(tmp_path, iter([port, free_port(), free_port()])) as url:
+        sweep = ["-m", "seed=0,1", *TINY, f"logger.tracking_uri={url}", "trainer.max_steps=100000", "rl.eval_every=1",
+                 "output.dir=runs/${hydra:job.num}"]
+        with cli_run(sweep, tmp_path, env) as proc:
+            reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
+            reader.start()
+            wait_for(lambda: any("eval after 2 RL steps" in line for line in lines), 300, "the first job's RL", proc)
+            kill_server(url)
+            wait_for(lambda: any(f"mlflow: {url} does not answer (" in line for line in lines), 120,
+                     "the run's word that MLflow retries", proc)
+            os.killpg(proc.pid, signal.SIGINT)
+            rc = proc.wait(timeout=120)  # (MLflow's retries alone take ~4 minutes)
+            reader.join(timeout=30)
+    output = "".join(lines)
+    assert rc == 130 and "Traceback" not in output, output[-3000:]
+    lost = rf"{re.escape(url)} stopped answering \([^;]+; SIGINT did not wait for MLflow's retries\)"
+    assert re.search(rf"stopped: stopped by SIGINT; the MLflow run is left RUNNING, as {lost}, and the sweep stops "
+                     r"here\. Continue this job alone: python src/train.py seed=0 .* resume=auto output\.dir=runs/0\n",
+                     output), output[-3000:]
+    said = re.search(rf"mlflow sweep: the sweep (\w+) is left RUNNING, as {lost}; the next run or sweep in its "
+                     "experiment on this machine ends it KILLED", output)
+    assert said, output[-3000:]
+    assert list((tmp_path / "runs" / "0" / "checkpoints").glob("step-*")) and not (tmp_path / "runs" / "1").exists()
+    with running_mlflow_server(tmp_path, iter([port, free_port(), free_port()])) as again:  # the server is back
+        out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), "-m", "seed=2", *TINY,
+                              f"logger.tracking_uri={again}", "trainer.max_steps=1", "output.dir=runs/again"],
+                             cwd=tmp_path, env=os.environ | env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-3000:]
+        runs = {r.info.run_id: r for r in MlflowClient(again).search_runs(
+            [MlflowClient(again).get_experiment_by_name("rlhflab").experiment_id])}
+    assert runs[said.group(1)].info.status == "KILLED"
+    assert sorted(r.info.status for r in runs.values()) == ["FINISHED", "FINISHED", "KILLED", "KILLED"]
+
+
 @pytest.mark.parametrize("given", [None, "ablation"])
 def test_a_job_that_failed_before_its_run_is_named_as_its_run_would_have_been(tmp_path, stage_cache, given):
     """A job that fails before its tracker made a run (here train()'s reading of the given SFT policy's tokenizer,

@@ -319,7 +319,13 @@ class MlflowSweepCallback(Callback):
     def _abandon(self) -> None:
         """atexit: the sweep ended without on_multirun_end. KILLED when a signal stopped its job (Ctrl-C, SIGTERM: the
         job's run is KILLED, or was not made yet), FAILED otherwise (an exception). The stopped job's run gets its job tags."""
+        from rlhflab.interrupts import STOP
+
         if self.parent_run_id is None:
+            return
+        if STOP.lost:  # the job's store stopped answering: each try here was MLflow's retries again, minutes at exit
+            log.warning("mlflow sweep: the sweep %s is left RUNNING, as %s; the next run or sweep in its experiment "
+                        "on this machine ends it KILLED", self.parent_run_id, STOP.lost)
             return
         client = self._client()
         if client.get_run(self.parent_run_id).info.status != "RUNNING":
@@ -329,8 +335,6 @@ class MlflowSweepCallback(Callback):
         except Exception as err:  # whatever it was, the parent is still ended below (RUNNING forever otherwise)
             log.warning("mlflow sweep: could not find the stopped job's run (%s)", " ".join(str(err).split())[:200])
             child = None
-        from rlhflab.interrupts import STOP
-
         # A signal stopped the job: its run is KILLED, or it had none yet (a Ctrl-C as the job started, which
         # ended the parent FAILED, as a crash would)
         stopped = STOP.requested or (child is not None and client.get_run(child.info.run_id).info.status == "KILLED")
