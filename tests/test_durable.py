@@ -99,7 +99,7 @@ def test_resume_after_sigkill_is_bit_identical_and_logs_each_step_once(tmp_path,
         assert proc.wait(timeout=300) == 0, proc.stdout.read()[-4000:]
         said = "".join(proc.stdout.read().split())  # the console wraps long lines
     name = "".join(client.get_run(first_run).info.run_name.split())
-    assert (f"mlflow:run{first_run}({name}),leftRUNNINGbyaprocessthatisgone(SIGKILL?),isendedKILLED;resume=autooutput.dir="
+    assert (f"mlflow:run{first_run}({name}),leftRUNNINGbyaprocessthatisgone(SIGKILL,orastorethatstoppedanswering),isendedKILLED;resume=autooutput.dir="
             f"{cut}continuesitfromitsnewestcheckpoint") in said
     killed = client.get_run(first_run)
     assert killed.info.status == "KILLED" and killed.data.tags[STOP_TAG].endswith(f"next run in its experiment, {run_id_of(whole)}")

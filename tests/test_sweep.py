@@ -318,10 +318,10 @@ def test_the_next_run_ends_what_a_gone_process_left_running_and_nothing_else(tmp
     assert [client.get_run(r).info.status for r in runs] == ["KILLED", "FINISHED", "KILLED", "RUNNING", "RUNNING", "RUNNING",
                                                              "RUNNING", "FINISHED", "KILLED", "RUNNING"]
     for ended in (killed, killed_jobs[1], single):
-        assert client.get_run(ended).data.tags[STOP_TAG] == ("its process died without a word (SIGKILL, the OOM killer) "
-                                                             f"before it ended; ended by the next run in its experiment, {by}")
+        assert client.get_run(ended).data.tags[STOP_TAG] == ("its process ended without ending it (SIGKILL, the OOM killer, or a "
+                                                             f"tracking store that stopped answering); ended by the next run in its experiment, {by}")
     said = sorted(r.getMessage() for r in caplog.records)
-    assert len(said) == 3 and all(", left RUNNING by a process that is gone (SIGKILL?), is ended KILLED" in s for s in said)
+    assert len(said) == 3 and all(", left RUNNING by a process that is gone (SIGKILL, or a store that stopped answering), is ended KILLED" in s for s in said)
     assert any(s.startswith(f"mlflow: the sweep {killed} (") for s in said)
     assert any(s.startswith(f"mlflow: run {single} (") and s.endswith(
         f"; resume=auto output.dir={tmp_path / 'a'} continues it from its newest checkpoint") for s in said)
@@ -845,17 +845,17 @@ def test_a_sigkilled_sweep_is_ended_killed_by_the_next_sweep_which_continues_its
     from rlhflab.report import main as report
 
     report([f"sweep={parent.info.run_id}", f"tracking_uri={uri}", f"out_dir={tmp_path}/report"])  # it said 'still running'
-    assert (f"`{parent.info.run_id}` at `{uri}`, RUNNING; but its process is gone (SIGKILL?): jobs after the last child "
+    assert (f"`{parent.info.run_id}` at `{uri}`, RUNNING; but its process is gone (SIGKILL, or a store that stopped answering): jobs after the last child "
             "never ran, and the next run or sweep in its experiment ends it KILLED") in (tmp_path / "report" / "summary.md").read_text()
     with cli_run([*sweep, "trainer.max_steps=4", "resume=auto"], tmp_path, env) as proc:
         output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-3000:]
     for what, run in (("the sweep", parent), ("run", job)):
-        assert (f"mlflow: {what} {run.info.run_id} ({run.info.run_name}), left RUNNING by a process that is gone (SIGKILL?), "
+        assert (f"mlflow: {what} {run.info.run_id} ({run.info.run_name}), left RUNNING by a process that is gone (SIGKILL, or a store that stopped answering), "
                 "is ended KILLED") in output
     new = [p for p in client.search_runs([experiment], "tags.`rlhflab.sweep` = '1'") if p.info.run_id != parent.info.run_id]
     ended, continued = client.get_run(parent.info.run_id), client.get_run(job.info.run_id)
-    assert ended.info.status == "KILLED" and ended.data.tags[STOP_TAG].startswith("its process died without a word")
+    assert ended.info.status == "KILLED" and ended.data.tags[STOP_TAG].startswith("its process ended without ending it")
     assert [p.info.status for p in new] == ["FINISHED"]
     assert continued.info.status == "FINISHED" and continued.data.tags["mlflow.parentRunId"] == new[0].info.run_id
     assert STOP_TAG not in continued.data.tags and "stopped_before_resume" in " ".join(continued.data.tags)

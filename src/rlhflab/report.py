@@ -478,7 +478,7 @@ def _markdown(client, parent, runs, rows, report: Report) -> str:
                "FAILED": "; the sweep died: jobs after the last child never ran",
                "RUNNING": "; still running"}.get(parent.info.status, "")
     if parent.info.status == "RUNNING" and process_gone(tags.get(PROCESS_TAG)):  # SIGKILLed: no hook ended it
-        stopped = ("; but its process is gone (SIGKILL?): jobs after the last child never ran, and the next run or sweep "
+        stopped = ("; but its process is gone (SIGKILL, or a store that stopped answering): jobs after the last child never ran, and the next run or sweep "
                    "in its experiment ends it KILLED")
     lines = [
         f"# {'' if parent.info.run_name.lower().startswith('sweep') else 'Sweep '}{parent.info.run_name}",  # not "Sweep sweep"

@@ -251,7 +251,8 @@ def store_error(err: BaseException) -> str:
 def end_runs_gone(client, experiment_id: str, by: str) -> list:
     """The experiment's runs (a sweep's parent too) left RUNNING by a process that is gone: SIGKILL and the OOM killer
     run no exit hook, and such a run stayed RUNNING for good (after its first checkpoint, until a resume continued it;
-    a sweep's parent always). Ended KILLED, with why in rlhflab.stopped; each one said in a warning (with
+    a sweep's parent always); so does a process whose tracking store stopped answering (it could not end its run).
+    Ended KILLED, with why in rlhflab.stopped; each one said in a warning (with
     the command that continues a run that has checkpoints). Only what PROCESS_TAG says is certainly gone
     (naming.process_gone): a run on another machine, or from before the tag, is left as it is. `by`: the run or sweep
     that ends them. -> the runs ended."""
@@ -260,14 +261,14 @@ def end_runs_gone(client, experiment_id: str, by: str) -> list:
         tags = run.data.tags
         if run.info.run_id == by or not process_gone(tags.get(PROCESS_TAG)):
             continue
-        client.set_tag(run.info.run_id, STOP_TAG, "its process died without a word (SIGKILL, the OOM killer) before it "
-                                                  f"ended; ended by the next run in its experiment, {by}")
+        client.set_tag(run.info.run_id, STOP_TAG, "its process ended without ending it (SIGKILL, the OOM killer, or a "
+                                                  f"tracking store that stopped answering); ended by the next run in its experiment, {by}")
         client.set_terminated(run.info.run_id, "KILLED")
         ended.append(run)
         out = tags.get("rlhflab.output_dir")
         again = "" if SWEEP_TAG in tags or not out or not any(Path(out, "checkpoints").glob("step-*")) else \
             f"; resume=auto output.dir={out} continues it from its newest checkpoint"
-        log.warning("mlflow: %s %s (%s), left RUNNING by a process that is gone (SIGKILL?), is ended KILLED%s",
+        log.warning("mlflow: %s %s (%s), left RUNNING by a process that is gone (SIGKILL, or a store that stopped answering), is ended KILLED%s",
                     "the sweep" if SWEEP_TAG in tags else "run", run.info.run_id, run.info.run_name, again)
     return ended
 
