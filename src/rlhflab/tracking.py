@@ -16,7 +16,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -569,7 +568,7 @@ class MlflowTracker:
         except RunInterrupted as err:  # a signal that stops at once (outside the RL loop, or a second one)
             why = self.stuck()
             if why is not None:
-                self._give_up(what, on_lost, f"{why}; {signal.Signals(err.signum).name} did not wait for MLflow's retries")
+                self._give_up(what, on_lost, str(StoreAbandoned(err.signum, why)))
             raise
         except Exception as err:
             if not store_failed(err):
