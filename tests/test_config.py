@@ -119,6 +119,7 @@ def test_real_preset_loads_through_from_pretrained_names():
         ("mode.reference=thread torch_threads=64", "mode.reference=thread"),
         ("mode.reference=process memory=hydra", "mode.reference=process"),
         ("mode.reference=process trainer=gpu", "mode.reference=process"),
+        ("memory=hydra memory.actor_critic=shared", "memory.actor_critic"),
         ("model.sft_path=/nonexistent/sft", "model.sft_path"),
         ("model.name_or_path=./no/such/model", "model.name_or_path"),
         ("algo.kl_estimator=k9", "algo.kl_estimator"),

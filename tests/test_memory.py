@@ -127,6 +127,38 @@ def test_hydra_scores_are_the_stage_reward_head_on_the_shared_trunk(make_cfg, ca
     assert len(calls) == 1
 
 
+def test_joint_hydra_ppo_reads_values_off_the_policy_adapters_trunk_in_one_forward(make_cfg):
+    """memory.actor_critic=joint (the paper's J-Hydra-PPO): no value adapter; the value head and the policy adapter
+    train; one trunk forward gives the log-probs and values that the separate calls give, where
+    actor_critic=separate (Hydra-PPO) runs two, and the values move with the policy's adapter."""
+    module = train(make_cfg("memory=hydra", "memory.actor_critic=joint", "algo=ppo", "trainer.max_steps=2")).module
+    joint = module.memory
+    separate = train(make_cfg("memory=hydra", "algo=ppo", "trainer.max_steps=1")).module.memory
+    adapters = [n for n, _ in joint.lm.named_parameters() if "lora_" in n]
+    assert adapters and not any(".value." in n for n in adapters)
+    assert any(".value." in n for n, _ in separate.lm.named_parameters())
+    assert adapter_bytes(joint) < adapter_bytes(separate)
+    assert {id(p) for p in joint.value_parameters()} == {id(p) for p in joint.value_head.parameters()}
+    state = module.trainer.optimizers[0].state
+    assert all(state.get(p) for p in joint.policy_parameters() + joint.value_parameters())
+    rollout = eval_rollout(module)
+    q, r, t = rollout.query, rollout.response, module.temperature
+    for memory, forwards in ((joint, 1), (separate, 2)):
+        calls = []
+        hook = memory.causal_lm.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+        with torch.no_grad():
+            logprobs, values = memory.policy_logprobs_and_values(q, r, t)
+        hook.remove()
+        assert len(calls) == forwards
+        with torch.no_grad():
+            assert torch.equal(logprobs, memory.policy_logprobs(q, r, t)) and torch.equal(values, memory.values(q, r))
+    with torch.no_grad():
+        before = joint.values(q, r)
+        for p in joint.policy_parameters():
+            p.add_(0.05)
+        assert not torch.allclose(joint.values(q, r), before)
+
+
 def test_hydra_trunk_and_lm_loss_match_the_models_own_forward():
     """Stage hydra_sft's shared-trunk LM loss is the loss the causal LM itself would compute."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -136,6 +136,17 @@ def test_by_length_gives_one_forwards_numbers_and_gradients():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     # the short rows ran without the run-on row's padding, and without its long prompt's
     assert [(q[1], r[1]) for q, r in shapes] == [(3, 3), (6, 16)]
+    # a forward that returns two per-token tensors (PPO's log-probs and values from one trunk forward): each is put
+    # back as the single one is, its gradients flow the same
+    model.zero_grad()
+    pair = by_length(lambda q, r: (forward(q, r), forward(q, r).exp()), query, response, mask, groups, PAD)
+    assert isinstance(pair, tuple) and len(pair) == 2
+    assert torch.equal(pair[0], split) and torch.equal(pair[1], (split.exp() * mask))
+    pair[0].sum().backward()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    whole = by_length(lambda q, r: (forward(q, r), -forward(q, r)), query, response, mask, None, PAD)
+    assert torch.equal(whole[0], one) and torch.equal(whole[1], -one)
 
 
 def test_a_batchs_rows_split_anywhere_get_the_whole_batchs_numbers_bit_for_bit():

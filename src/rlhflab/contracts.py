@@ -190,6 +190,11 @@ class MemoryStrategy(Protocol):
     def values(self, query: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
         """(n, R) value estimates, with grad (algorithms with a critic)."""
 
+    def policy_logprobs_and_values(self, query: torch.Tensor, response: torch.Tensor,
+                                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """policy_logprobs and values of the same rows, for an update that needs both (one forward where the
+        critic reads the policy's trunk)."""
+
     def scores(self, query: torch.Tensor, response: torch.Tensor, prompts: list[str] | None = None,
                completions: list[str] | None = None) -> torch.Tensor:
         """(n,) standardised reward-model scores of whole completions (the texts serve a reward model

@@ -281,6 +281,11 @@ class LoraMemory(FullMemory):  # lora, hydra
 
 
 @dataclass
+class HydraMemory(LoraMemory):
+    actor_critic: str = setting(choices=("separate", "joint"))
+
+
+@dataclass
 class SyncMode:
     _target_: str = "rlhflab.rollout.sources.SyncSource"
     reference: str = setting(choices=("auto", "learner", "thread", "process"))
@@ -362,7 +367,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "algo": {"rloo": RLOO, "remax": WholeCompletionReinforce, "reinforce_pp": ReinforcePP,
              "grpo": GRPO, "dr_grpo": GRPO, "ppo": PPO, "online_dpo": OnlineDPO},
     "reward": {"reward": Reward, "function": FunctionReward},
-    "memory": {"full": FullMemory, "lora": LoraMemory, "hydra": LoraMemory},
+    "memory": {"full": FullMemory, "lora": LoraMemory, "hydra": HydraMemory},
     "mode": {"sync": SyncMode, "async": AsyncMode},
     "off_policy": {"plain": OffPolicy, "tis": TruncatedIS, "decoupled": Decoupled},
     "generator": {"hf": HFGenerator, "vllm": VLLMGenerator},

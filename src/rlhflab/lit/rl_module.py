@@ -393,6 +393,12 @@ class RLHFModule(L.LightningModule):
         """(n, R) value estimates (with grad when enabled), 0 on padding (GAE and the value loss read masked positions only)."""
         return self._by_length(self.memory.values, query, response, mask)
 
+    def _policy_logprobs_and_values(self, query: torch.Tensor, response: torch.Tensor,
+                                    mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(_policy_logprobs, _values) of the same rows, from the memory strategy's joint call (memory=hydra
+        actor_critic=joint: one trunk forward serves both)."""
+        return self._by_length(lambda q, r: self.memory.policy_logprobs_and_values(q, r, self.temperature), query, response, mask)
+
     def _logprobs(self, rollout: Rollout) -> torch.Tensor:
         """(n, R) the current policy's log-probs of the rollout's responses, 0 on padding."""
         return self._policy_logprobs(rollout.query, rollout.response, rollout.response_mask)
@@ -456,11 +462,15 @@ class RLHFModule(L.LightningModule):
                 if distributed.world_size() > 1:  # means over the global mini-batch, not the mean of ranks' means
                     batch = replace(batch, **{k: distributed.total(v) / distributed.world_size() for k, v in counts(batch).items()})
                 with self.activations.track():
+                    values = None
                     if first is not None:  # used once: it is the forward of the weights before any step
                         logprobs, first = first[1], None
+                        if self.algo.needs_values:
+                            values = self._values(batch.query, batch.response, batch.response_mask)
+                    elif self.algo.needs_values:  # one forward where the critic reads the policy's trunk
+                        logprobs, values = self._policy_logprobs_and_values(batch.query, batch.response, batch.response_mask)
                     else:
                         logprobs = self._policy_logprobs(batch.query, batch.response, batch.response_mask)
-                    values = self._values(batch.query, batch.response, batch.response_mask) if self.algo.needs_values else None
                     loss, m = self.algo.loss(logprobs, values, batch)
                 if not self._finite(loss, "train/loss", of_weights=True):
                     return None

@@ -61,6 +61,11 @@ class MemoryStrategy(nn.Module):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, **checkpoint_kwargs})
         return model.train()
 
+    def policy_logprobs_and_values(self, query, response, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(policy log-probs with grad, values with grad) of the same rows, for an update that needs both (PPO):
+        two forwards here; one where the critic reads the policy's own trunk (memory=hydra actor_critic=joint)."""
+        return self.policy_logprobs(query, response, temperature), self.values(query, response)
+
     def _forward(self, model, query, response, **kwargs):
         input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
         # use_cache=False: a scoring or training forward reads no past keys (HF would build a KV cache per call).

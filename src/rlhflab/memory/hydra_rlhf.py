@@ -26,13 +26,14 @@ import shutil
 import tempfile
 from pathlib import Path
 from contextlib import contextmanager, nullcontext
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from rlhflab.errors import ConfigError
 from rlhflab.memory.base import MemoryStrategy
-from rlhflab.memory.lora import LoraSettings, adapt, lora_config, trainable_parameters
+from rlhflab.memory.lora import DEFAULT_TARGETS, LoraSettings, adapt, lora_config, trainable_parameters
 from rlhflab.models.build import DTYPES, freeze, load_causal_lm, module_name, read_reward_norm
 from rlhflab.models.heads import ScalarHead, has_reward_head, sequence_scores, trunk
 from rlhflab.rollout.batch import join, token_logprobs
@@ -45,12 +46,24 @@ class HydraRLHFMemory(LoraSettings, MemoryStrategy):
     """One backbone for policy, reference, reward and value; LoRA adapters carry what RL learns.
 
     r, lora_alpha, lora_dropout, target_modules, gradient_checkpointing: as in `lora`.
+    actor_critic: PPO's critic. "separate": a value adapter of its own beside the policy's (Hydra-PPO); "joint": the
+    value head reads the policy adapter's trunk (the paper's J-Hydra-PPO), so the update's one trunk forward and
+    backward serve both losses, and no value adapter exists.
     """
 
     name = "hydra"  # the user's word: memory=hydra
     # The reference's log-probs read the frozen trunk output the reward head scored the batch with (_frozen_hidden):
     # the RL module runs the reference over the whole batch then, not split by completion length.
     reference_shares_scoring_forward = True
+
+    def __init__(self, r: int = 8, lora_alpha: float = 16.0, lora_dropout: float = 0.0,
+                 target_modules: str | Sequence[str] = DEFAULT_TARGETS, gradient_checkpointing: bool = False,
+                 actor_critic: str = "separate") -> None:
+        super().__init__(r, lora_alpha, lora_dropout, target_modules, gradient_checkpointing)
+        if actor_critic not in ("separate", "joint"):
+            raise ConfigError(f"memory.actor_critic: {actor_critic!r} is not a choice; use separate (a value adapter of its own) "
+                              "or joint (the policy adapter's trunk)")
+        self.joint = actor_critic == "joint"
 
     # ---- stages ----------------------------------------------------------------------------
 
@@ -93,10 +106,11 @@ class HydraRLHFMemory(LoraSettings, MemoryStrategy):
             self.reward_head = freeze(ScalarHead.from_pretrained(reward_path, dtype))
             self.reward_norm = read_reward_norm(reward_path)
         self.value_head = None
-        if need_values:
+        if need_values and not self.joint:
             # The value adapter sits where the policy's does, except on the LM head, which values never read.
             targets = [n for n in self.lm.targeted_module_names if n != lm_head]
             self.lm.add_adapter(VALUE, lora_config(**{**self.lora, "target_modules": targets}, task_type=TaskType.CAUSAL_LM))
+        if need_values:
             # The critic starts as the reward model (as in the PPO-RLHF recipes), or at 0 without one.
             fresh = self.reward_head is None
             head = ScalarHead(causal_lm.config.hidden_size, DTYPES[dtype]) if fresh else copy.deepcopy(self.reward_head)
@@ -200,11 +214,26 @@ class HydraRLHFMemory(LoraSettings, MemoryStrategy):
         with self._using(None):  # the LM head carries an adapter too
             return self._response_logprobs(hidden, query, response, temperature)
 
+    @property
+    def _critic(self) -> str:
+        """The adapter the critic's trunk runs with (actor_critic)."""
+        return POLICY if self.joint else VALUE
+
+    def _read_values(self, hidden, query) -> torch.Tensor:
+        return self.value_head(hidden).squeeze(-1)[:, query.shape[1] - 1 : -1].float()
+
     def values(self, query, response) -> torch.Tensor:
-        """(n, R) value estimates from the value adapter and value head (with grad)."""
-        with self._using(VALUE):
-            out = self.value_head(self._hidden(query, response)).squeeze(-1)
-        return out[:, query.shape[1] - 1 : -1].float()
+        """(n, R) value estimates from the critic's trunk and the value head (with grad)."""
+        with self._using(self._critic):
+            return self._read_values(self._hidden(query, response), query)
+
+    def policy_logprobs_and_values(self, query, response, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """policy_logprobs and values of the same rows; with actor_critic=joint from one trunk forward."""
+        if not self.joint:
+            return super().policy_logprobs_and_values(query, response, temperature)
+        with self._using(POLICY):
+            hidden = self._hidden(query, response)
+            return self._response_logprobs(hidden, query, response, temperature), self._read_values(hidden, query)
 
     @torch.no_grad()
     def scores(self, query, response, prompts=None, completions=None) -> torch.Tensor:

@@ -165,10 +165,10 @@ def length_buckets(response_mask: torch.Tensor, prompt_width: int, max_buckets: 
 def by_length(forward, query: torch.Tensor, response: torch.Tensor, response_mask: torch.Tensor,
               buckets: list[torch.Tensor] | None, pad_token_id: int, rows: slice | None = None) -> torch.Tensor:
     """forward(query, response) -> (m, w) per group of rows (`length_buckets`), put back as (n, R) in the batch's
-    row order and multiplied by the mask. Each group's response is cut to its longest row and its query to the
-    columns where some row's prompt has begun: the cut columns are padding the forward masks out (prompt) or
-    never reads (causal attention: positions after a row's last token), so the numbers are those of one forward
-    over the batch. Gradients flow to every group's forward.
+    row order and multiplied by the mask (a forward that returns a tuple of them: a tuple of (n, R)). Each group's
+    response is cut to its longest row and its query to the columns where some row's prompt has begun: the cut
+    columns are padding the forward masks out (prompt) or never reads (causal attention: positions after a row's
+    last token), so the numbers are those of one forward over the batch. Gradients flow to every group's forward.
 
     rows: only these rows of the batch ((len, R) out; mode.reference=balance, where the generator computes a batch's
     first rows and the learner the rest). Each is computed in the group the whole batch puts it in, cut to that
@@ -177,7 +177,7 @@ def by_length(forward, query: torch.Tensor, response: torch.Tensor, response_mas
     set the numbers: cut to its own rows' widths, a split moved them by ~5e-7."""
     mask = response_mask if rows is None else response_mask[rows]
     if buckets is None:
-        return (forward(query, response) if rows is None else forward(query[rows], response[rows])) * mask
+        return each(forward(query, response) if rows is None else forward(query[rows], response[rows]), lambda t: t * mask)
     start, stop, step = (rows or slice(None)).indices(len(response))
     if step != 1:
         raise ValueError(f"rows={rows}: a slice of consecutive rows")
@@ -188,14 +188,22 @@ def by_length(forward, query: torch.Tensor, response: torch.Tensor, response_mas
         mine = group if rows is None else group[(group >= start) & (group < stop)]
         if len(mine):
             w, first = int(lengths[group].max()), first_column(query[group], pad_token_id)  # the whole group's widths
-            parts.append(torch.nn.functional.pad(forward(query[mine, first:], response[mine, :w]), (0, width - w)))
+            parts.append(each(forward(query[mine, first:], response[mine, :w]),
+                              lambda t, w=w: torch.nn.functional.pad(t, (0, width - w))))
             placed.append(mine - start)
     if not parts:
         return torch.zeros(mask.shape, device=mask.device)
     placed = torch.cat(placed)
     inverse = torch.empty_like(placed)
     inverse[placed] = torch.arange(len(placed), device=placed.device)
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(column)[inverse] * mask for column in zip(*parts))
     return torch.cat(parts)[inverse] * mask
+
+
+def each(out, fn):
+    """fn of a forward's (n, R) output, or of each of a tuple of them (by_length's forward may return several)."""
+    return tuple(fn(t) for t in out) if isinstance(out, tuple) else fn(out)
 
 
 def pad_completions(tokens: list[list[int]], logprobs: list[list[float]], budget: int, pad_token_id: int):
