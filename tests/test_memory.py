@@ -159,6 +159,36 @@ def test_joint_hydra_ppo_reads_values_off_the_policy_adapters_trunk_in_one_forwa
         assert not torch.allclose(joint.values(q, r), before)
 
 
+@pytest.mark.parametrize("memory", ["memory=full", "memory=hydra memory.actor_critic=joint"])
+def test_ppo_in_one_pass_reads_the_values_before_the_update_from_the_updates_own_forward(make_cfg, tmp_path, monkeypatch,
+                                                                                      memory):
+    """PPO with one pass over a batch in one mini-batch (algo.epochs=1 algo.num_minibatches=1): GAE's values before
+    the update are the update's own forward's, detached, so the critic runs no forward of its own before it. The
+    losses, KLs and value losses are those of that forward of their own, which the run no longer makes."""
+    from conftest import history
+    from rlhflab.lit.rl_module import RLHFModule
+
+    calls = []
+    values = RLHFModule._values
+    monkeypatch.setattr(RLHFModule, "_values", lambda self, *a: calls.append(1) or values(self, *a))
+    runs = {}
+    for shared in (True, False):
+        if not shared:  # the critic's forward of its own before the update, as before
+            monkeypatch.setattr(RLHFModule, "values_from_update", property(lambda self: False))
+        cfg = make_cfg(*memory.split(), "algo=ppo", "algo.epochs=1", "algo.num_minibatches=1", "trainer.max_steps=4",
+                       f"output.dir={tmp_path / str(shared)}")
+        calls.clear()
+        runs[shared] = (cfg, train(cfg), len(calls))
+    (cfg, shared, n_shared), (_, own, n_own) = runs[True], runs[False]
+    assert shared.module.policy_version == own.module.policy_version == 4
+    assert (n_shared, n_own) == (0, 4)
+    uri = cfg.logger.tracking_uri
+    for key in ["train/loss", "train/kl", "train/reward", "train/vf_loss", "train/vf_clipfrac", "train/pg_loss", "train/rlhf_reward"]:
+        got, want = history(uri, shared.run_id, key), history(uri, own.run_id, key)
+        assert len(got) == 4 and [s for s, _ in got] == [s for s, _ in want], key
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5, abs=1e-6), key
+
+
 def test_hydra_trunk_and_lm_loss_match_the_models_own_forward():
     """Stage hydra_sft's shared-trunk LM loss is the loss the causal LM itself would compute."""
     from transformers import LlamaConfig, LlamaForCausalLM
