@@ -60,10 +60,7 @@ class HydraRLHFMemory(LoraSettings, MemoryStrategy):
                  target_modules: str | Sequence[str] = DEFAULT_TARGETS, gradient_checkpointing: bool = False,
                  actor_critic: str = "separate") -> None:
         super().__init__(r, lora_alpha, lora_dropout, target_modules, gradient_checkpointing)
-        if actor_critic not in ("separate", "joint"):
-            raise ConfigError(f"memory.actor_critic: {actor_critic!r} is not a choice; use separate (a value adapter of its own) "
-                              "or joint (the policy adapter's trunk)")
-        self.joint = actor_critic == "joint"
+        self.joint = actor_critic == "joint"  # the schema (HydraMemory) admits separate and joint, before any model loads
 
     # ---- stages ----------------------------------------------------------------------------
 
