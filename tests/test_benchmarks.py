@@ -166,6 +166,32 @@ def test_vs_trl_checks_every_rlhflab_command_before_the_sft_run():
         vs_trl.check_commands(vs_trl.parse(["--algos", "rloo,grpo", "--rlhflab-override", "algo.kl_coef=0.1"]))
 
 
+def test_vs_trl_precision_sets_both_sides_and_keeps_one_sft_policy(tmp_path):
+    """--precision bf16 runs both frameworks under bf16 autocast (TRL's default bf16=True; rlhflab
+    trainer.precision=bf16-mixed), and fp32 neither; the SFT policy's run is float32 either way (its stage cache keys
+    on the precision: a bf16 benchmark would have started from another policy); an --rlhflab-override of the precision
+    changes one side only, and is said."""
+    vs_trl = load_vs_trl()
+    for precision, rlhflab, trl in (("fp32", "trainer.precision=32-true", {}), ("bf16", "trainer.precision=bf16-mixed",
+                                                                             {"bf16": True})):
+        a = vs_trl.parse(["--precision", precision, "--sides", "rlhflab_async,trl"])
+        run = vs_trl.rlhflab_cmd(a, "rloo", "/x/sft", 5, tmp_path, [], "rlhflab_async")
+        assert [arg for arg in run if arg.startswith("trainer.precision=")] == [rlhflab]
+        prep = vs_trl.rlhflab_cmd(a, "rloo", None, 1, tmp_path, [], precision="fp32")
+        assert [arg for arg in prep if arg.startswith("trainer.precision=")] == ["trainer.precision=32-true"]
+        assert vs_trl.PRECISION[precision]["trl"] == trl
+        assert vs_trl.parse_child(["--algo", "rloo", "--sft", "s", "--json", "j", "--steps", "2", "--prompts-per-step", "1",
+                                   "--k", "2", "--lr", "1", "--temperature", "1", "--seed", "0", "--response-words", "8",
+                                   "--precision", precision]).precision == precision
+        vs_trl.check_commands(a)  # rlhflab's preflight takes every command
+    none = {algo: {side: [] for side in vs_trl.SIDES} for algo in vs_trl.ALGOS}  # the header alone
+    assert ", 60 steps, float32; " in vs_trl.table(vs_trl.parse([]), none)
+    assert ", 60 steps, bf16 autocast over float32 weights" in vs_trl.table(vs_trl.parse(["--precision", "bf16"]), none)
+    assert vs_trl.one_sided(["trainer.precision=bf16-mixed"]) == [
+        "vs_trl.py: warning: --rlhflab-override trainer.precision=bf16-mixed: the TRL side keeps --precision's value; "
+        "give that flag instead; the sides no longer run the same setting"]
+
+
 def test_a_failed_child_is_said_with_its_error_line_and_a_kept_log(tmp_path):
     """'failed (exit 2); see <log>' named a log the work directory's removal had deleted, and a run killed at
     --timeout said only 'exit -9'."""
