@@ -1,5 +1,7 @@
 """The rollout helpers the learner and every generator share."""
 
+import math
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -240,3 +242,58 @@ def test_hf_generator_samples_the_policy_as_it_is_whatever_its_generation_config
     told = [r.getMessage() for r in caplog.records if "generation_config.json" in r.getMessage()]
     assert told == ["generator: sampling the policy as it is, without its generation_config.json's min_new_tokens=6, "
                     f"no_repeat_ngram_size=1, repetition_penalty=3.0, suppress_tokens=[{tok.eos_token_id + 1}]"]
+
+
+def test_generation_under_lightnings_autocast_casts_each_trainable_weight_once_per_call():
+    """trainer.precision=bf16-mixed: Lightning's autocast has its cast cache off, so generate() in the training step
+    cast every weight again at every token (bf16 generation of the 113M model took longer than float32 on an AMX
+    CPU). HFGenerator casts each trainable weight once per call, draws what the cached autocast draws, leaves no
+    cast behind (an in-place update after it is read by the next call) and puts the cache setting back."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlhflab.lit.data import encode_prompts
+    from rlhflab.rollout.hf import HFGenerator
+    from rlhflab.tasks.sentiment import SentimentTask
+
+    task = SentimentTask(response_words=8, seed=0)
+    tok = task.build_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    prompts = task.prompts("train")[:4]
+    query = encode_prompts(tok, prompts)
+    gen = HFGenerator(temperature=1.0, max_new_tokens=8)
+    gen.setup(tok, 8)
+    linears = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+
+    class WeightCasts(TorchDispatchMode):
+        """Counts the casts autocast makes of the linear layers' weights."""
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in linears:
+                WeightCasts.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def sample(cache_enabled: bool):
+        WeightCasts.n = 0
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache_enabled), WeightCasts():
+            rollout = gen.generate(model, query, prompts, samples_per_prompt=2, version=0)
+            assert torch.is_autocast_cache_enabled() == cache_enabled
+        return rollout, WeightCasts.n
+
+    lightning, casts = sample(cache_enabled=False)  # as Lightning's MixedPrecision plugin enters it
+    assert lightning.response.shape[1] > 2  # several forwards, each of which re-cast every weight before
+    assert casts == len(linears)
+    cached, _ = sample(cache_enabled=True)
+    assert torch.equal(lightning.response, cached.response)
+    torch.testing.assert_close(lightning.logprobs, cached.logprobs, atol=0, rtol=0)
+    # Nothing cached outlives the call: after the head is zeroed in place, the next call samples uniformly.
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        gen.generate(model, query, prompts, samples_per_prompt=1, version=0)
+        model.lm_head.weight.zero_()
+        uniform = gen.generate(model, query, prompts, samples_per_prompt=1, version=0)
+    mask = uniform.response_mask.bool()
+    torch.testing.assert_close(uniform.logprobs[mask], torch.full((int(mask.sum()),), -math.log(len(tok))))

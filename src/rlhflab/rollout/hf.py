@@ -11,6 +11,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from rlhflab.errors import ConfigError, DivergedWeights
 from rlhflab.rollout.batch import Rollout, repeat_prompts, response_mask_from_eos
+from rlhflab.rollout.sources import casts_once
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class HFGenerator:
         """(response (n, R) right-padded, behaviour log-probs (n, R) or None when greedy)."""
         attention_mask = (query != self.tokenizer.pad_token_id).long()
         recorder = None if greedy else BehaviourLogprobs(self.temperature)
-        with diverged_as_nonfinite(), plain_sampling(model) as dropped:
+        with diverged_as_nonfinite(), plain_sampling(model) as dropped, casts_once():
             if dropped and not self.told:
                 log.info("generator: sampling the policy as it is, without its generation_config.json's %s",
                          ", ".join(dropped))

@@ -35,6 +35,31 @@ def autocast_as(state: dict | None):
         yield
 
 
+@contextmanager
+def casts_once():
+    """Under the autocast this thread runs in (trainer.precision=bf16-mixed), each trainable weight is cast to the
+    lower precision once for what runs inside (a generate() call: one forward per token), not at every use.
+
+    Lightning's mixed-precision plugin enters `torch.autocast(..., cache_enabled=False)` around each training step
+    (an optimizer step inside it would otherwise leave a stale cast of a weight it updated in place), so generation
+    in the step re-cast every weight at every token: on this host's AMX CPU, bf16 generation of the 113M model then
+    took longer than float32 (benchmarks/autocast_generation.py). Inside, the cache is on; it is emptied on the way
+    out, so no cast outlives the block (the weights may change after it). The cache holds a copy of the trainable
+    weights in the lower precision meanwhile (half their float32 bytes); frozen weights are never cached by
+    autocast and are cast at each use as before."""
+    state = current_autocast()
+    if not state:
+        yield
+        return
+    with ExitStack() as stack:
+        for device_type, dtype in state.items():
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=True))
+        try:
+            yield
+        finally:
+            torch.clear_autocast_cache()
+
+
 def seeded(seed: int, batch: int, rank: int = 0):
     """Sampling noise that depends only on (seed, batch index, rank): sync and async draw the same
     samples, and ranks sampling their shares of one batch draw different noise."""
