@@ -27,11 +27,12 @@ def current_autocast() -> dict:
 
 
 @contextmanager
-def autocast_as(state: dict | None):
-    """Enter autocast for each {device type: dtype} in `state` (a learner's, from another thread or process)."""
+def autocast_as(state: dict | None, cache_enabled: bool | None = None):
+    """Enter autocast for each {device type: dtype} in `state` (a learner's, from another thread or process);
+    `cache_enabled` None keeps this thread's cast-cache setting."""
     with ExitStack() as stack:
         for device_type, dtype in (state or {}).items():
-            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled))
         yield
 
 
@@ -51,9 +52,7 @@ def casts_once():
     if not state:
         yield
         return
-    with ExitStack() as stack:
-        for device_type, dtype in state.items():
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=True))
+    with autocast_as(state, cache_enabled=True):
         try:
             yield
         finally:
