@@ -247,8 +247,9 @@ def test_hf_generator_samples_the_policy_as_it_is_whatever_its_generation_config
 def test_generation_under_lightnings_autocast_casts_each_trainable_weight_once_per_call():
     """trainer.precision=bf16-mixed: Lightning's autocast has its cast cache off, so generate() in the training step
     cast every weight again at every token (bf16 generation of the 113M model ran at 0.95x float32's speed on an AMX
-    CPU). HFGenerator casts each trainable weight once per call, draws what the cached autocast draws, leaves no
-    cast behind (an in-place update after it is read by the next call) and puts the cache setting back."""
+    CPU). HFGenerator casts each trainable weight once per call (not a sharded model's), draws what the cached
+    autocast draws, leaves no cast behind (an in-place update after it is read by the next call) and puts the cache
+    setting back."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rlhflab.lit.data import encode_prompts
@@ -287,6 +288,16 @@ def test_generation_under_lightnings_autocast_casts_each_trainable_weight_once_p
     lightning, casts = sample(cache_enabled=False)  # as Lightning's MixedPrecision plugin enters it
     assert lightning.response.shape[1] > 2  # several forwards, each of which re-cast every weight before
     assert casts == len(linears)
+    # A model sharded over ranks (generator.synced, trainer=fsdp) is left as Lightning runs it: its gathered weights
+    # are freed after each layer, and a cast kept for the call would hold the whole policy on every rank.
+    from rlhflab.rollout.sources import casts_once
+
+    WeightCasts.n = 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), WeightCasts():
+        with casts_once(enabled=False):
+            model(query)
+            model(query)
+    assert WeightCasts.n == 2 * len(linears)
     cached, _ = sample(cache_enabled=True)
     assert torch.equal(lightning.response, cached.response)
     torch.testing.assert_close(lightning.logprobs, cached.logprobs, atol=0, rtol=0)

@@ -147,7 +147,7 @@ class HFGenerator:
         """(response (n, R) right-padded, behaviour log-probs (n, R) or None when greedy)."""
         attention_mask = (query != self.tokenizer.pad_token_id).long()
         recorder = None if greedy else BehaviourLogprobs(self.temperature)
-        with diverged_as_nonfinite(), plain_sampling(model) as dropped, casts_once():
+        with diverged_as_nonfinite(), plain_sampling(model) as dropped, casts_once(enabled=not self.synced):
             if dropped and not self.told:
                 log.info("generator: sampling the policy as it is, without its generation_config.json's %s",
                          ", ".join(dropped))

@@ -37,7 +37,7 @@ def autocast_as(state: dict | None, cache_enabled: bool | None = None):
 
 
 @contextmanager
-def casts_once():
+def casts_once(enabled: bool = True):
     """Under the autocast this thread runs in (trainer.precision=bf16-mixed), each trainable weight is cast to the
     lower precision once for what runs inside (a generate() call: one forward per token), not at every use.
 
@@ -47,9 +47,11 @@ def casts_once():
     ran at 0.95x float32's speed, and at 1.70x with this (benchmarks/autocast_generation.md). Inside, the cache is on; it is emptied on the way
     out, so no cast outlives the block (the weights may change after it). The cache holds a copy of the trainable
     weights in the lower precision meanwhile (half their float32 bytes); frozen weights are never cached by
-    autocast and are cast at each use as before."""
+    autocast and are cast at each use as before. `enabled=False` leaves it all as it is: for a model sharded over ranks
+    (trainer=fsdp), whose gathered weights are freed after each layer, cached casts would keep a whole copy of the
+    policy on every rank."""
     state = current_autocast()
-    if not state:
+    if not state or not enabled:
         yield
         return
     with autocast_as(state, cache_enabled=True):
