@@ -44,12 +44,13 @@ def casts_once(enabled: bool = True):
     Lightning's mixed-precision plugin enters `torch.autocast(..., cache_enabled=False)` around each training step
     (an optimizer step inside it would otherwise leave a stale cast of a weight it updated in place), so generation
     in the step re-cast every weight at every token: on this host's AMX CPU, bf16 generation of the 113M model then
-    ran at 0.95x float32's speed, and at 1.70x with this (benchmarks/autocast_generation.md). Inside, the cache is on; it is emptied on the way
-    out, so no cast outlives the block (the weights may change after it). The cache holds a copy of the trainable
-    weights in the lower precision meanwhile (half their float32 bytes); frozen weights are never cached by
-    autocast and are cast at each use as before. `enabled=False` leaves it all as it is: for a model sharded over ranks
-    (trainer=fsdp), whose gathered weights are freed after each layer, cached casts would keep a whole copy of the
-    policy on every rank."""
+    ran at 0.95x float32's speed, and at 1.70x with this (benchmarks/autocast_generation.md).
+
+    Inside, the cache is on; it is emptied on the way out, so no cast outlives the block (the weights may change
+    after it). The cache holds a copy of the trainable weights in the lower precision meanwhile (half their float32
+    bytes); frozen weights are never cached by autocast and are cast at each use as before. `enabled=False` leaves
+    it all as it is: for a model sharded over ranks (trainer=fsdp), whose gathered weights are freed after each
+    layer, cached casts would keep a whole copy of the policy on every rank."""
     state = current_autocast()
     if not state or not enabled:
         yield
