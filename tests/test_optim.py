@@ -36,12 +36,12 @@ def test_adamw_is_fused_on_cpu_keeps_every_group_and_steps_as_the_per_tensor_loo
     assert moved > 1e-2 and apart < 1e-5, (moved, apart)
 
 
-def test_adamw_falls_back_to_the_default_under_mixed_precision_or_without_a_fused_kernel(monkeypatch):
-    """Lightning refuses to clip an optimizer that unscales gradients itself (a fused one) under its AMP."""
-    for precision in ("bf16-mixed", "16-mixed"):
-        opt = adamw(tiny_llama().parameters(), precision, lr=1e-3)
-        assert opt.defaults["fused"] is None, precision
-        assert len(opt.param_groups[0]["params"]) == len(list(tiny_llama().parameters()))
-    assert adamw(tiny_llama().parameters(), "bf16-true", lr=1e-3).defaults["fused"] is True
+def test_adamw_falls_back_to_the_default_under_a_loss_scaler_or_without_a_fused_kernel(monkeypatch):
+    """16-mixed's scaler would unscale inside a fused step, after the update clipped; bf16 has no scaler."""
+    opt = adamw(tiny_llama().parameters(), "16-mixed", lr=1e-3)
+    assert opt.defaults["fused"] is None
+    assert len(opt.param_groups[0]["params"]) == len(list(tiny_llama().parameters()))
+    for precision in ("bf16-mixed", "bf16-true"):
+        assert adamw(tiny_llama().parameters(), precision, lr=1e-3).defaults["fused"] is True, precision
     monkeypatch.setattr("rlhflab.lit.optim._get_fused_kernels_supported_devices", lambda: ["cuda"])  # a CPU without it
     assert adamw(tiny_llama().parameters(), "32-true", lr=1e-3).defaults["fused"] is None

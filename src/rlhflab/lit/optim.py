@@ -20,12 +20,14 @@ def adamw(groups, precision: str | None, **kwargs) -> torch.optim.AdamW:
     3.5M and 145 against 413 ms for 126M; the weights agree to 1e-8 after five steps. TRL's default
     (`adamw_torch_fused`) too.
 
-    `precision` is the Lightning trainer's: under its mixed precision ("16-mixed", "bf16-mixed") a fused
-    optimizer is not used, because Lightning refuses to clip the gradients of an optimizer that unscales them
-    itself. There, and where a parameter's device has no fused kernel, PyTorch's default implementation."""
+    `precision` is the Lightning trainer's. Under "16-mixed" the fused kernel is not used: its loss scaler
+    would unscale the gradients inside the step, after the RL update has clipped them (and Lightning refuses to
+    clip for such an optimizer). "bf16-mixed" has no scaler, so it is fused as float32 is (the RL update clips
+    with its own norm, not through Lightning's check). There, and where a parameter's device has no fused
+    kernel, PyTorch's default implementation."""
     groups = [{**g, "params": list(g["params"])} if isinstance(g, dict) else g for g in groups]
     params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
     devices = set(_get_fused_kernels_supported_devices())
-    fused = (bool(params) and not str(precision).endswith("-mixed")
+    fused = (bool(params) and str(precision) != "16-mixed"
              and all(p.is_floating_point() and p.device.type in devices for p in params))
     return torch.optim.AdamW(groups, fused=fused or None, **kwargs)

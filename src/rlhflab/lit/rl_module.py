@@ -491,13 +491,16 @@ class RLHFModule(L.LightningModule):
                 self.manual_backward(loss)
                 self.activations.reset()
                 # The norm before clipping (as TRL's and verl's grad_norm): finite exactly when the clipped one is.
-                grads = [p.grad for g in opt.optimizer.param_groups for p in g["params"] if p.grad is not None]
-                grad_norm = full(torch.nn.utils.get_total_norm(grads))
+                params = [p for g in opt.optimizer.param_groups for p in g["params"] if p.grad is not None]
+                grad_norm = full(torch.nn.utils.get_total_norm([p.grad for p in params]))
                 if not self._finite(grad_norm, "the gradient norm", of_weights=True):
                     opt.zero_grad(set_to_none=True)
                     return None
                 if self.cfg.max_grad_norm:
-                    self.clip_gradients(opt, gradient_clip_val=self.cfg.max_grad_norm, gradient_clip_algorithm="norm")
+                    # With the norm just taken: what clip_grad_norm_ (Lightning's self.clip_gradients) does after
+                    # taking it again, a pass over every gradient. Lightning's would also refuse the fused AdamW
+                    # under bf16-mixed, which has no loss scaler to unscale for (lit/optim.py).
+                    torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, grad_norm)
                 opt.step()
                 # Free the gradients now, not before the next backward: otherwise they stay allocated through the
                 # next batch's generation and forward passes and add a policy-sized tensor to the step's peak.
