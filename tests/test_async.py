@@ -44,6 +44,67 @@ def test_a_weight_slot_is_never_rewritten_before_the_generator_reads_it(stalenes
         assert all(ring.slot(v) != ring.slot(need) for v in pushed_since), (j, need, pushed_since)
 
 
+def test_weights_come_from_the_learners_parameters_only_where_that_cannot_stall_it():
+    """LearnerWeights (no host copy of the policy) for a forked CPU generator at staleness 0 or 1; else the ring."""
+    import torch
+
+    from rlhflab.rollout.async_source import LearnerWeights
+
+    model = torch.nn.Linear(2, 2)
+    assert LearnerWeights.fits(model, 1, "fork", None) and LearnerWeights.fits(model, 0, "fork", None)
+    assert not LearnerWeights.fits(model, 2, "fork", None)  # v is read N - 1 batches after the learner steps past it
+    assert not LearnerWeights.fits(model, 1, "spawn", None)  # a spawned process shares none of the learner's memory
+    assert not LearnerWeights.fits(model, 1, "fork", "cpu")  # mode.device: the ring, as for a GPU
+
+
+def test_a_generator_reading_the_learners_parameters_gets_the_pushed_version(make_cfg, tmp_path, monkeypatch):
+    """At staleness 1 the generator copies version v from the learner's own parameters while the learner trains
+    batch v: the learner's optimizer step waits for that copy (hold_weights). Here each copy is made to start only
+    once the learner is at that wait, the latest a copy can come: the numbers are still those of the ring of copies
+    (SharedWeights), bit for bit. Without the wait the learner's step lands first and the generator samples from
+    the weights one update on (the copy gives up waiting for the learner after 60 s)."""
+    import multiprocessing
+
+    from rlhflab.rollout import async_source
+
+    def run(name):
+        cfg = make_cfg("mode=async", "staleness=1", "trainer.max_steps=5", f"output.dir={tmp_path / name}")
+        result = train(cfg)
+        return {k: history(cfg, result.run_id, k) for k in ("train/reward", "train/kl", "train/loss", "rollout/staleness")}
+
+    with monkeypatch.context() as m:
+        m.setattr(async_source.LearnerWeights, "fits", staticmethod(lambda *args: False))
+        ring = run("ring")
+
+    at_hold, copies = multiprocessing.get_context("fork").Event(), multiprocessing.get_context("fork").Value("i", 0)
+    hold, read = async_source.LearnerWeights.hold, async_source.LearnerWeights.read
+
+    def late_read(self, slot, params, version):  # in the generator
+        at_hold.wait(timeout=60)
+        at_hold.clear()
+        read(self, slot, params, version)
+        with copies.get_lock():
+            copies.value += 1
+
+    def announced_hold(self, alive):  # in the learner
+        if self.copied.value < self.pushed:
+            at_hold.set()
+        hold(self, alive)
+
+    def waking_close(self):  # the learner's last push has no step after it to wait for its copy
+        at_hold.set()
+        close(self)
+
+    close = async_source.AsyncSource.close
+    monkeypatch.setattr(async_source.LearnerWeights, "read", late_read)
+    monkeypatch.setattr(async_source.LearnerWeights, "hold", announced_hold)
+    monkeypatch.setattr(async_source.AsyncSource, "close", waking_close)
+    direct = run("direct")
+    assert copies.value >= 3  # versions 1, 2, 3 for batches 2, 3, 4 (the generator may make batches nobody trains on)
+    assert direct == ring
+    assert direct["rollout/staleness"] == [0.0, 1.0, 1.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_staleness_is_exactly_n_after_warmup(make_cfg, n):
     cfg = make_cfg("mode=async", f"staleness={n}", "trainer.max_steps=8")

@@ -137,6 +137,9 @@ class RolloutSource(Protocol):
     def after_update(self, model: nn.Module, version: int) -> None:
         """The learner finished update `version`: push weights where the generator needs them."""
 
+    def hold_weights(self) -> None:
+        """The learner is about to change its weights: return once nothing still reads a pushed version from them."""
+
     def busy_s(self, now: float) -> float | None:
         """The generator's busy seconds since it started, up to `now` (time.monotonic; work in progress included);
         None where the learner generates itself (its step's wait is the generation)."""

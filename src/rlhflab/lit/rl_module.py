@@ -501,6 +501,7 @@ class RLHFModule(L.LightningModule):
                     # taking it again, a pass over every gradient. Lightning's would also refuse the fused AdamW
                     # under bf16-mixed, which has no loss scaler to unscale for (lit/optim.py).
                     torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, grad_norm)
+                self.source.hold_weights()  # mode=async: the generator may still be copying the last pushed weights
                 opt.step()
                 # Free the gradients now, not before the next backward: otherwise they stay allocated through the
                 # next batch's generation and forward passes and add a policy-sized tensor to the step's peak.

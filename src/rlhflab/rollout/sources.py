@@ -130,6 +130,9 @@ class SyncSource:
     def after_update(self, model, version: int) -> None:
         """Sync mode generates from the live policy: no weights to push."""
 
+    def hold_weights(self) -> None:
+        """Nobody else reads the learner's weights."""
+
     def busy_s(self, now: float) -> float | None:
         """The learner generates: a step's generation is its own wait."""
         return None
