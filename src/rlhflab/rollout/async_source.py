@@ -9,7 +9,8 @@ The generator is a separate process (forked on CPU, spawned for CUDA) with its
 own copy of the policy on its own device, its own torch threads, and the
 learner's prompt order. After
 each pushed update it receives only the trainable tensors (with LoRA: just the
-adapter). A crash in it reaches the learner within a poll interval with its
+adapter): copied from the learner's own parameters at staleness 0-1 on a CPU
+learner (LearnerWeights), else through a ring of shared copies (SharedWeights). A crash in it reaches the learner within a poll interval with its
 traceback; closing (or the learner dying) ends it.
 """
 
