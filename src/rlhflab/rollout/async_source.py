@@ -126,9 +126,8 @@ class LearnerWeights:
 
     @staticmethod
     def fits(model, staleness: int, start_method: str, device: str | None) -> bool:
-        state = {n: p for n, p in model.named_parameters() if p.requires_grad}
         return (staleness <= 1 and start_method == "fork" and device is None
-                and all(p.device.type == "cpu" and not is_sharded(p) for p in state.values()))
+                and all(p.device.type == "cpu" and not is_sharded(p) for p in model.parameters() if p.requires_grad))
 
     def write(self, model, version: int) -> int:
         self.pushed = version  # the parameters are the push
