@@ -57,6 +57,54 @@ def test_the_fused_update_steps_with_its_gradients_clipped_to_max_grad_norm(make
     assert [norm for _, norm in rl] == pytest.approx([0.05] * 3, rel=1e-4), (rl, logged)
 
 
+def test_16_mixed_clips_unscaled_gradients_and_skips_the_steps_a_float16_overflow_spoils(make_cfg, monkeypatch):
+    """trainer.precision=16-mixed (a GPU without bf16): Lightning's manual_backward scales the loss and the scaler
+    unscales only inside opt.step(), so the update took the norm of gradients times the scale (65,536 at first),
+    logged it, clipped them to rl.max_grad_norm / scale (all but freezing the policy), and stopped the run at the
+    first float16 overflow, which the scaler exists to skip. Lightning runs fp16 AMP on GPUs only (on CPU it runs
+    bf16 instead), so here the RL stage gets the plugin itself, with a CPU loss scaler starting at 1e10, where the
+    tiny model's float16 gradients overflow, and falling 1000-fold on each overflow."""
+    import rlhflab.train as train_module
+    from lightning.pytorch.plugins import MixedPrecision
+
+    make_trainer = train_module._make_trainer
+
+    def fp16_rl(cfg, logger, stage, callbacks=(), **overrides):
+        if stage == "rl":  # the trainer's settings without trainer.precision, which the plugin replaces
+            cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+            del cfg.trainer.precision
+            scaler = torch.amp.GradScaler("cpu", init_scale=1e10, backoff_factor=1e-3)
+            overrides["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler)]
+        return make_trainer(cfg, logger, stage, callbacks, **overrides)
+
+    stepped = []  # the unscaled gradients' norm at each optimizer step the scaler let through
+
+    def before_step(opt, args, kwargs):
+        if getattr(opt, "found_inf", None) is not None and float(opt.found_inf):  # the fused step skips it
+            return
+        scale = float(opt.grad_scale) if getattr(opt, "grad_scale", None) is not None else 1.0
+        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        stepped.append(float(torch.nn.utils.get_total_norm(grads)) / scale)
+
+    monkeypatch.setattr(train_module, "_make_trainer", fp16_rl)
+    handle = register_optimizer_step_pre_hook(before_step)
+    try:
+        cfg = make_cfg("trainer.max_steps=6", "rl.max_grad_norm=0.05", "checkpoint.every_n_steps=6")
+        result = train(cfg)  # before, NonFiniteError: the gradient norm not finite at RL step 1
+    finally:
+        handle.remove()
+    client = MlflowClient(cfg.logger.tracking_uri)
+    history = {key: [m.value for m in client.get_metric_history(result.run_id, key)]
+               for key in ("train/overflow", "train/loss_scale", "train/grad_norm")}
+    overflows, scales, logged = history["train/overflow"], history["train/loss_scale"], history["train/grad_norm"]
+    assert len(overflows) == len(scales) == 6 and overflows[0] == 1.0 and overflows[-1] == 0.0, history
+    assert scales[0] == 1e10 and scales == sorted(scales, reverse=True), history  # lowered on each overflow
+    kept = int(6 - sum(overflows))
+    assert len(logged) == kept and all(0.05 < n < 100 for n in logged), history  # unscaled (before: times the scale)
+    rl = stepped[-kept:]  # the stages before RL step their own optimizers, in float32
+    assert rl == pytest.approx([0.05] * kept, rel=1e-4), (rl, history)
+
+
 def test_a_steps_time_holds_what_the_loop_does_between_steps(make_cfg, monkeypatch):
     """perf/step_s (and samples/s, the overlap efficiency, the report's samples/s) ran from training_step's start
     to its end, so logging and MLflow's writes, Lightning's loop and the next batch were in no step's time (7% of a

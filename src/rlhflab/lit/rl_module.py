@@ -174,6 +174,7 @@ class RLHFModule(L.LightningModule):
             "generation_rows": self.generation_rows,
             "step_times": [list(t) for t in self.step_times],
             "skipped_batches": self.skipped_batches,
+            "precision": self.trainer.precision_plugin.state_dict(),  # 16-mixed: the loss scaler's scale and count
             "run_id": self.run_id,
             "elapsed": self.elapsed(),
         }
@@ -230,6 +231,8 @@ class RLHFModule(L.LightningModule):
         self.step_times = saved_step_times(state["step_times"])
         self.elapsed_before = state.get("elapsed", self.elapsed_before)
         self.skipped_batches = state["skipped_batches"]
+        if state.get("precision"):  # none before 2026-12-03, or without a loss scaler
+            self.trainer.precision_plugin.load_state_dict(state["precision"])
         mine = state["ranks"][distributed.rank()]
         self.source.restore(mine["source"])
         set_rng_state(mine["rng"])
@@ -238,7 +241,7 @@ class RLHFModule(L.LightningModule):
         groups = [{"params": self.memory.policy_parameters(), "lr": self.cfg.lr}]
         if self.algo.needs_values:
             groups.append({"params": self.memory.value_parameters(), "lr": self.cfg.value_lr or self.cfg.lr})
-        return adamw(groups, self.trainer.precision, weight_decay=0.0, eps=1e-5)
+        return adamw(groups, weight_decay=0.0, eps=1e-5)
 
     # ---- the training step ---------------------------------------------------------------
 
@@ -469,7 +472,7 @@ class RLHFModule(L.LightningModule):
         groups = F.divide_exact(n, k, "rollout samples per prompt group")
         per_mb = F.divide_exact(groups, self.algo.num_minibatches, "algo.num_minibatches (prompts per step must divide)") * k
         sums: dict[str, float] = {}
-        count = 0
+        counted: dict[str, int] = {}  # a step skipped on a float16 overflow has no gradient norm
         for _ in range(self.algo.epochs):
             order = first[0] if first is not None else self._order(n)
             for start in range(0, n, per_mb):
@@ -488,31 +491,49 @@ class RLHFModule(L.LightningModule):
                 if not self._finite(loss, "train/loss", of_weights=True):
                     return None
                 opt.zero_grad(set_to_none=True)
-                self.manual_backward(loss)
+                self.manual_backward(loss)  # under 16-mixed: the loss times the scaler's scale, and so the gradients
                 self.activations.reset()
                 # The norm before clipping (as TRL's and verl's grad_norm): finite exactly when the clipped one is.
                 params = [p for g in opt.optimizer.param_groups for p in g["params"] if p.grad is not None]
-                grad_norm = full(torch.nn.utils.get_total_norm([p.grad for p in params]))
-                if not self._finite(grad_norm, "the gradient norm", of_weights=True):
+                scaled_norm = full(torch.nn.utils.get_total_norm([p.grad for p in params]))
+                scale = self._loss_scale()
+                overflow = self._overflowed(scaled_norm, scale)
+                if not overflow and not self._finite(scaled_norm, "the gradient norm", of_weights=True):
                     opt.zero_grad(set_to_none=True)
                     return None
-                if self.cfg.max_grad_norm:
+                if self.cfg.max_grad_norm and not overflow:
                     # With the norm just taken: what clip_grad_norm_ (Lightning's self.clip_gradients) does after
-                    # taking it again, a pass over every gradient. Lightning's would also refuse the fused AdamW
-                    # under bf16-mixed, which has no loss scaler to unscale for (lit/optim.py).
-                    torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, grad_norm)
+                    # taking it again, a pass over every gradient. Lightning's would also refuse the fused AdamW,
+                    # which unscales inside its step (lit/optim.py). Scaled gradients clip at the scaled bound,
+                    # so that the unscaled ones end at rl.max_grad_norm.
+                    torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm * scale, scaled_norm)
                 self.source.hold_weights()  # mode=async: the generator may still be copying the last pushed weights
-                opt.step()
+                opt.step()  # under 16-mixed: unscaled, or skipped on an overflow while the scaler lowers its scale
                 # Free the gradients now, not before the next backward: otherwise they stay allocated through the
                 # next batch's generation and forward passes and add a policy-sized tensor to the step's peak.
                 opt.zero_grad(set_to_none=True)
                 self.updates += 1
                 m["train/loss"] = loss.detach()
-                m["train/grad_norm"] = grad_norm
+                if scale != 1.0:  # only under a loss scaler (16-mixed)
+                    m["train/loss_scale"], m["train/overflow"] = scale, float(overflow)
+                if not overflow:
+                    m["train/grad_norm"] = scaled_norm / scale
                 for key, value in m.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
-                count += 1
-        return {key: v / count for key, v in sums.items()}
+                    counted[key] = counted.get(key, 0) + 1
+        return {key: v / counted[key] for key, v in sums.items()}
+
+    def _loss_scale(self) -> float:
+        """The factor the gradients carry: the loss scaler's scale under 16-mixed (Lightning's manual_backward scales
+        the loss, and the scaler unscales only inside opt.step()), else 1."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+
+    def _overflowed(self, scaled_norm: torch.Tensor, scale: float) -> bool:
+        """A float16 overflow of scaled gradients: the scaler skips the step and lowers its scale, as in any AMP
+        loop (Lightning issue #18089: before, it stopped the run as non-finite). Once the scale is down to 1 the
+        gradients themselves are not finite: rl.on_nonfinite decides."""
+        return scale > 1.0 and not distributed.all_true(bool(torch.isfinite(scaled_norm)))
 
     def _step_metrics(self, rollout: Rollout, t_gen: float, t_sync: float, t_step: float, gen_window: float) -> dict[str, float]:
         gen_busy = rollout.extras.get("gen_busy_s", t_gen)  # async: the generator's own busy time
