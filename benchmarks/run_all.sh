@@ -24,9 +24,10 @@ python src/train.py -m model=llama100m algo=ppo,rloo memory=full,lora,hydra \
   rl.eval_every=0 rl.eval_samples_per_prompt=1 task.num_eval_prompts=8 \
   task.num_demonstrations=64 task.num_preference_pairs=64 stages.sft.epochs=1 stages.rm.epochs=1 \
   stages.sft.batch_size=32 stages.rm.batch_size=32 $Q
-# ... and J-Hydra-PPO (the critic on the policy adapter's trunk) at the same settings
-python src/train.py model=llama100m algo=ppo memory=hydra memory.actor_critic=joint \
-  algo.samples_per_prompt=2 algo.num_minibatches=1 algo.epochs=1 rl.prompts_per_step=16 trainer.max_steps=4 \
+# ... and J-Hydra-PPO (the critic on the policy adapter's trunk) at the same settings, then at 2x and 3x the
+# batch (3x still fits under LoRA-PPO's peak: the paper spends the memory Hydra frees on the batch)
+python src/train.py -m model=llama100m algo=ppo memory=hydra memory.actor_critic=joint \
+  algo.samples_per_prompt=2 algo.num_minibatches=1 algo.epochs=1 rl.prompts_per_step=16,32,48 trainer.max_steps=4 \
   rl.eval_every=0 rl.eval_samples_per_prompt=1 task.num_eval_prompts=8 \
   task.num_demonstrations=64 task.num_preference_pairs=64 stages.sft.epochs=1 stages.rm.epochs=1 \
   stages.sft.batch_size=32 stages.rm.batch_size=32 $Q
