@@ -496,7 +496,8 @@ class RLHFModule(L.LightningModule):
                 # The norm before clipping (as TRL's and verl's grad_norm): finite exactly when the clipped one is.
                 params = [p for g in opt.optimizer.param_groups for p in g["params"] if p.grad is not None]
                 scaled_norm = full(torch.nn.utils.get_total_norm([p.grad for p in params]))
-                scale = self._loss_scale()
+                scaler = self._loss_scaler()
+                scale = float(scaler.get_scale()) if scaler is not None else 1.0
                 overflow = self._overflowed(scaled_norm, scale)
                 if not overflow and not self._finite(scaled_norm, "the gradient norm", of_weights=True):
                     opt.zero_grad(set_to_none=True)
@@ -514,7 +515,7 @@ class RLHFModule(L.LightningModule):
                 opt.zero_grad(set_to_none=True)
                 self.updates += 1
                 m["train/loss"] = loss.detach()
-                if scale != 1.0:  # only under a loss scaler (16-mixed)
+                if scaler is not None:
                     m["train/loss_scale"], m["train/overflow"] = scale, float(overflow)
                 if not overflow:
                     m["train/grad_norm"] = scaled_norm / scale
@@ -523,11 +524,11 @@ class RLHFModule(L.LightningModule):
                     counted[key] = counted.get(key, 0) + 1
         return {key: v / counted[key] for key, v in sums.items()}
 
-    def _loss_scale(self) -> float:
-        """The factor the gradients carry: the loss scaler's scale under 16-mixed (Lightning's manual_backward scales
-        the loss, and the scaler unscales only inside opt.step()), else 1."""
+    def _loss_scaler(self) -> torch.amp.GradScaler | None:
+        """16-mixed's loss scaler, whose scale the gradients carry (Lightning's manual_backward scales the loss, and
+        the scaler unscales only inside opt.step()); None under every other precision."""
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+        return scaler if scaler is not None and scaler.is_enabled() else None
 
     def _overflowed(self, scaled_norm: torch.Tensor, scale: float) -> bool:
         """A float16 overflow of scaled gradients: the scaler skips the step and lowers its scale, as in any AMP
