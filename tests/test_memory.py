@@ -85,6 +85,14 @@ def test_lora_and_hydra_hold_one_policy_backbone(make_cfg):
     assert size["hydra"] == pytest.approx(backbone + adapter_bytes(memories["hydra"]), rel=0.01)
     trainable = {s: model_state_bytes(m.model_modules(), None)["perf/param_bytes_trainable"] for s, m in memories.items()}
     assert trainable["lora"] < trainable["full"] / 2 and trainable["hydra"] < trainable["full"] / 2
+    # every adapted layer, the policy's and the critic's, adds its adapter inside one addmm (models/lora_add.py)
+    from peft.tuners.lora.layer import Linear
+
+    from rlhflab.models.lora_add import FusedAddLinear
+
+    for s in ("lora", "hydra"):
+        layers = [type(x) for m in memories[s].model_modules() for x in m.modules() if isinstance(x, Linear)]
+        assert len(layers) > 8 and set(layers) == {FusedAddLinear}, (s, layers)
 
 
 def test_lora_ppo_reward_is_the_critic_backbone_with_its_adapter_off(make_cfg):

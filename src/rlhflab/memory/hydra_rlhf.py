@@ -107,6 +107,9 @@ class HydraRLHFMemory(LoraSettings, MemoryStrategy):
             # The value adapter sits where the policy's does, except on the LM head, which values never read.
             targets = [n for n in self.lm.targeted_module_names if n != lm_head]
             self.lm.add_adapter(VALUE, lora_config(**{**self.lora, "target_modules": targets}, task_type=TaskType.CAUSAL_LM))
+            from rlhflab.models.lora_add import fuse_lora_adds
+
+            fuse_lora_adds(self.lm)  # peft adds to the policy's modules in place; any it made anew get the fused add
         if need_values:
             # The critic starts as the reward model (as in the PPO-RLHF recipes), or at 0 without one.
             fresh = self.reward_head is None

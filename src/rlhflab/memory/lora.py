@@ -68,6 +68,10 @@ def adapt(model: nn.Module, config, of: str = "", keep=(), **kwargs):
         wrapped = None
     if linear and (wrapped is None or not {n.rpartition(".")[2] for n in wrapped.targeted_module_names} & set(linear)):
         raise targets_reach_nothing(model, linear, of, keep)
+    if wrapped is not None:
+        from rlhflab.models.lora_add import fuse_lora_adds
+
+        fuse_lora_adds(wrapped)
     return wrapped
 
 
