@@ -39,6 +39,11 @@ def saved_step_times(rows: list) -> list[tuple]:
     return [tuple(t) if len(t) == 5 else (t[0], t[1], t[1], t[2], t[3]) for t in rows]
 
 
+def all_finite(value: torch.Tensor) -> bool:
+    """Every element finite on every rank (a collective: every rank decides the same)."""
+    return distributed.all_true(bool(torch.isfinite(value).all()))
+
+
 def unordered(order: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     """Rows computed in `order` back in the batch's order, detached: out[order[i]] = logprobs[i]."""
     out = torch.empty_like(logprobs, requires_grad=False)
@@ -324,7 +329,7 @@ class RLHFModule(L.LightningModule):
         let the caller skip the batch (skip_batch). Checked before any optimizer step, so no update uses it.
         of_weights: the value came out of the current weights (a loss, a gradient), which may be the cause:
         a checkpoint of them is then not named as a good one."""
-        if distributed.all_true(bool(torch.isfinite(value).all())):  # every rank decides the same
+        if all_finite(value):
             return True
         where = f"RL step {self.updates + 1} (rollout batch {self.policy_version})"
         if self.cfg.on_nonfinite == "stop":
@@ -534,7 +539,7 @@ class RLHFModule(L.LightningModule):
         """A float16 overflow of scaled gradients: the scaler skips the step and lowers its scale, as in any AMP
         loop (Lightning issue #18089: before, it stopped the run as non-finite). Once the scale is down to 1 the
         gradients themselves are not finite: rl.on_nonfinite decides."""
-        return scale > 1.0 and not distributed.all_true(bool(torch.isfinite(scaled_norm)))
+        return scale > 1.0 and not all_finite(scaled_norm)
 
     def _step_metrics(self, rollout: Rollout, t_gen: float, t_sync: float, t_step: float, gen_window: float) -> dict[str, float]:
         gen_busy = rollout.extras.get("gen_busy_s", t_gen)  # async: the generator's own busy time

@@ -5,7 +5,7 @@ an add over the module's whole output, and two more passes in the backward. At r
 adapter's arithmetic, are what LoRA adds to a step: py-spy put them at 0.77 s of J-Hydra-PPO's 3.52 s forward with
 grad on the 113M model. Here the scaling multiplies the rank-r activations instead and the add is addmm's
 `base + h @ B^T`, one kernel that writes the output once: on the 113M Llama, 32 x 48 tokens, 1 thread, a forward
-and backward took 4.52 against 5.98 s (a no-grad forward 2.01 against 2.10 s), with outputs equal to peft's
+and backward took 4.55 against 6.04 s (a no-grad forward 2.02 against 2.11 s), with outputs equal to peft's
 (`python benchmarks/lora_add.py`).
 
 Only the plain case takes this path (one active adapter, unmerged, no variant such as DoRA, no adapter bias, no
