@@ -347,3 +347,30 @@ def test_the_generation_benchmarks_decode_loop_samples_what_generate_samples(tmp
     assert out.stdout.count("the loop draws the same tokens and log-probs as generate()") == 5, out.stdout
     assert [line.split(" |")[0] for line in out.stdout.splitlines() if line.startswith("| generate") or line.startswith("| decode")] == [
         "| generate(), 32 rows", "| generate(), 64 rows", "| generate(), 128 rows", "| decode loop, 64 rows"]
+
+
+@pytest.mark.slow
+def test_step_flops_times_and_counts_every_part_a_ppo_step_runs(tmp_path):
+    """benchmarks/step_flops.py wraps rlhflab's own step parts by name; a renamed part would time nothing, a part run
+    twice (the final evaluation's) would be counted into the last step. On the tiny model, 3 steps: LoRA-PPO runs the
+    reference's forward and two trunk passes in its update, J-Hydra-PPO reads the reference from the scoring forward
+    and runs one trunk pass for policy and critic, so it counts about half LoRA-PPO's update FLOPs and none for the
+    reference."""
+    data = tmp_path / "out.json"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_flops.py"), "--model", "tiny", "--steps", "3",
+                          "--sides", "lora16,joint16", "--out", str(tmp_path / "out.md")],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**__import__("os").environ, "RLHFLAB_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    results = json.loads(data.read_text())["results"]
+    lora, joint = results["lora16"], results["joint16"]
+    assert lora["samples"] == joint["samples"] == [32, 32, 32]
+    for r, parts in ((lora, ["generate", "reward scores", "reference log-probs"]), (joint, ["generate", "reward scores"])):
+        parts += ["update: first forward", "update: the rest (forwards, backward, step)"]
+        assert [p for p in parts if r["flops"].get(p, 0) <= 0 or r["times"].get(p, [0])[0] <= 0] == [], r
+    assert joint["flops"].get("reference log-probs", 0) < 0.05 * lora["flops"]["reference log-probs"]
+    # the generation, the scoring forward and (the final evaluation left out) the reference's: the same rows' forward
+    assert lora["flops"]["reference log-probs"] == pytest.approx(lora["flops"]["reward scores"], rel=0.05)
+    for part in ("update: first forward", "update: the rest (forwards, backward, step)"):
+        assert joint["flops"][part] == pytest.approx(lora["flops"][part] / 2, rel=0.1)
+    assert "| J-Hydra-PPO, 16 prompts |" in (tmp_path / "out.md").read_text()
