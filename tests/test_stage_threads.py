@@ -154,3 +154,27 @@ def test_the_helper_thread_runs_under_the_callers_autocast():
     assert dtypes == [torch.bfloat16, torch.bfloat16]
     shares.close()
 
+
+
+def test_a_sync_run_that_leaves_cores_idle_on_a_large_policy_says_so(make_cfg, monkeypatch):
+    """torch_threads=1 (the default) on the 113M preset left the second core idle in sync PPO under memory=lora/hydra,
+    1.5x slower than torch_threads=null: the run says so in one line, where no reference thread uses the core and the
+    policy is large; the tiny default run (its reference thread on the other core) says nothing."""
+    from types import SimpleNamespace
+
+    import rlhflab.train as train
+
+    policy = torch.nn.Linear(100, 100)  # 10,100 parameters, the threshold lowered to them
+    monkeypatch.setattr(train, "THREADS_PAY_FROM", 10_000)
+    sync = SimpleNamespace(name="sync", reference="learner")
+    cfg = make_cfg("memory=lora", "algo=ppo")
+    line = train.idle_cores_hint(cfg, sync, policy, cores=2)
+    assert line.startswith("torch_threads=1: RL runs on 1 of this machine's 2 cores; on a policy of "), line
+    assert "M parameters torch_threads=null (every core) is likely faster" in line, line
+    assert train.idle_cores_hint(cfg, sync, policy, cores=1) is None  # no core idle
+    assert train.idle_cores_hint(cfg, SimpleNamespace(name="sync", reference="thread"), policy, cores=2) is None
+    assert train.idle_cores_hint(cfg, SimpleNamespace(name="async"), policy, cores=2) is None  # its own thread settings
+    assert train.idle_cores_hint(make_cfg("memory=lora", "algo=ppo", "torch_threads=null"), sync, policy, cores=2) is None
+    assert train.idle_cores_hint(make_cfg("memory=lora", "algo=ppo", "trainer=ddp"), sync, policy, cores=2) is None
+    monkeypatch.setattr(train, "THREADS_PAY_FROM", 50_000_000)
+    assert train.idle_cores_hint(cfg, sync, policy, cores=2) is None  # a small policy: one thread is as fast

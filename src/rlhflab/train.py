@@ -534,6 +534,28 @@ def stage_threads(threads: int | None, local_ranks: int, batch: int = 1):
         torch.set_num_threads(before)
 
 
+# A second intra-op thread pays in the RL stage from about here: sync PPO on the 113M preset ran 1.49x faster with
+# torch_threads=null (2 threads) than with 1 (docs/MEASUREMENTS.md, 2026-12-03); the tiny model's RL is as fast on 1.
+# Between 2.65M and 113M parameters it was not measured.
+THREADS_PAY_FROM = 50_000_000  # policy parameters
+
+
+def idle_cores_hint(cfg: DictConfig, source, policy: torch.nn.Module, cores: int) -> str | None:
+    """One line for an RL stage on one CPU process whose torch_threads leave cores idle (no reference thread or
+    process uses them) on a policy large enough for intra-op threads to pay; None where nothing is idle."""
+    threads = cfg.torch_threads
+    cpu = str(cfg.trainer.accelerator) == "cpu" or (str(cfg.trainer.accelerator) == "auto" and not torch.cuda.is_available())
+    if (source.name != "sync" or getattr(source, "reference", None) in ("thread", "process") or not cpu
+            or ranks(cfg.trainer) > 1 or threads is None or int(threads) >= cores):
+        return None
+    policy_params = sum(p.numel() for p in policy.parameters())
+    if policy_params < THREADS_PAY_FROM:
+        return None
+    return (f"torch_threads={threads}: RL runs on {threads} of this machine's {cores} cores; on a policy of "
+            f"{policy_params / 1e6:.0f}M parameters torch_threads=null (every core) is likely faster (1.5x for the "
+            "113M preset's PPO: README, Memory strategies)")
+
+
 def with_trainer_settings(stages: dict, trainer: dict) -> dict:
     """The trainer settings that change what stages sft and rm learn (trainer.precision other than 32-true; a
     `+trainer.accumulate_grad_batches`) in their settings, so in their cache keys: a bf16-mixed run's SFT and reward
@@ -592,6 +614,9 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     module = RLHFModule(memory, plan.algo, plan.reward, plan.source, task, tokenizer, train_prompts, eval_prompts, cfg.rl,
                         cfg.seed, resume)
     module.run_id = tracker.run_id
+    hint = idle_cores_hint(cfg, plan.source, memory.generation_model, len(os.sched_getaffinity(0)))
+    if hint:
+        log.info(hint)
     module.clock = (started, started + t_stages)
     saver = ckpt.Checkpointer(ckpt.directory(out), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep,
                               OmegaConf.to_yaml(cfg, resolve=True), plan.data, plan.code)
