@@ -33,6 +33,7 @@ from rlhflab.errors import (ONE_LINE, ConfigError, NonFiniteError, RankLost, Rew
 from rlhflab.interrupts import STOP, as_interrupt
 from rlhflab.lit import checkpoint as ckpt
 from rlhflab.lit.progress import StageProgressBar
+from rlhflab.lit.reference import WORKERS
 from rlhflab.lit.rl_module import RLHFModule
 from rlhflab.models.build import check_arch, check_vocabulary, ensure_base_model, load_tokenizer
 from rlhflab.models.checks import check_hub, check_hub_dataset
@@ -499,12 +500,17 @@ NOT_IN_STAGE_KEYS = ("_target_", "accelerator", "devices", "num_nodes", "strateg
                      "enable_checkpointing", "enable_model_summary", "enable_progress_bar", "num_sanity_val_steps")
 
 
+def one_cpu_process(trainer: DictConfig) -> bool:
+    """The trainer trains in this one process on the CPU (trainer.accelerator cpu, or auto without a GPU)."""
+    cpu = str(trainer.accelerator) == "cpu" or (str(trainer.accelerator) == "auto" and not torch.cuda.is_available())
+    return cpu and ranks(trainer) == 1
+
+
 def batch_threads(cfg: DictConfig) -> int:
     """stages.batch_threads where it applies: one process training on the CPU (under DDP/FSDP the ranks share the
     batch; on a GPU its kernels do; 16-mixed's gradient scaler scales the returned loss alone), else 1."""
     trainer = cfg.trainer
-    cpu = str(trainer.accelerator) == "cpu" or (str(trainer.accelerator) == "auto" and not torch.cuda.is_available())
-    if ranks(trainer) > 1 or not cpu or str(trainer.precision) in ("16-mixed", "16"):
+    if not one_cpu_process(trainer) or str(trainer.precision) in ("16-mixed", "16"):
         return 1
     return int(cfg.stages.batch_threads)
 
@@ -544,9 +550,8 @@ def idle_cores_hint(cfg: DictConfig, source, policy: torch.nn.Module, cores: int
     """One line for an RL stage on one CPU process whose torch_threads leave cores idle (no reference thread or
     process uses them) on a policy large enough for intra-op threads to pay; None where nothing is idle."""
     threads = cfg.torch_threads
-    cpu = str(cfg.trainer.accelerator) == "cpu" or (str(cfg.trainer.accelerator) == "auto" and not torch.cuda.is_available())
-    if (source.name != "sync" or getattr(source, "reference", None) in ("thread", "process") or not cpu
-            or ranks(cfg.trainer) > 1 or threads is None or int(threads) >= cores):
+    if (source.name != "sync" or getattr(source, "reference", None) in WORKERS
+            or not one_cpu_process(cfg.trainer) or threads is None or int(threads) >= cores):
         return None
     policy_params = sum(p.numel() for p in policy.parameters())
     if policy_params < THREADS_PAY_FROM:
