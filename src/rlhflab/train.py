@@ -541,8 +541,8 @@ def stage_threads(threads: int | None, local_ranks: int, batch: int = 1):
 
 
 # A second intra-op thread pays in the RL stage from about here: sync PPO on the 113M preset ran 1.49x faster with
-# torch_threads=null (2 threads) than with 1 (docs/MEASUREMENTS.md, 2026-12-03); the tiny model's RL is as fast on 1.
-# Between 2.65M and 113M parameters it was not measured.
+# torch_threads=null (2 threads) than with 1 (docs/MEASUREMENTS.md, 2026-12-03); the tiny model's (87k parameters)
+# RL is as fast on 1. Between the two it was not measured: the threshold is a guess.
 THREADS_PAY_FROM = 50_000_000  # policy parameters
 
 
