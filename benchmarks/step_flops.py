@@ -15,7 +15,8 @@ final evaluation).
     python benchmarks/step_flops.py --out benchmarks/step_flops.md
     python benchmarks/step_flops.py --overrides torch_threads=null --out benchmarks/step_flops_2threads.md
 
-Each side is a child process; the stage cache (RLHFLAB_CACHE) is shared, so the SFT and reward stages train once.
+Each side is a child process (vs_trl.py's: its own process group, ended with the benchmark); the stage cache
+(RLHFLAB_CACHE) is shared, so the SFT and reward stages train once. rlhflab as installed (`pip install -e .`).
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from vs_trl import ROOT, child_env, run_child, stop_on_signals  # (benchmarks/, this script's directory, is on sys.path)
+
+TIMEOUT_S = 3600  # per side: a 113M side takes about a minute here
 
 # The README's memory-table settings (section "Memory strategies (issue 4)"); --model and --steps add the rest.
 COMMON = ("algo=ppo algo.samples_per_prompt=2 algo.num_minibatches=1 algo.epochs=1 "
@@ -160,7 +162,8 @@ def main() -> None:
     if a.child:
         return child(a.child[0], a.child[1:])
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as src/train.py sets it before torch loads
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as src/train.py sets it before torch loads (matmul_peak)
+    stop_on_signals("step_flops.py")
     if a.steps < 3:
         sys.exit(f"--steps {a.steps}: at least 3 (one left out, one timed, one counted)")
     if a.out and not Path(a.out).resolve().parent.is_dir():
@@ -171,8 +174,8 @@ def main() -> None:
         sys.exit(f"--sides: unknown {', '.join(unknown)}; choose from {', '.join(SIDES)}")
     results = {}
     work = Path(tempfile.mkdtemp(prefix="step_flops-"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "plugins"),
-                                                       os.environ.get("PYTHONPATH", "")]))
+    print(f"work directory: {work} (each side's log: <side>.log)", flush=True)
+    env = child_env()
     env.setdefault("RLHFLAB_CACHE", str(work / "cache"))
     peaks: dict[int, list[float]] = {}
 
@@ -185,9 +188,7 @@ def main() -> None:
                      *a.overrides.split(), f"hydra.run.dir={work / s}", f"output.dir={work / s}",
                      f"logger.tracking_uri=sqlite:///{work / 'mlflow.db'}"]
         print(f"{time.strftime('%H:%M:%S')} {s}: python src/train.py {' '.join(overrides)}", flush=True)
-        with open(work / f"{s}.log", "w") as log:
-            rc = subprocess.run([sys.executable, __file__, "--child", str(out), *overrides], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT).returncode
+        rc, *_ = run_child([sys.executable, __file__, "--child", str(out), *overrides], work / f"{s}.log", TIMEOUT_S, env)
         if rc:
             sys.exit(f"{s} failed (exit {rc}); its output: {work / f'{s}.log'}")
         results[s] = json.loads(out.read_text())

@@ -792,12 +792,13 @@ def parse_child(argv):
     return p.parse_args(argv)
 
 
-def stop_on_signals() -> None:
+def stop_on_signals(script: str = "vs_trl.py") -> None:
     """SIGTERM (`timeout`, `kill`, a scheduler) or SIGHUP ended the benchmark at once, without its `finally`s: the
     running child, in a session of its own, trained on alone (and with mode=async its generator), its work directory
-    kept without a word. Now they end as Ctrl-C does: the child's process group killed, the work directory named."""
+    kept without a word. Now they end as Ctrl-C does: the child's process group killed, the work directory named.
+    (benchmarks/step_flops.py runs its children with run_child too.)"""
     def stop(signum, frame):
-        raise SystemExit(f"vs_trl.py: stopped by {signal.Signals(signum).name}")
+        raise SystemExit(f"{script}: stopped by {signal.Signals(signum).name}")
 
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stop)
