@@ -132,6 +132,7 @@ def test_real_preset_loads_through_from_pretrained_names():
         # top-k sampling would make every ratio wrong (defect 6); it fails the same without vllm installed
         ("generator.top_k=5", "generator.top_k"),
         ("generator=vllm generator.top_k=5", "generator.top_k"),
+        ("generator.decode=fast", "generator.decode"),
         ("algo=online_dpo off_policy=tis", "off_policy=tis"),
         ("algo.loss_agg=token-sum", "algo.loss_agg"),
         ("algo=online_dpo algo.ties=drop", "algo.ties"),

@@ -222,7 +222,7 @@ def test_hf_generator_samples_the_policy_as_it_is_whatever_its_generation_config
                                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).eval()
     prompts = SentimentTask(response_words=8, seed=0).prompts("train")[:8]
     query = encode_prompts(tok, prompts)
-    gen = HFGenerator(temperature=1.0, max_new_tokens=10)
+    gen = HFGenerator(temperature=1.0, max_new_tokens=10, decode="generate")  # decode=lean never reads the config
     gen.setup(tok, 10)
 
     def sample():

@@ -11,6 +11,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from rlhflab.errors import ConfigError, DivergedWeights
 from rlhflab.rollout.batch import Rollout, repeat_prompts, response_mask_from_eos
+from rlhflab.rollout.lean import lean_generate, lean_unsupported
 from rlhflab.rollout.sources import casts_once
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,9 @@ class BehaviourLogprobs(LogitsProcessor):
         return torch.stack([*self.steps, last], dim=1)
 
 
+DECODES = ("auto", "lean", "generate")
+
+
 class HFGenerator:
     """Samples k completions per prompt with `model.generate`, recording behaviour log-probs.
 
@@ -116,20 +120,29 @@ class HFGenerator:
     top_k: must be 0 (the full distribution): the learner, the reference and every KL estimate use
       untruncated log-probs, so samples from a truncated distribution would make each ratio wrong.
     max_new_tokens: null = the task's budget.
+    decode: how tokens are drawn. `auto`: `lean_generate` (rollout/lean.py: the same tokens and log-probs as
+      generate() from the same seed, without its per-token overhead) where it can run, a plain Llama on the CPU
+      outside autocast, else generate(); `lean`: that loop or an error saying why not; `generate`: always
+      Hugging Face generate().
     """
 
     needs_spawn = False  # the generator process may be forked
     synced = False  # set when the model is sharded over ranks: every rank runs the same number of forward steps
     told = False  # the settings plain_sampling set aside are logged once
+    told_decode = False  # auto's choice of generate() is logged once, with its reason
 
-    def __init__(self, temperature: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None) -> None:
+    def __init__(self, temperature: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None,
+                 decode: str = "auto") -> None:
         if top_k != 0:
             raise ConfigError(
                 f"generator.top_k={top_k}: the learner's and the reference's log-probs are those of the full distribution, "
                 "so top-k sampling would make every importance ratio and KL estimate wrong; set generator.top_k=0"
             )
+        if decode not in DECODES:
+            raise ConfigError(f"generator.decode={decode!r} is not one of {', '.join(DECODES)}; set generator.decode=auto")
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens
+        self.decoding = decode
 
     def check_model(self, model_cfg) -> None:
         """Raise ConfigError for a model this backend cannot run (called before any model loads)."""
@@ -145,6 +158,18 @@ class HFGenerator:
     @torch.no_grad()
     def _generate(self, model, query: torch.Tensor, greedy: bool):
         """(response (n, R) right-padded, behaviour log-probs (n, R) or None when greedy)."""
+        if self.decoding != "generate":
+            why = lean_unsupported(model) if not self.synced else "the policy is sharded over ranks"
+            if why is None:
+                with diverged_as_nonfinite():
+                    return lean_generate(model, query, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id,
+                                         self.max_new_tokens, None if greedy else self.temperature)
+            if self.decoding == "lean":
+                raise ConfigError(f"generator.decode=lean cannot run here: {why}; set generator.decode=auto "
+                                  "(generate() where the lean loop cannot run)")
+            if not self.told_decode:
+                log.info("generator: Hugging Face generate(), as %s", why)
+                self.told_decode = True
         attention_mask = (query != self.tokenizer.pad_token_id).long()
         recorder = None if greedy else BehaviourLogprobs(self.temperature)
         with diverged_as_nonfinite(), plain_sampling(model) as dropped, casts_once(enabled=not self.synced):

@@ -1,0 +1,88 @@
+"""rollout/lean.py: the decode loop of our own draws what generate() draws, and stands aside where it cannot."""
+
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlhflab.errors import ConfigError
+from rlhflab.lit.data import encode_prompts
+from rlhflab.rollout.hf import HFGenerator
+from rlhflab.rollout.lean import lean_unsupported
+from rlhflab.tasks.sentiment import SentimentTask
+
+TASK = SentimentTask(response_words=8, seed=0)
+TOK = TASK.build_tokenizer()
+# The task's prompts are all as long; cut some shorter, so the batch is left-padded as a real one is.
+PROMPTS = [" ".join(p.split()[: 2 + i % 5]) for i, p in enumerate(TASK.prompts("train")[:8])]
+
+
+def llama(**arch) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = dict(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64, pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id)
+    return LlamaForCausalLM(LlamaConfig(**{**config, **arch})).eval()
+
+
+def draw(model, decode: str, greedy: bool, temperature: float, seed: int):
+    gen = HFGenerator(temperature=temperature, max_new_tokens=10, decode=decode)
+    gen.setup(TOK, 10)
+    query = encode_prompts(TOK, PROMPTS).repeat_interleave(2, dim=0)
+    assert (query[:, 0] == TOK.pad_token_id).any() and (query[:, 0] != TOK.pad_token_id).any()  # left padding
+    torch.manual_seed(seed)
+    return gen._generate(model, query, greedy=greedy)
+
+
+@pytest.mark.parametrize("arch", [
+    {},  # as the embedded tiny model: 4 heads, 4 key/value heads
+    {"num_key_value_heads": 2, "tie_word_embeddings": True},  # grouped-query attention, tied lm_head
+    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}},
+], ids=["mha", "gqa-tied", "rope-linear"])
+def test_lean_decoding_draws_generates_tokens_and_log_probs(arch):
+    """From the same torch seed, decode=lean returns generate()'s tokens (a row ended by EOS padded after it, the
+    batch as wide as its longest completion) and the log-probs BehaviourLogprobs records, at temperature 1 and
+    0.7 and greedy; on a random model several rows end early and several run to the budget."""
+    model = llama(**arch)
+    assert lean_unsupported(model) is None
+    ended_early = 0
+    for seed in range(3):
+        for greedy, temperature in ((False, 1.0), (False, 0.7), (True, 1.0)):
+            ours, theirs = (draw(model, decode, greedy, temperature, seed) for decode in ("lean", "generate"))
+            assert torch.equal(ours[0], theirs[0]), (seed, greedy, temperature)
+            if greedy:
+                assert ours[1] is None and theirs[1] is None
+            else:
+                torch.testing.assert_close(ours[1], theirs[1], atol=1e-6, rtol=0)
+                ended = (ours[0] == TOK.eos_token_id).any(1)
+                ended_early += int(ended.any() and not ended.all())
+    assert ended_early > 0
+
+
+def test_auto_decoding_leaves_what_it_cannot_reproduce_to_generate_and_says_why(caplog):
+    """A LoRA-wrapped policy (memory=lora), autocast (bf16-mixed) and eager attention go to generate() under
+    decode=auto, logged once with the reason; decode=lean says in one line why it cannot run."""
+    from peft import LoraConfig, get_peft_model
+
+    plain = llama()
+    lora = get_peft_model(llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert "not a plain LlamaForCausalLM" in lean_unsupported(lora)
+    assert "LoRA or quantised" in lean_unsupported(lora.base_model.model)
+    eager = llama(attn_implementation="eager")
+    assert "attn_implementation='eager'" in lean_unsupported(eager)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "autocast" in lean_unsupported(plain)
+    assert lean_unsupported(plain) is None
+
+    with pytest.raises(ConfigError) as err:
+        draw(lora.base_model.model, "lean", False, 1.0, 0)
+    assert str(err.value).startswith("generator.decode=lean cannot run here: a projection is a ") and "\n" not in str(err.value)
+
+    gen = HFGenerator(max_new_tokens=4)
+    gen.setup(TOK, 4)
+    query = encode_prompts(TOK, TASK.prompts("train")[:2])
+    with caplog.at_level(logging.INFO, logger="rlhflab.rollout.hf"):
+        for _ in range(2):
+            gen._generate(eager, query, greedy=False)
+    told = [r.getMessage() for r in caplog.records if "generate()" in r.getMessage()]
+    assert told == ["generator: Hugging Face generate(), as attn_implementation='eager' (lean decoding reproduces sdpa's)"]
