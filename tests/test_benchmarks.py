@@ -334,19 +334,26 @@ def test_an_override_of_what_both_sides_share_is_warned():
         assert any(arg.startswith(f"{key}=") for arg in vs_trl.rlhflab_cmd(parsed, "rloo", None, 1, ROOT, [])), key
 
 
-def test_the_generation_benchmarks_decode_loop_samples_what_generate_samples(tmp_path):
-    """benchmarks/generation.py times a decode loop of its own against rlhflab's generator (`generate()`); its
+def test_the_generation_benchmarks_lean_loop_samples_what_generate_samples(tmp_path):
+    """benchmarks/generation.py times rlhflab's own decode loop (generator.decode=lean) against generate(); its
     numbers say something only while the loop draws the same tokens and log-probs from the same seed. Checked on
-    another architecture than the tiny Llama it was measured on: GPT-NeoX (partial rotary, its own position ids)."""
-    from conftest import save_tiny_neox
+    another Llama than the one it was measured on: grouped-query attention and a tied LM head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    sft = save_tiny_neox(tmp_path / "neox")
+    from rlhflab.tasks.sentiment import SentimentTask
+
+    words = SentimentTask().build_tokenizer()
+    sft = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                 pad_token_id=words.pad_token_id, eos_token_id=words.eos_token_id)).save_pretrained(sft)
+    words.save_pretrained(sft)
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation.py"), "--sft", str(sft), "--calls", "2"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("the loop draws the same tokens and log-probs as generate()") == 5, out.stdout
-    assert [line.split(" |")[0] for line in out.stdout.splitlines() if line.startswith("| generate") or line.startswith("| decode")] == [
-        "| generate(), 32 rows", "| generate(), 64 rows", "| generate(), 128 rows", "| decode loop, 64 rows"]
+    assert [line.split(" |")[0] for line in out.stdout.splitlines() if line.startswith(("| generate", "| lean"))] == [
+        f"| {call}, {n} rows" for n in (32, 64, 128) for call in ("generate()", "lean loop")]
 
 
 @pytest.mark.slow
