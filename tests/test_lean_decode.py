@@ -1,4 +1,5 @@
-"""rollout/lean.py: the decode loop of our own draws what generate() draws, and stands aside where it cannot."""
+"""rollout/lean.py: the decode loop draws what generate() draws, the forward computes what the HF forward computes,
+and both stand aside where they cannot."""
 
 import logging
 
@@ -9,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rlhflab.errors import ConfigError
 from rlhflab.lit.data import encode_prompts
 from rlhflab.rollout.hf import HFGenerator
-from rlhflab.rollout.lean import lean_unsupported
+from rlhflab.rollout.batch import join
+from rlhflab.rollout.lean import lean_forward, lean_unsupported
 from rlhflab.tasks.sentiment import SentimentTask
 
 TASK = SentimentTask(response_words=8, seed=0)
@@ -34,11 +36,14 @@ def draw(model, decode: str, greedy: bool, temperature: float, seed: int):
     return gen._generate(model, query, greedy=greedy)
 
 
-@pytest.mark.parametrize("arch", [
+ARCHS = pytest.mark.parametrize("arch", [
     {},  # as the embedded tiny model: 4 heads, 4 key/value heads
     {"num_key_value_heads": 2, "tie_word_embeddings": True},  # grouped-query attention, tied lm_head
     {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}},
 ], ids=["mha", "gqa-tied", "rope-linear"])
+
+
+@ARCHS
 def test_lean_decoding_draws_generates_tokens_and_log_probs(arch):
     """From the same torch seed, decode=lean returns generate()'s tokens (a row ended by EOS padded after it, the
     batch as wide as its longest completion) and the log-probs BehaviourLogprobs records, at temperature 1 and
@@ -85,4 +90,44 @@ def test_auto_decoding_leaves_what_it_cannot_reproduce_to_generate_and_says_why(
         for _ in range(2):
             gen._generate(eager, query, greedy=False)
     told = [r.getMessage() for r in caplog.records if "generate()" in r.getMessage()]
-    assert told == ["generator: Hugging Face generate(), as attn_implementation='eager' (lean decoding reproduces sdpa's)"]
+    assert told == ["generator: Hugging Face generate(), as attn_implementation='eager' (the lean loops reproduce sdpa's)"]
+
+
+@ARCHS
+def test_the_lean_forward_computes_the_hf_forwards_logits_and_gradients_bit_for_bit(arch):
+    """The learner's forward (MemoryStrategy._forward: policy with grad, reference without) over prompt + response,
+    with left padding (a boolean mask) and without (plain causal attention), whole or the last logits_to_keep: the
+    same logits and the same gradient in every parameter as model(...)."""
+    model = llama(**arch).train()
+    torch.manual_seed(1)
+    response = torch.randint(3, len(TOK), (16, 9))
+    for prompts in (PROMPTS, [p for p in TASK.prompts("train")[:8]]):
+        query = encode_prompts(TOK, prompts).repeat_interleave(2, dim=0)
+        ids, mask, positions = join(query, response, TOK.pad_token_id)
+        assert bool(mask.all()) == (prompts is not PROMPTS)
+        for keep in (0, 10):
+            got = []
+            for lean in (True, False):
+                model.zero_grad()
+                if lean:
+                    logits = lean_forward(model, ids, mask, positions, logits_to_keep=keep)
+                else:
+                    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                                   logits_to_keep=keep).logits
+                (logits.log_softmax(-1)[..., 3] * torch.linspace(-1, 1, logits.shape[1])).sum().backward()
+                got.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+            assert torch.equal(got[0][0], got[1][0]), (arch, keep)
+            assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1])), (arch, keep)
+
+
+def test_the_lean_loops_leave_checkpointed_or_hooked_models_to_hf():
+    """Activation checkpointing lives in HF's decoder layers, FSDP's and accelerate's gathering in forward hooks:
+    the lean forward would skip both, so such models go through HF."""
+    model = llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert "activation checkpointing" in lean_unsupported(model)
+    model = llama()
+    handle = model.model.layers[1].mlp.register_forward_pre_hook(lambda module, args: None)
+    assert lean_unsupported(model) == "a LlamaMLP has forward hooks (FSDP, accelerate or another wrapper)"
+    handle.remove()
+    assert lean_unsupported(model) is None

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutput
 
 from rlhflab.models.build import without_dropout
 from rlhflab.models.sharding import shard, warm_up
 from rlhflab.rollout.batch import join, token_logprobs
+from rlhflab.rollout.lean import lean_forward, lean_unsupported
 
 
 class MemoryStrategy(nn.Module):
@@ -68,6 +70,9 @@ class MemoryStrategy(nn.Module):
 
     def _forward(self, model, query, response, **kwargs):
         input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
+        if set(kwargs) <= {"logits_to_keep"} and lean_unsupported(model) is None:
+            # A plain Llama on the CPU: HF's logits and gradients bit for bit, without its per-call overhead.
+            return CausalLMOutput(logits=lean_forward(model, input_ids, attention_mask, position_ids, **kwargs))
         # use_cache=False: a scoring or training forward reads no past keys (HF would build a KV cache per call).
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs)
 

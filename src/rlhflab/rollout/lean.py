@@ -1,19 +1,23 @@
-"""A decode loop of our own for Llama policies on the CPU: the tokens and log-probs `generate()` draws, sooner.
+"""Lean loops for plain Llama models on the CPU: `generate()`'s tokens and the HF forward's numbers, sooner.
 
-On a small model every op's dispatch, not its arithmetic, sets generation's time, and Hugging Face `generate()`
-adds its own per token: the model's forward builds a causal mask, recomputes the rotary angles, grows a
-`DynamicCache` by concatenation and wraps its outputs; `generate()` runs its logits processors and stopping
-criteria. `lean_generate` runs the same modules' weights through the same ops in the same order (so the same
-floats: RMSNorm modules called as they are, `F.linear` on each projection's own weight, rotary embedding as
-transformers computes it, `scaled_dot_product_attention` with the same boolean mask), over a key/value cache
-allocated once per call, with the rotary angles of every position computed once, and draws each token with
-`torch.multinomial` from the same probabilities: from the same torch seed it returns generate()'s tokens, and
-the log-probs `BehaviourLogprobs` records (tests/test_lean_decode.py checks both against `generate()`).
-On vs_trl's tiny policy, 64 rows x 9 tokens took 9.6 against 16.1 ms, 128 rows 15.6 against 20.7 ms.
+On a small model every op's dispatch, not its arithmetic, sets the time, and Hugging Face adds work of its own per
+call: the model's forward builds a causal mask, computes the rotary angles, wraps its outputs and goes through
+several decorators; `generate()` also grows a `DynamicCache` by concatenation at every token and runs its logits
+processors and stopping criteria. The two functions here run the same modules' weights through the same ops in the
+same order, so they compute the same floats:
+- `lean_generate` samples (`generator.decode=auto`): a key/value cache allocated once per call, the rotary angles of
+  every position computed once, each token drawn with `torch.multinomial` from the same probabilities, so from the
+  same torch seed it returns generate()'s tokens and the log-probs `BehaviourLogprobs` records. On vs_trl's tiny
+  policy, 64 rows x 9 tokens took 10.4 against 15.7 ms, 128 rows 16.6 against 21.3 ms (benchmarks/generation.md).
+- `lean_forward` is the learner's forward over prompt + response (`MemoryStrategy._forward`: the policy's, with
+  grad, and the reference's): HF's logits and gradients bit for bit, without ~0.8 ms of overhead a call on the tiny
+  policy, which in sync mode also holds the GIL the reference's thread needs.
+tests/test_lean_decode.py checks both against Hugging Face.
 
-It runs only what it reproduces: a `LlamaForCausalLM` whose projections are plain `nn.Linear` (no LoRA or
-quantised layers), with sdpa attention and a rotary embedding whose angles do not depend on the sequence length,
-on the CPU and outside autocast. Anything else goes to `generate()` (`lean_unsupported` says why).
+They run only what they reproduce (`lean_unsupported` says why not): a `LlamaForCausalLM` whose projections are plain
+`nn.Linear` (no LoRA or quantised layers) and whose modules carry no hooks (FSDP, accelerate), with sdpa attention,
+no activation checkpointing and a rotary embedding whose angles do not depend on the sequence length, on the CPU
+and outside autocast. Anything else goes through Hugging Face.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def _structure_unsupported(model) -> str | None:
     if type(model) is not llama.LlamaForCausalLM:
         return f"the policy is a {type(model).__name__}, not a plain LlamaForCausalLM"
     if model.config._attn_implementation != "sdpa":
-        return f"attn_implementation={model.config._attn_implementation!r} (lean decoding reproduces sdpa's)"
+        return f"attn_implementation={model.config._attn_implementation!r} (the lean loops reproduce sdpa's)"
     rope = model.model.rotary_emb.rope_type
     if rope not in STATIC_ROPE:
         return f"rope_type={rope!r} rescales its angles with the sequence length"
@@ -56,20 +60,27 @@ def _structure_unsupported(model) -> str | None:
 
 
 def lean_unsupported(model) -> str | None:
-    """Why `lean_generate` cannot reproduce `generate()` on this model now (None when it can). The model's
-    structure is judged once (again if its modules change, e.g. wrapped by LoRA); the device and autocast each call."""
-    modules = tuple(map(id, model.modules()))
+    """Why the lean loops cannot reproduce Hugging Face on this model now (None when they can). The model's
+    structure is judged once (again if its modules change, e.g. wrapped by LoRA); the device, autocast,
+    checkpointing and hooks at each call."""
+    modules = tuple(model.modules())
+    ids = tuple(map(id, modules))
     known = _VERDICT.get(model)
-    if known is None or known[0] != modules:
-        known = (modules, _structure_unsupported(model))
+    if known is None or known[0] != ids:
+        known = (ids, _structure_unsupported(model))
         _VERDICT[model] = known
     if known[1] is not None:
         return known[1]
     device = model.lm_head.weight.device
     if device.type != "cpu":
-        return f"the policy is on {device} (lean decoding is measured and tested on the CPU only)"
+        return f"the model is on {device} (the lean loops are measured and tested on the CPU only)"
     if torch.is_autocast_enabled("cpu"):
-        return "autocast is on (generate() casts each weight once per call, rollout.sources.casts_once)"
+        return "autocast is on (measured through HF only; its generate() casts each weight once per call there)"
+    if any(getattr(layer, "gradient_checkpointing", False) for layer in model.model.layers):
+        return "activation checkpointing is on (HF's decoder layers apply it)"
+    hooked = next((m for m in modules if m._forward_hooks or m._forward_pre_hooks), None)
+    if hooked is not None:
+        return f"a {type(hooked).__name__} has forward hooks (FSDP, accelerate or another wrapper)"
     return None
 
 
@@ -78,15 +89,80 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _angles(rotary, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' LlamaRotaryEmbedding.forward for (rows, length) positions: cos, sin of (rows, 1, length, head)."""
+    freqs = positions[..., None].float() * rotary.inv_freq.float()
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return ((angles.cos() * rotary.attention_scaling).to(dtype)[:, None],
+            (angles.sin() * rotary.attention_scaling).to(dtype)[:, None])
+
+
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
+
+
+def _layer(layer, x, cos, sin, head_dim: int, mask, cache=None, start: int = 0) -> torch.Tensor:
+    """One LlamaDecoderLayer.forward with sdpa attention, as transformers runs it. `mask`: a boolean (rows, 1, L, S)
+    mask, or None for plain causal attention; `cache`: (keys, values) buffers whose slots start.. take this call's."""
+    attn, mlp = layer.self_attn, layer.mlp
+    rows, length = x.shape[:2]
+    h = layer.input_layernorm(x)
+    q = _heads(F.linear(h, attn.q_proj.weight, attn.q_proj.bias), head_dim)
+    k = _heads(F.linear(h, attn.k_proj.weight, attn.k_proj.bias), head_dim)
+    v = _heads(F.linear(h, attn.v_proj.weight, attn.v_proj.bias), head_dim)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    if cache is not None:
+        end = start + length
+        cache[0][:, :, start:end] = k
+        cache[1][:, :, start:end] = v
+        k, v = cache[0][:, :, :end], cache[1][:, :, :end]
+    groups = q.shape[1] // k.shape[1]
+    gqa = {}
+    if groups > 1:  # as transformers' sdpa_attention_forward: sdpa's own GQA without a mask, else repeated heads
+        if mask is None or length == 1:
+            gqa = {"enable_gqa": True}
+        else:
+            k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and length > 1,
+                                       scale=attn.scaling, **gqa)
+    x = x + F.linear(o.transpose(1, 2).reshape(rows, length, -1), attn.o_proj.weight, attn.o_proj.bias)
+    h = layer.post_attention_layernorm(x)
+    gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+    up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+    return x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+
+
+def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 logits_to_keep: int = 0) -> torch.Tensor:
+    """`model(input_ids, attention_mask, position_ids, use_cache=False, logits_to_keep=...).logits`, the same floats
+    and gradients: a causal mask with the padding's columns masked, or none (plain causal attention) when nothing is
+    padded, as transformers decides; the final norm over every position, the LM head over the last logits_to_keep
+    (0: all)."""
+    core, config = model.model, model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    length = input_ids.shape[1]
+    x = core.embed_tokens(input_ids)
+    cos, sin = _angles(core.rotary_emb, position_ids, x.dtype)
+    mask = None
+    if not bool(attention_mask.all()):
+        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+        mask = causal[None, None] & attention_mask.bool()[:, None, None, :]
+    for layer in core.layers:
+        x = _layer(layer, x, cos, sin, head_dim, mask)
+    x = core.norm(x)
+    if logits_to_keep:
+        x = x[:, -logits_to_keep:]
+    return F.linear(x, model.lm_head.weight, model.lm_head.bias)
+
+
 @torch.no_grad()
 def lean_generate(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens: int, temperature: float | None):
     """(response (n, R), log-probs (n, R) or None) for left-padded `query`, as `HFGenerator._generate` returns
     them: sampled at `temperature` (None: greedy, no log-probs), a row's tokens after its EOS are `pad`, and R is
     the longest completion (the loop stops once every row has ended)."""
     core, config = model.model, model.config
-    rotary = core.rotary_emb
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rows, prompt = query.shape
     width = prompt + max_new_tokens
     dtype = model.lm_head.weight.dtype
@@ -94,44 +170,23 @@ def lean_generate(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens
     keep = query != pad
     position = keep.long().cumsum(-1) - 1
     position.masked_fill_(~keep, 1)  # generate()'s position of a padding token
-    positions = torch.cat([position, position[:, -1:] + torch.arange(1, max_new_tokens + 1)], 1)
-    # transformers' LlamaRotaryEmbedding.forward for every position at once: (rows, 1, width, head_dim)
-    freqs = positions[..., None].float() * rotary.inv_freq.float()
-    angles = torch.cat((freqs, freqs), dim=-1)
-    cos = (angles.cos() * rotary.attention_scaling).to(dtype)[:, None]
-    sin = (angles.sin() * rotary.attention_scaling).to(dtype)[:, None]
-
-    keys = [query.new_empty((rows, kv_heads, width, head_dim), dtype=dtype) for _ in core.layers]
-    values = [torch.empty_like(k) for k in keys]
+    cos, sin = _angles(core.rotary_emb, torch.cat([position, position[:, -1:] + torch.arange(1, max_new_tokens + 1)], 1),
+                       dtype)
+    caches = [(query.new_empty((rows, config.num_key_value_heads, width, head_dim), dtype=dtype),
+               query.new_empty((rows, config.num_key_value_heads, width, head_dim), dtype=dtype)) for _ in core.layers]
     attends = torch.zeros(rows, width, dtype=torch.bool)  # which cache slots hold a real token
     attends[:, :prompt] = keep
     causal = torch.ones(prompt, prompt, dtype=torch.bool).tril()
 
     def forward(tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """Last position's float32 logits; writes the tokens' keys and values at slots start.. of the cache."""
-        length = tokens.shape[1]
-        end = start + length
-        c, s = cos[:, :, start:end], sin[:, :, start:end]
+        """Last position's float32 logits; writes the tokens' keys and values at slots start.. of the caches."""
+        end = start + tokens.shape[1]
         mask = attends[:, None, None, :end]
-        if length > 1:
+        if tokens.shape[1] > 1:
             mask = causal[None, None] & mask
         x = core.embed_tokens(tokens)
-        for layer, k_cache, v_cache in zip(core.layers, keys, values):
-            attn, mlp = layer.self_attn, layer.mlp
-            h = layer.input_layernorm(x)
-            q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(rows, length, -1, head_dim).transpose(1, 2)
-            k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(rows, length, -1, head_dim).transpose(1, 2)
-            q = q * c + _rotate_half(q) * s
-            k_cache[:, :, start:end] = k * c + _rotate_half(k) * s
-            v_cache[:, :, start:end] = (F.linear(h, attn.v_proj.weight, attn.v_proj.bias)
-                                        .view(rows, length, -1, head_dim).transpose(1, 2))
-            o = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
-                                               scale=attn.scaling, enable_gqa=heads != kv_heads)
-            x = x + F.linear(o.transpose(1, 2).reshape(rows, length, -1), attn.o_proj.weight, attn.o_proj.bias)
-            h = layer.post_attention_layernorm(x)
-            gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-            x = x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        for layer, cache in zip(core.layers, caches):
+            x = _layer(layer, x, cos[:, :, start:end], sin[:, :, start:end], head_dim, mask, cache, start)
         return F.linear(core.norm(x[:, -1:]), model.lm_head.weight, model.lm_head.bias)[:, -1].float()
 
     logits = forward(query, 0)
