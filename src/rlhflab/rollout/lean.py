@@ -101,12 +101,10 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
 
 
-def _layer(layer, x, cos, sin, head_dim: int, mask, cache=None, start: int = 0) -> torch.Tensor:
-    """One LlamaDecoderLayer.forward with sdpa attention, as transformers runs it. `mask`: a boolean (rows, 1, L, S)
-    mask, or None for plain causal attention; `cache`: (keys, values) buffers whose slots start.. take this call's."""
-    attn, mlp = layer.self_attn, layer.mlp
-    rows, length = x.shape[:2]
-    h = layer.input_layernorm(x)
+def _attention(attn, h, cos, sin, head_dim: int, mask, cache, start: int) -> torch.Tensor:
+    """LlamaAttention.forward with sdpa, as transformers runs it (its own function, as there: q, k and v are freed
+    before the MLP runs)."""
+    rows, length = h.shape[:2]
     q = _heads(F.linear(h, attn.q_proj.weight, attn.q_proj.bias), head_dim)
     k = _heads(F.linear(h, attn.k_proj.weight, attn.k_proj.bias), head_dim)
     v = _heads(F.linear(h, attn.v_proj.weight, attn.v_proj.bias), head_dim)
@@ -126,11 +124,20 @@ def _layer(layer, x, cos, sin, head_dim: int, mask, cache=None, start: int = 0) 
             k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and length > 1,
                                        scale=attn.scaling, **gqa)
-    x = x + F.linear(o.transpose(1, 2).reshape(rows, length, -1), attn.o_proj.weight, attn.o_proj.bias)
-    h = layer.post_attention_layernorm(x)
+    return F.linear(o.transpose(1, 2).reshape(rows, length, -1), attn.o_proj.weight, attn.o_proj.bias)
+
+
+def _mlp(mlp, h: torch.Tensor) -> torch.Tensor:
     gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
     up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-    return x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+    return F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+
+
+def _layer(layer, x, cos, sin, head_dim: int, mask, cache=None, start: int = 0) -> torch.Tensor:
+    """One LlamaDecoderLayer.forward with sdpa attention. `mask`: a boolean (rows, 1, L, S) mask, or None for plain
+    causal attention; `cache`: (keys, values) buffers whose slots start.. take this call's."""
+    x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, head_dim, mask, cache, start)
+    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
 
 
 def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
