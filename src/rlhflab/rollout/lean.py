@@ -101,13 +101,13 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
 
 
-def _attention(attn, h, cos, sin, head_dim: int, mask, cache, start: int) -> torch.Tensor:
+def _attention(attn, h, cos, sin, mask, cache, start: int) -> torch.Tensor:
     """LlamaAttention.forward with sdpa, as transformers runs it (its own function, as there: q, k and v are freed
     before the MLP runs)."""
     rows, length = h.shape[:2]
-    q = _heads(F.linear(h, attn.q_proj.weight, attn.q_proj.bias), head_dim)
-    k = _heads(F.linear(h, attn.k_proj.weight, attn.k_proj.bias), head_dim)
-    v = _heads(F.linear(h, attn.v_proj.weight, attn.v_proj.bias), head_dim)
+    q = _heads(F.linear(h, attn.q_proj.weight, attn.q_proj.bias), attn.head_dim)
+    k = _heads(F.linear(h, attn.k_proj.weight, attn.k_proj.bias), attn.head_dim)
+    v = _heads(F.linear(h, attn.v_proj.weight, attn.v_proj.bias), attn.head_dim)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     if cache is not None:
@@ -133,10 +133,10 @@ def _mlp(mlp, h: torch.Tensor) -> torch.Tensor:
     return F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
 
 
-def _layer(layer, x, cos, sin, head_dim: int, mask, cache=None, start: int = 0) -> torch.Tensor:
+def _layer(layer, x, cos, sin, mask, cache=None, start: int = 0) -> torch.Tensor:
     """One LlamaDecoderLayer.forward with sdpa attention. `mask`: a boolean (rows, 1, L, S) mask, or None for plain
     causal attention; `cache`: (keys, values) buffers whose slots start.. take this call's."""
-    x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, head_dim, mask, cache, start)
+    x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, mask, cache, start)
     return x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
 
 
@@ -146,8 +146,7 @@ def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     and gradients: a causal mask with the padding's columns masked, or none (plain causal attention) when nothing is
     padded, as transformers decides; the final norm over every position, the LM head over the last logits_to_keep
     (0: all)."""
-    core, config = model.model, model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    core = model.model
     length = input_ids.shape[1]
     x = core.embed_tokens(input_ids)
     cos, sin = _angles(core.rotary_emb, position_ids, x.dtype)
@@ -156,7 +155,7 @@ def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
         causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
         mask = causal[None, None] & attention_mask.bool()[:, None, None, :]
     for layer in core.layers:
-        x = _layer(layer, x, cos, sin, head_dim, mask)
+        x = _layer(layer, x, cos, sin, mask)
     x = core.norm(x)
     if logits_to_keep:
         x = x[:, -logits_to_keep:]
@@ -168,8 +167,7 @@ def lean_generate(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens
     """(response (n, R), log-probs (n, R) or None) for left-padded `query`, as `HFGenerator._generate` returns
     them: sampled at `temperature` (None: greedy, no log-probs), a row's tokens after its EOS are `pad`, and R is
     the longest completion (the loop stops once every row has ended)."""
-    core, config = model.model, model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    core = model.model
     rows, prompt = query.shape
     width = prompt + max_new_tokens
     dtype = model.lm_head.weight.dtype
@@ -179,8 +177,8 @@ def lean_generate(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens
     position.masked_fill_(~keep, 1)  # generate()'s position of a padding token
     cos, sin = _angles(core.rotary_emb, torch.cat([position, position[:, -1:] + torch.arange(1, max_new_tokens + 1)], 1),
                        dtype)
-    caches = [(query.new_empty((rows, config.num_key_value_heads, width, head_dim), dtype=dtype),
-               query.new_empty((rows, config.num_key_value_heads, width, head_dim), dtype=dtype)) for _ in core.layers]
+    kv_shape = (rows, model.config.num_key_value_heads, width, core.layers[0].self_attn.head_dim)
+    caches = [(torch.empty(kv_shape, dtype=dtype), torch.empty(kv_shape, dtype=dtype)) for _ in core.layers]
     attends = torch.zeros(rows, width, dtype=torch.bool)  # which cache slots hold a real token
     attends[:, :prompt] = keep
     causal = torch.ones(prompt, prompt, dtype=torch.bool).tril()
@@ -193,7 +191,7 @@ def lean_generate(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens
             mask = causal[None, None] & mask
         x = core.embed_tokens(tokens)
         for layer, cache in zip(core.layers, caches):
-            x = _layer(layer, x, cos[:, :, start:end], sin[:, :, start:end], head_dim, mask, cache, start)
+            x = _layer(layer, x, cos[:, :, start:end], sin[:, :, start:end], mask, cache, start)
         return F.linear(core.norm(x[:, -1:]), model.lm_head.weight, model.lm_head.bias)[:, -1].float()
 
     logits = forward(query, 0)
