@@ -131,3 +131,26 @@ def test_the_lean_loops_leave_checkpointed_or_hooked_models_to_hf():
     assert lean_unsupported(model) == "a LlamaMLP has forward hooks (FSDP, accelerate or another wrapper)"
     handle.remove()
     assert lean_unsupported(model) is None
+
+
+def test_the_lean_loops_call_norms_and_activations_they_do_not_know():
+    """RMSNorm and SiLU run inline only as transformers' own classes with their own forward: a subclass, or an
+    instance whose forward was replaced (a kernel hub's kernelize()), is called, so the numbers stay the model's."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class ShiftedNorm(LlamaRMSNorm):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) + 0.5
+
+    model = llama()
+    old = model.model.layers[0].input_layernorm
+    model.model.layers[0].input_layernorm = ShiftedNorm(old.weight.shape[0], eps=old.variance_epsilon)
+    model.model.layers[1].mlp.act_fn.forward = lambda x: torch.nn.functional.gelu(x)
+    model.model.norm.forward = lambda x: LlamaRMSNorm.forward(model.model.norm, x) * 2.0
+    ids, mask, positions = join(encode_prompts(TOK, PROMPTS), torch.randint(3, len(TOK), (8, 9)), TOK.pad_token_id)
+    with torch.no_grad():
+        hf = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        plain = llama()(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        assert lean_unsupported(model) is None
+        assert torch.equal(lean_forward(model, ids, mask, positions), hf)
+    assert not torch.allclose(hf, plain)  # each replacement changed the numbers

@@ -4,7 +4,8 @@ On a small model every op's dispatch, not its arithmetic, sets the time, and Hug
 call: the model's forward builds a causal mask, computes the rotary angles, wraps its outputs and goes through
 several decorators; `generate()` also grows a `DynamicCache` by concatenation at every token and runs its logits
 processors and stopping criteria. The two functions here run the same modules' weights through the same ops in the
-same order, so they compute the same floats:
+same order (transformers' RMSNorm, SiLU and embedding modules' ops inline, without a module call each; rotate_half
+as one roll against a sin with its first half negated), so they compute the same floats:
 - `lean_generate` samples (`generator.decode=auto`): a key/value cache allocated once per call, the rotary angles of
   every position computed once, each token drawn with `torch.multinomial` from the same probabilities, so from the
   same torch seed it returns generate()'s tokens and the log-probs `BehaviourLogprobs` records. On vs_trl's tiny
@@ -23,6 +24,7 @@ and outside autocast. Anything else goes through Hugging Face.
 from __future__ import annotations
 
 import weakref
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -84,17 +86,57 @@ def lean_unsupported(model) -> str | None:
     return None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _angles(rotary, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' LlamaRotaryEmbedding.forward for (rows, length) positions: cos, sin of (rows, 1, length, head)."""
+    """transformers' LlamaRotaryEmbedding.forward for (rows, length) positions -> cos and a signed sin, each
+    (rows, 1, length, head): sin with its first half negated, so that `_rope` reads rotate_half(x) * sin as
+    x.roll(half) * signed sin (-a * b and a * -b are the same float), one op for rotate_half's four."""
     freqs = positions[..., None].float() * rotary.inv_freq.float()
     angles = torch.cat((freqs, freqs), dim=-1)
-    return ((angles.cos() * rotary.attention_scaling).to(dtype)[:, None],
-            (angles.sin() * rotary.attention_scaling).to(dtype)[:, None])
+    sin = (angles.sin() * rotary.attention_scaling).to(dtype)
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return (angles.cos() * rotary.attention_scaling).to(dtype)[:, None], signed[:, None]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' x * cos + rotate_half(x) * sin: rotate_half(x) = cat(-x2, x1), and x.roll(half) = cat(x2, x1)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+@cache
+def _inlined() -> tuple[type, tuple[type, ...]]:
+    """(transformers' LlamaRMSNorm, the SiLU module types whose forward is F.silu): modules run inline."""
+    from transformers import activations
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return LlamaRMSNorm, tuple(t for t in (torch.nn.SiLU, getattr(activations, "SiLUActivation", None)) if t is not None)
+
+
+def _own_forward(module) -> bool:
+    """The module runs its class's forward (no forward set on the instance, e.g. by a kernel hub's kernelize())."""
+    return "forward" not in module.__dict__
+
+
+def _norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """norm(x): LlamaRMSNorm.forward's ops inline (a module call costs as much as one of its small ops on the
+    tiny policy); any other norm through its module."""
+    if type(norm) is not _inlined()[0] or not _own_forward(norm):
+        return norm(x)
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(dtype)
+
+
+def _act(act, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation: F.silu inline for transformers' SiLU modules, any other through its module."""
+    return F.silu(x) if type(act) in _inlined()[1] and _own_forward(act) else act(x)
+
+
+def _embed(embedding: torch.nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """nn.Embedding.forward's call inline (the structure check made sure it is a plain nn.Embedding)."""
+    e = embedding
+    return F.embedding(ids, e.weight, e.padding_idx, e.max_norm, e.norm_type, e.scale_grad_by_freq, e.sparse)
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -108,8 +150,8 @@ def _attention(attn, h, cos, sin, mask, cache, start: int) -> torch.Tensor:
     q = _heads(F.linear(h, attn.q_proj.weight, attn.q_proj.bias), attn.head_dim)
     k = _heads(F.linear(h, attn.k_proj.weight, attn.k_proj.bias), attn.head_dim)
     v = _heads(F.linear(h, attn.v_proj.weight, attn.v_proj.bias), attn.head_dim)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q = _rope(q, cos, sin)
+    k = _rope(k, cos, sin)
     if cache is not None:
         end = start + length
         cache[0][:, :, start:end] = k
@@ -130,14 +172,14 @@ def _attention(attn, h, cos, sin, mask, cache, start: int) -> torch.Tensor:
 def _mlp(mlp, h: torch.Tensor) -> torch.Tensor:
     gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
     up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-    return F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+    return F.linear(_act(mlp.act_fn, gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
 
 
 def _layer(layer, x, cos, sin, mask, cache=None, start: int = 0) -> torch.Tensor:
     """One LlamaDecoderLayer.forward with sdpa attention. `mask`: a boolean (rows, 1, L, S) mask, or None for plain
     causal attention; `cache`: (keys, values) buffers whose slots start.. take this call's."""
-    x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, mask, cache, start)
-    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+    x = x + _attention(layer.self_attn, _norm(layer.input_layernorm, x), cos, sin, mask, cache, start)
+    return x + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, x))
 
 
 def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -148,7 +190,7 @@ def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     (0: all)."""
     core = model.model
     length = input_ids.shape[1]
-    x = core.embed_tokens(input_ids)
+    x = _embed(core.embed_tokens, input_ids)
     cos, sin = _angles(core.rotary_emb, position_ids, x.dtype)
     mask = None
     if not bool(attention_mask.all()):
@@ -156,7 +198,7 @@ def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
         mask = causal[None, None] & attention_mask.bool()[:, None, None, :]
     for layer in core.layers:
         x = _layer(layer, x, cos, sin, mask)
-    x = core.norm(x)
+    x = _norm(core.norm, x)
     if logits_to_keep:
         x = x[:, -logits_to_keep:]
     return F.linear(x, model.lm_head.weight, model.lm_head.bias)
@@ -189,13 +231,14 @@ def lean_generate(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens
         mask = attends[:, None, None, :end]
         if tokens.shape[1] > 1:
             mask = causal[None, None] & mask
-        x = core.embed_tokens(tokens)
+        x = _embed(core.embed_tokens, tokens)
         for layer, cache in zip(core.layers, caches):
             x = _layer(layer, x, cos[:, :, start:end], sin[:, :, start:end], mask, cache, start)
-        return F.linear(core.norm(x[:, -1:]), model.lm_head.weight, model.lm_head.bias)[:, -1].float()
+        return F.linear(_norm(core.norm, x[:, -1:]), model.lm_head.weight, model.lm_head.bias)[:, -1].float()
 
     logits = forward(query, 0)
     done = torch.zeros(rows, dtype=torch.bool)
+    pads = torch.full((rows,), pad, dtype=torch.long)
     tokens, logprobs = [], []
     for step in range(max_new_tokens):
         if temperature is None:
@@ -204,7 +247,7 @@ def lean_generate(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens
             scores = logits / temperature if temperature != 1.0 else logits
             token = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
             logprobs.append(scores.log_softmax(-1))
-        token = torch.where(done, torch.full_like(token, pad), token)
+        token = torch.where(done, pads, token)
         if logprobs:
             logprobs[-1] = logprobs[-1].gather(-1, token[:, None]).squeeze(1)
         tokens.append(token)
