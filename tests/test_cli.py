@@ -445,6 +445,7 @@ def doc_commands() -> list[tuple[str, list[str]]]:
     return [(name, shlex.split(args)) for args, name in found.items()]
 
 
+@pytest.mark.slow
 def test_every_command_in_the_docs_passes_the_preflight(tmp_path):
     """A doc command that composes to an error is a user's first error (docs/SWEEPS.md's first sweep swept
     algo.kl_coef over grpo, whose KL weight is algo.kl_loss_coef). They run where the repository's files are, but not

@@ -457,6 +457,7 @@ def test_resume_auto_passes_over_a_damaged_checkpoint_and_refuses_when_all_are(m
                               "start a new run there, or give another output.dir")
 
 
+@pytest.mark.slow
 def test_a_resume_that_changes_a_group_names_the_group(tmp_path, stage_cache):
     """resume=auto algo=grpo listed the 7 keys the group sets (algo._target_: ...RLOO -> ...GRPO; algo.kl_coef: ...),
     and a forgotten debug=default its settings in rl, stages and task, never the group the user changed."""

@@ -866,6 +866,7 @@ def test_a_sigkilled_sweep_is_ended_killed_by_the_next_sweep_which_continues_its
     assert [m.step for m in client.get_metric_history(job.info.run_id, "train/loss")][-2:] == [step + 1, step + 2]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_sweep_marks_it_killed_and_says_how_to_continue_the_job(tmp_path, stage_cache):
     """Ctrl-C in a sweep's job: the job checkpoints and the sweep stops (no further job starts). The parent was
     marked FAILED, as for a crash, and the line said 'Continue with the same command and resume=auto
