@@ -131,6 +131,13 @@ def test_the_lean_loops_leave_checkpointed_or_hooked_models_to_hf():
     assert lean_unsupported(model) == "a LlamaMLP has forward hooks (FSDP, accelerate or another wrapper)"
     handle.remove()
     assert lean_unsupported(model) is None
+    # a projection or the embedding whose forward was replaced after the structure's verdict: read as weights by the
+    # loops, it would be skipped, so the model goes through HF
+    for module in (model.model.layers[0].mlp.down_proj, model.model.embed_tokens):
+        module.forward = lambda x, module=module: type(module).forward(module, x) * 2.0
+        assert lean_unsupported(model) == f"a {type(module).__name__}'s forward was replaced on the instance (the lean loops read its weights)"
+        del module.forward
+        assert lean_unsupported(model) is None
 
 
 def test_the_lean_loops_call_norms_and_activations_they_do_not_know():

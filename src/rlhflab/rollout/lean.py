@@ -80,10 +80,17 @@ def lean_unsupported(model) -> str | None:
         return "autocast is on (measured through HF only; its generate() casts each weight once per call there)"
     if any(getattr(layer, "gradient_checkpointing", False) for layer in model.model.layers):
         return "activation checkpointing is on (HF's decoder layers apply it)"
-    hooked = next((m for m in modules if m._forward_hooks or m._forward_pre_hooks), None)
-    if hooked is not None:
-        return f"a {type(hooked).__name__} has forward hooks (FSDP, accelerate or another wrapper)"
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks:
+            return f"a {type(m).__name__} has forward hooks (FSDP, accelerate or another wrapper)"
+        if type(m) in _WEIGHTS_READ and not _own_forward(m):
+            return f"a {type(m).__name__}'s forward was replaced on the instance (the lean loops read its weights)"
     return None
+
+
+# The modules whose weights the loops read without calling the module (F.linear, F.embedding): one whose forward
+# was replaced (a kernel hub's kernelize()) goes through Hugging Face; a norm or activation so replaced is called.
+_WEIGHTS_READ = (torch.nn.Linear, torch.nn.Embedding)
 
 
 def _angles(rotary, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +141,7 @@ def _act(act, x: torch.Tensor) -> torch.Tensor:
 
 
 def _embed(embedding: torch.nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """nn.Embedding.forward's call inline (the structure check made sure it is a plain nn.Embedding)."""
+    """nn.Embedding.forward's call inline (lean_unsupported made sure it is a plain nn.Embedding with its own forward)."""
     e = embedding
     return F.embedding(ids, e.weight, e.padding_idx, e.max_norm, e.norm_type, e.scale_grad_by_freq, e.sparse)
 
