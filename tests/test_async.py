@@ -1,5 +1,7 @@
 """mode=async: exact staleness, sync equivalence at N=0, fast failure, no orphans."""
 
+import signal
+import subprocess
 import time
 
 import psutil
@@ -55,6 +57,48 @@ def test_weights_come_from_the_learners_parameters_only_where_that_cannot_stall_
     assert not LearnerWeights.fits(model, 2, "fork", None)  # v is read N - 1 batches after the learner steps past it
     assert not LearnerWeights.fits(model, 1, "spawn", None)  # a spawned process shares none of the learner's memory
     assert not LearnerWeights.fits(model, 1, "fork", "cpu")  # mode.device: the ring, as for a GPU
+
+
+def test_a_generator_killed_holding_the_copied_versions_lock_fails_the_learner_fast():
+    """`LearnerWeights.copied` is a locked shared value the generator stores into after each copy. A generator killed
+    while it held that lock left the lock taken: the learner's wait for the copy (`hold`) blocked on it for ever
+    instead of noticing the death within a poll interval."""
+    import multiprocessing
+    import os
+    import threading
+
+    import torch
+
+    from rlhflab.rollout.async_source import LearnerWeights
+
+    ctx = multiprocessing.get_context("fork")
+    weights = LearnerWeights(torch.nn.Linear(2, 2), ctx)
+    weights.write(None, 0)  # the learner pushed version 0, which the generator has not copied
+
+    def die_holding_the_lock():
+        weights.copied.get_lock().acquire()
+        os._exit(0)
+
+    generator = ctx.Process(target=die_holding_the_lock)
+    generator.start()
+    generator.join()
+
+    def alive():
+        if not generator.is_alive():
+            raise GeneratorCrashed("generator process died")
+
+    failed = []
+
+    def learner():
+        try:
+            weights.hold(alive)
+        except GeneratorCrashed as err:
+            failed.append(err)
+
+    thread = threading.Thread(target=learner, daemon=True)  # daemon: without the fix it never returns
+    thread.start()
+    thread.join(timeout=60)
+    assert failed, "the learner's hold() still waits on the lock its dead generator took"
 
 
 def test_a_generator_reading_the_learners_parameters_gets_the_pushed_version(make_cfg, tmp_path, monkeypatch):
@@ -173,7 +217,8 @@ def test_a_generator_that_fails_on_its_way_to_its_device_says_why(make_cfg, monk
 
 @pytest.mark.slow
 def test_killed_generator_fails_fast_and_leaves_nothing(tmp_path, stage_cache):
-    env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"}
+    # PYTHONFAULTHANDLER: a learner that outlives its generator is sent SIGABRT, which prints every thread's stack.
+    env = {"RLHFLAB_CACHE": str(stage_cache), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db", "PYTHONFAULTHANDLER": "1"}
     out = tmp_path / "run"
     with cli_run([*SHRINK, "mode=async", "trainer.max_steps=100000", f"output.dir={out}", f"hydra.run.dir={out}"],
                  tmp_path, env) as proc:
@@ -182,7 +227,13 @@ def test_killed_generator_fails_fast_and_leaves_nothing(tmp_path, stage_cache):
         (child,) = [c for c in psutil.Process(proc.pid).children() if "resource_tracker" not in " ".join(c.cmdline())]
         child.kill()
         killed = time.time()
-        rc = proc.wait(timeout=60)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=30)
+            pytest.fail(f"the learner still ran 60 s after its generator was killed; its output and stacks:\n"
+                        f"{proc.stdout.read()[-8000:]}")
         output = proc.stdout.read()
     assert rc == 1
     assert time.time() - killed < 15

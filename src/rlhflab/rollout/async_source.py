@@ -147,9 +147,20 @@ class LearnerWeights:
 
     def hold(self, alive) -> None:
         """Wait until the generator copied the newest push; `alive()` raises if it died meanwhile."""
-        while self.copied.value < self.pushed:
+        while self._copied(alive) < self.pushed:
             if not self.doorbell.acquire(timeout=POLL_S):
                 alive()
+
+    def _copied(self, alive) -> int:
+        """`copied`, read under its lock with a timeout: a generator killed while it held the lock (in `read`'s
+        store) would otherwise block the learner here for ever (`copied.value` waits on the lock with none)."""
+        lock = self.copied.get_lock()
+        while not lock.acquire(timeout=POLL_S):
+            alive()
+        try:
+            return self.copied.get_obj().value
+        finally:
+            lock.release()
 
 
 class ReferenceSplit:
