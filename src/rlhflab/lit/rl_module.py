@@ -89,6 +89,7 @@ class RLHFModule(L.LightningModule):
         self._step_end: float | None = None
         self._gen_busy_mark: float | None = None  # the source's busy_s() at _step_end (async), else None
         self.constants_logged = False
+        self._state_bytes = None  # (optimizer states counted, model_state_bytes): see memory_metrics
         self.resume = resume
         self.skipped_batches = 0  # rl.on_nonfinite=skip_batch
         self.skipped_in_a_row = 0  # ... since the last update: SKIP_LIMIT of them stop the run
@@ -588,8 +589,15 @@ class RLHFModule(L.LightningModule):
         return summary
 
     def memory_metrics(self) -> dict[str, float]:
-        """The peak memory every step; model-state bytes (constant after the first update) once, as params."""
-        state = model_state_bytes(self.memory.model_modules(), self.optimizers().optimizer)
+        """The peak memory every step; model-state bytes (constant after the first update) once, as params.
+
+        The model-state bytes are counted again only when the optimizer holds state for more parameters (its first
+        update of each): a count walks every parameter and optimizer tensor, 1.4% of a sync online DPO step on the
+        tiny policy (py-spy) for the same numbers."""
+        optimizer = self.optimizers().optimizer
+        if self._state_bytes is None or self._state_bytes[0] != len(optimizer.state):
+            self._state_bytes = (len(optimizer.state), model_state_bytes(self.memory.model_modules(), optimizer))
+        state = self._state_bytes[1]
         peak, self.mem_method = peak_memory_mb(state, self.activations.peak, self.device)
         if not self.constants_logged and self.logger is not None:
             self.logger.log_hyperparams(state)
