@@ -45,7 +45,7 @@ ARCHS = pytest.mark.parametrize("arch", [
 
 @ARCHS
 def test_lean_decoding_draws_generates_tokens_and_log_probs(arch):
-    """From the same torch seed, decode=lean returns generate()'s tokens (a row ended by EOS padded after it, the
+    """From the same torch seed, decode=lean (under inference mode) returns generate()'s tokens (a row ended by EOS padded after it, the
     batch as wide as its longest completion) and the log-probs BehaviourLogprobs records, at temperature 1 and
     0.7 and greedy; on a random model several rows end early and several run to the budget."""
     model = llama(**arch)
@@ -55,6 +55,8 @@ def test_lean_decoding_draws_generates_tokens_and_log_probs(arch):
         for greedy, temperature in ((False, 1.0), (False, 0.7), (True, 1.0)):
             ours, theirs = (draw(model, decode, greedy, temperature, seed) for decode in ("lean", "generate"))
             assert torch.equal(ours[0], theirs[0]), (seed, greedy, temperature)
+            # drawn under inference mode, returned as plain tensors (a step may modify them or save them for backward)
+            assert not any(t.is_inference() for t in ours if t is not None)
             if greedy:
                 assert ours[1] is None and theirs[1] is None
             else:
