@@ -218,8 +218,8 @@ def lean_generate(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens
 
     The loop runs under inference mode, whose ops skip autograd's bookkeeping (version counters, view tracking):
     the same tokens and log-probs as under no_grad in 0.89x / 0.92x / 0.93x the time for 32 / 64 / 128 rows of up to
-    9 tokens of vs_trl's tiny policy (per-pair medians of 150 interleaved calls, 1 thread). What it returns is cloned out of it: inference tensors could not be modified in place
-    or saved for backward later."""
+    9 tokens of vs_trl's tiny policy (per-pair medians of 150 interleaved calls, 1 thread). What it returns is
+    cloned out of it: inference tensors could not be modified in place or saved for backward later."""
     with torch.inference_mode():
         response, logprobs = _sample(model, query, pad, eos, max_new_tokens, temperature)
     return response.clone(), (None if logprobs is None else logprobs.clone())
