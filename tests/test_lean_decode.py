@@ -45,9 +45,9 @@ ARCHS = pytest.mark.parametrize("arch", [
 
 @ARCHS
 def test_lean_decoding_draws_generates_tokens_and_log_probs(arch):
-    """From the same torch seed, decode=lean (under inference mode) returns generate()'s tokens (a row ended by EOS padded after it, the
-    batch as wide as its longest completion) and the log-probs BehaviourLogprobs records, at temperature 1 and
-    0.7 and greedy; on a random model several rows end early and several run to the budget."""
+    """From the same torch seed, decode=lean (under inference mode) returns generate()'s tokens (a row ended by EOS
+    padded after it, the batch as wide as its longest completion) and the log-probs BehaviourLogprobs records, at
+    temperature 1 and 0.7 and greedy; on a random model several rows end early and several run to the budget."""
     model = llama(**arch)
     assert lean_unsupported(model) is None
     ended_early = 0
