@@ -66,6 +66,35 @@ def test_lean_decoding_draws_generates_tokens_and_log_probs(arch):
     assert ended_early > 0
 
 
+@ARCHS
+def test_each_prompts_prefill_runs_once_and_gives_every_sample_the_batchs_numbers(arch, monkeypatch):
+    """A prompt's k samples (repeat_prompts: equal consecutive rows) share one prefill forward, whose keys, values and
+    logits are copied to each: the same tokens and log-probs, bit for bit, as the prefill of every row, with 4
+    samples a prompt, with 2, and in a batch where only some rows repeat (the rest run as they are)."""
+    from rlhflab.rollout import lean
+
+    embedded = []  # the (rows, tokens) of each forward the loop runs
+    embed = lean._embed
+    monkeypatch.setattr(lean, "_embed", lambda e, ids: embedded.append(tuple(ids.shape)) or embed(e, ids))
+    model = llama(**arch)
+    query = encode_prompts(TOK, PROMPTS)
+    mixed = torch.cat([query[:3].repeat_interleave(3, dim=0), query[3:]])  # 3 prompts x 3, then 5 prompts once
+    for batch in (query.repeat_interleave(4, dim=0), query.repeat_interleave(2, dim=0), mixed):
+        for seed, temperature in ((0, 1.0), (1, 0.7), (2, None)):
+            drawn = []
+            for share in (True, False):
+                torch.manual_seed(seed)
+                embedded.clear()
+                with torch.inference_mode():
+                    drawn.append(lean._sample(model, batch, TOK.pad_token_id, TOK.eos_token_id, 10, temperature, share))
+                assert embedded[0] == ((len(PROMPTS) if share else len(batch)), query.shape[1])  # the prefill's rows
+            (tokens, logprobs), (tokens_each, logprobs_each) = drawn
+            assert torch.equal(tokens, tokens_each), (len(batch), seed)
+            assert (logprobs is None) == (temperature is None)
+            if logprobs is not None:
+                assert torch.equal(logprobs, logprobs_each), (len(batch), seed)
+
+
 def test_auto_decoding_leaves_what_it_cannot_reproduce_to_generate_and_says_why(caplog):
     """A LoRA-wrapped policy (memory=lora), autocast (bf16-mixed) and eager attention go to generate() under
     decode=auto, logged once with the reason; decode=lean says in one line why it cannot run."""
