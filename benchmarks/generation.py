@@ -2,8 +2,10 @@
 
 Times rlhflab's generator two ways on the benchmark's prompts at 32, 64 and 128 rows, interleaved, each call from
 the same torch seed: Hugging Face `generate()` (`generator.decode=generate`) and rlhflab's own decode loop
-(`generator.decode=lean`, rollout/lean.py, what `auto` picks for a plain Llama on the CPU). It first checks that
-the loop draws generate()'s tokens and log-probs, then times both.
+(`generator.decode=lean`, rollout/lean.py, what `auto` picks for a plain Llama on the CPU), and the loop alone
+(`lean._sample`) with each prompt's prefill once (what it runs) against every row's, at k = 2 and 4 samples a prompt.
+It first checks that the loop draws generate()'s tokens and log-probs and that the prefill once draws what every
+row's does, then times them all.
 
     SFT=~/.cache/rlhflab/vs_trl/stages/sft-f354fe44e62a   # the SFT policy vs_trl.py made (its first line says where)
     python benchmarks/generation.py --sft $SFT
@@ -29,6 +31,7 @@ def main() -> None:
 
     from rlhflab.rollout.batch import repeat_prompts
     from rlhflab.rollout.hf import HFGenerator
+    from rlhflab.rollout.lean import _sample
     from rlhflab.tasks.sentiment import SentimentTask
 
     tokenizer = AutoTokenizer.from_pretrained(args.sft)
@@ -38,6 +41,14 @@ def main() -> None:
     generators = {decode: HFGenerator(decode=decode) for decode in ("generate", "lean")}
     for generator in generators.values():
         generator.setup(tokenizer, args.max_new_tokens)
+    lean = generators["lean"]
+
+    def each_row(rows: torch.Tensor, share: bool):
+        """The lean loop as lean_generate runs it, with each prompt's prefill once (share) or every row's."""
+        with torch.inference_mode():
+            return _sample(model, rows, tokenizer.pad_token_id, tokenizer.eos_token_id, lean.max_new_tokens,
+                           lean.temperature, share_prefill=share)
+
     pairs, fours = (repeat_prompts(query, prompts, k)[0] for k in (2, 4))
     rows = {32: pairs[:32], 64: pairs, 128: fours}  # as the 2026-11-29 numbers were measured
     with torch.no_grad():
@@ -48,9 +59,20 @@ def main() -> None:
                 drawn.append(generator._generate(model, rows[64], greedy=False))
             same = torch.equal(drawn[0][0], drawn[1][0]) and torch.equal(drawn[0][1], drawn[1][1])
             print(f"seed {seed}: the loop draws {'the same' if same else 'OTHER'} tokens and log-probs as generate()")
+        for seed in range(5):  # the loop with each prompt's prefill once, against every row's (as generate() runs it)
+            drawn = []
+            for share in (True, False):
+                torch.manual_seed(seed)
+                drawn.append(each_row(rows[128], share))
+            same = torch.equal(drawn[0][0], drawn[1][0]) and torch.equal(drawn[0][1], drawn[1][1])
+            print(f"seed {seed}: each prompt's prefill once draws {'the same' if same else 'OTHER'} tokens and "
+                  "log-probs as every row's")
         calls = {f"{'generate()' if decode == 'generate' else 'lean loop'}, {n} rows":
                  (lambda n=n, g=g: g._generate(model, rows[n], greedy=False))
                  for n in rows for decode, g in generators.items()}
+        for n in (64, 128):  # the prefill's own share of the loop (k = 2 and 4): the loop alone, either way
+            for share, how in ((True, "each prompt's prefill once"), (False, "every row's prefill")):
+                calls[f"lean loop alone, {how}, {n} rows"] = lambda n=n, share=share: each_row(rows[n], share)
         times: dict[str, list[float]] = {name: [] for name in calls}
         for name, call in calls.items():  # once each, untimed
             call()

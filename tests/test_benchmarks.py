@@ -336,8 +336,9 @@ def test_an_override_of_what_both_sides_share_is_warned():
 
 def test_the_generation_benchmarks_lean_loop_samples_what_generate_samples(tmp_path):
     """benchmarks/generation.py times rlhflab's own decode loop (generator.decode=lean) against generate(); its
-    numbers say something only while the loop draws the same tokens and log-probs from the same seed. Checked on
-    another Llama than the one it was measured on: grouped-query attention and a tied LM head."""
+    numbers say something only while the loop draws the same tokens and log-probs from the same seed (and, for the
+    prefill's own share, while each prompt's prefill once draws what every row's does). Checked on another Llama than
+    the one it was measured on: grouped-query attention and a tied LM head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhflab.tasks.sentiment import SentimentTask
@@ -352,8 +353,11 @@ def test_the_generation_benchmarks_lean_loop_samples_what_generate_samples(tmp_p
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("the loop draws the same tokens and log-probs as generate()") == 5, out.stdout
+    assert out.stdout.count("each prompt's prefill once draws the same tokens and log-probs as every row's") == 5
     assert [line.split(" |")[0] for line in out.stdout.splitlines() if line.startswith(("| generate", "| lean"))] == [
-        f"| {call}, {n} rows" for n in (32, 64, 128) for call in ("generate()", "lean loop")]
+        f"| {call}, {n} rows" for n in (32, 64, 128) for call in ("generate()", "lean loop")] + [
+        f"| lean loop alone, {how}, {n} rows" for n in (64, 128)
+        for how in ("each prompt's prefill once", "every row's prefill")]
 
 
 @pytest.mark.slow

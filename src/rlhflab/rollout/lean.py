@@ -10,8 +10,8 @@ as one roll against a sin with its first half negated), so they compute the same
   every position computed once, each token drawn with `torch.multinomial` from the same probabilities, so from the
   same torch seed it returns generate()'s tokens and the log-probs `BehaviourLogprobs` records. On vs_trl's tiny
   policy, 64 rows x 9 tokens took 10.4 against 15.7 ms, 128 rows 16.6 against 21.3 ms (benchmarks/generation.md).
-  A prompt's k samples share one prefill forward (`_prefill`): 0.96x / 0.87x the time at k = 2 / 4 on that policy,
-  0.87x for 32 rows x 32 tokens of the 113M model (k = 4), the same tokens and log-probs.
+  A prompt's k samples share one prefill forward (`_prefill`): 0.90x / 0.80x the loop's time at k = 2 / 4 on that
+  policy, 0.87x for 32 rows x 32 tokens of the 113M model (k = 4), the same tokens and log-probs.
 - `lean_forward` is the learner's forward over prompt + response (`MemoryStrategy._forward`: the policy's, with
   grad, and the reference's): HF's logits and gradients bit for bit, without ~0.8 ms of overhead a call on the tiny
   policy, which in sync mode also holds the GIL the reference's thread needs.
