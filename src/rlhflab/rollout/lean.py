@@ -290,12 +290,10 @@ def _prefill(forward, query: torch.Tensor, caches: list) -> torch.Tensor:
     the whole batch's forward's: tests/test_lean_decode.py checks tokens and log-probs bit for bit against the
     prefill of every row (`_sample(share_prefill=False)`), and the matmuls of the tiny and 113M presets' shapes gave
     each row the same floats at 1/2 and 1/4 of the rows on this CPU's MKL."""
-    first = torch.ones(len(query), dtype=torch.bool)
-    first[1:] = (query[1:] != query[:-1]).any(-1)
-    if bool(first.all()):
+    _, inverse, counts = torch.unique_consecutive(query, dim=0, return_inverse=True, return_counts=True)
+    if len(counts) == len(query):
         return forward(query, 0)
-    inverse = first.cumsum(0) - 1  # each row's prompt
-    rows = first.nonzero().squeeze(1)
+    rows = counts.cumsum(0) - counts  # each prompt's first row
     prompt = query.shape[1]
     once = [tuple(torch.empty((len(rows), c.shape[1], prompt, c.shape[3]), dtype=c.dtype) for c in pair)
             for pair in caches]
