@@ -51,12 +51,17 @@ How it is measured
   /proc/<pid>/smaps_rollup (pages shared after fork counted once: the async side's generator and learner together).
   Reading smaps_rollup of a 700 MB process took 22 ms of kernel time: sampled every 50 ms it took ~40% of a core
   from the runs (the async side, which uses both cores, lost most); the peak is a plateau from model load to exit.
-- completions/s = completions of steps 2..N / wall time from the end of step 1 to the end of step N, on both
-  sides (model load, startup, first-step warm-up and rlhflab's before/after evaluation excluded). The end of a
-  step is the time rlhflab logs its step metrics (the MLflow metric timestamp, taken in the step after its
-  optimizer update) and TRL's `on_step_end` callback (after its optimizer update).
+- Logging: both sides log the mean of each metric once per --log-every steps (default 10, TRL's own
+  `logging_steps` default; rlhflab `trainer.log_every_n_steps`), rlhflab into MLflow, TRL to nothing. The side
+  `rlhflab_log1` writes every step's metrics whatever --log-every says (rlhflab's default): what that costs.
+- completions/s = completions of steps L+1..N / wall time from the end of step L to the end of step N, where L is
+  --log-every (steps 2..N at --log-every 1), on both sides (model load, startup, the first steps' warm-up and
+  rlhflab's before/after evaluation excluded). The end of a step is the time rlhflab logs its step metrics (the
+  MLflow metric timestamp, taken in the step after its optimizer update) and TRL's `on_step_end` callback (after its
+  optimizer update).
 - final reward = the mean batch reward (mean gold score of the step's completions, before any KL term) over the
-  last 10 steps: rlhflab's `train/reward`, TRL's reward function's mean on each call (once per step). On the async
+  last 10 steps: rlhflab's `train/reward` (each logged value the mean over its steps), TRL's reward function's mean
+  on each call (once per step). On the async
   side a step's batch was sampled by the policy one update older, so a rising curve reads one step low there.
 - policy reward = the trained policy itself, judged after the run by one piece of code for every side (`_eval`, its
   own process, outside every measurement): each side saves its final policy (rlhflab: the run's `policy/`; TRL:
@@ -133,6 +138,9 @@ SIDE_MODE = {
     "rlhflab_process": ["mode=sync", "mode.reference=process", "torch_threads=1"],
     "rlhflab_1thread": ["mode=sync", "mode.reference=learner", "torch_threads=1"],
     "rlhflab_2threads": ["mode=sync", "mode.reference=learner", "torch_threads=2"],
+    # rlhflab sync writing its step metrics to MLflow at every step whatever --log-every says (the default, before
+    # TRL's logging interval was set equal): what logging costs, side by side.
+    "rlhflab_log1": ["mode=sync", "mode.reference=thread", "torch_threads=1", "trainer.log_every_n_steps=1"],
     "rlhflab_async": ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1",
                       "mode.learner_threads=1", "torch_threads=1"],
     # The same with each batch's reference rows split between generator and learner so both are equally busy.
@@ -145,7 +153,7 @@ TRL_SIDE = {"trl": {"threads": 1, "report_to": "none"}, "trl_2threads": {"thread
             "trl_mlflow": {"threads": 1, "report_to": "mlflow"}}
 SIDES = (*SIDE_MODE, *TRL_SIDE)
 DEFAULT_SIDES = ("rlhflab", "rlhflab_process", "rlhflab_1thread", "rlhflab_async", "trl")
-SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_process": "rlhflab sync process", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
+SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_log1": "rlhflab sync logging every step", "rlhflab_process": "rlhflab sync process", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
               "rlhflab_async": "rlhflab async", "rlhflab_async_balance": "rlhflab async balance", "trl": "TRL",
               "trl_2threads": "TRL 2 threads",
               "trl_mlflow": "TRL + MLflow"}
@@ -165,7 +173,8 @@ TRL_COMMON = {
     "gradient_accumulation_steps": 1,    # one optimizer step per rollout batch
     "use_cpu": True,
     "seed": 0,                           # rlhflab seed=0
-    "logging_steps": 1,                  # TRL default 10; rlhflab computes and logs its metrics every step
+    "logging_steps": None,               # set from --log-every (TRL default 10: the mean of each metric over 10 steps;
+                                         # rlhflab trainer.log_every_n_steps, the same mean)
     "report_to": "none",                 # no tracker (rlhflab tracks to MLflow: counted against rlhflab)
     "save_strategy": "no",               # no checkpoints (rlhflab: checkpoint.every_n_steps=null)
     "disable_tqdm": True,                # no progress bar (rlhflab: trainer.enable_progress_bar=false)
@@ -329,6 +338,8 @@ def rlhflab_cmd(a, algo: str, sft: str | None, steps: int, out_dir: Path, extra:
     k = a.k if algo != "online_dpo" else 2
     overrides = [PRECISION[precision or a.precision]["rlhflab"] if o.startswith("trainer.precision=") else o
                  for o in RLHFLAB_OVERRIDES]
+    if not any(o.startswith("trainer.log_every_n_steps=") for o in SIDE_MODE[side]):
+        overrides.append(f"trainer.log_every_n_steps={a.log_every}")
     cmd = [sys.executable, str(TRAIN), f"model={a.model}", f"algo={algo}", *overrides, *SIDE_MODE[side], *RLHFLAB_ALGO[algo],
            f"algo.samples_per_prompt={k}", f"trainer.max_steps={steps}", f"rl.prompts_per_step={a.prompts_per_step}",
            f"rl.lr={a.lr}", f"generator.temperature={a.temperature}", "model.dtype=float32",
@@ -343,7 +354,8 @@ def rlhflab_cmd(a, algo: str, sft: str | None, steps: int, out_dir: Path, extra:
 
 
 def read_rlhflab(db: Path, run_id: str) -> dict:
-    """Per-step end times (MLflow metric timestamps, s) and batch rewards of one rlhflab run."""
+    """The logged steps, their end times (MLflow metric timestamps, s) and batch rewards (each the mean over the steps
+    since the one logged before: trainer.log_every_n_steps) of one rlhflab run."""
     with sqlite3.connect(db) as c:
         rows = c.execute("select step, value, timestamp from metrics where run_uuid=? and key='train/reward' order by step",
                          (run_id,)).fetchall()
@@ -389,7 +401,7 @@ def trl_child(a) -> None:
 
     ds = Dataset.from_dict({"prompt": task.prompts("train")})
     settings = {**TRL_COMMON, **TRL_ALGO[a.algo], **PRECISION[a.precision]["trl"], "report_to": a.report_to, "temperature": a.temperature, "learning_rate": a.lr,
-                "max_steps": a.steps, "output_dir": str(Path(a.json).parent / "trl-out")}
+                "logging_steps": a.log_every, "max_steps": a.steps, "output_dir": str(Path(a.json).parent / "trl-out")}
     if a.algo in ("rloo", "grpo"):
         from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -459,13 +471,21 @@ def eval_child(argv: list[str]) -> None:
 # The parent
 # ---------------------------------------------------------------------------------------------------------
 
-def summarize(step_end: list[float], rewards: list[float], per_step: int) -> dict:
-    n = len(step_end)
-    if n < 2:
-        raise RuntimeError(f"only {n} step(s) recorded: at least 2 are needed to time steps 2..N")
-    span = step_end[-1] - step_end[0]
-    return {"completions_per_s": (n - 1) * per_step / span, "rl_s": span, "steps": n,
-            "final_reward": statistics.fmean(rewards[-LAST:]), "rewards": rewards}
+def summarize(steps: list[int], step_end: list[float], rewards: list[float], per_step: int, first: int) -> dict:
+    """Completions/s over the steps after `first` (from the end of step `first` to the end of the last step) and
+    the final reward, the mean batch reward over the last LAST steps, of a run whose `rewards` were recorded at
+    `steps`, each the mean over the steps since the one recorded before (TRL's: one a step)."""
+    timed = [(step, end) for step, end in zip(steps, step_end) if step >= first]
+    if len(timed) < 2 or timed[0][0] != first:
+        raise RuntimeError(f"steps {steps[:3]}..{steps[-1:]} recorded: the end of step {first} and a later one are "
+                           f"needed to time steps {first + 1}..N")
+    (s0, t0), (s1, t1) = timed[0], timed[-1]
+    total = weight = before = 0
+    for step, reward in zip(steps, rewards):  # each value weighted by its steps among the last LAST
+        covered = max(0, step - max(before, steps[-1] - LAST))
+        total, weight, before = total + covered * reward, weight + covered, step
+    return {"completions_per_s": (s1 - s0) * per_step / (t1 - t0), "rl_s": t1 - t0, "first": s0, "steps": s1,
+            "final_reward": total / weight, "rewards": rewards}
 
 
 def child_failed(what: str, code: int, wall: float, log: Path, timeout: float) -> SystemExit:
@@ -486,6 +506,7 @@ SHARED_KEYS = {"rl.lr": "--lr", "generator.temperature": "--temperature", "algo.
                "rl.prompts_per_step": "--prompts-per-step", "trainer.max_steps": "--steps",
                "generator.max_new_tokens": "--max-new-tokens", "rl.eos_penalty": "--eos-penalty", "seed": "--seed",
                "task.response_words": "--response-words", "model.dtype": "float32 on both sides",
+               "trainer.log_every_n_steps": "--log-every",
                "trainer.precision": "--precision"}
 
 
@@ -561,14 +582,14 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
             raise child_failed(f"rlhflab {algo} ({side}) rep {rep}", code, wall, d / "log.txt", a.timeout)
         run_id = json.loads((d / "run" / "mlflow_run.json").read_text())["run_id"]
         raw = read_rlhflab(db, run_id)
-        res = summarize(raw["step_end"], raw["rewards"], per_step) | {"own_samples_per_s": raw["own_samples_per_s"]}
+        res = summarize(raw["steps"], raw["step_end"], raw["rewards"], per_step, a.log_every) | {"own_samples_per_s": raw["own_samples_per_s"]}
     else:
         js = d / "trl.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "_trl", "--algo", algo, "--sft", sft, "--json", str(js),
                "--steps", str(a.steps), "--prompts-per-step", str(a.prompts_per_step), "--k", str(k), "--lr", str(a.lr),
                "--temperature", str(a.temperature), "--seed", str(a.seed), "--response-words", str(a.response_words),
                "--threads", str(TRL_SIDE[side]["threads"]), "--report-to", TRL_SIDE[side]["report_to"],
-               "--precision", a.precision]
+               "--precision", a.precision, "--log-every", str(a.log_every)]
         if a.max_new_tokens:
             cmd += ["--max-new-tokens", str(a.max_new_tokens)]
         if a.eos_penalty is not None:
@@ -578,12 +599,13 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
         if code != 0:
             raise child_failed(f"TRL {algo} ({side}) rep {rep}", code, wall, d / "log.txt", a.timeout)
         raw = json.loads(js.read_text())
-        res = summarize(raw["step_end"], raw["rewards"], per_step) | {"startup_s": raw["startup_s"], "settings": raw["settings"]}
+        steps = list(range(1, len(raw["step_end"]) + 1))
+        res = summarize(steps, raw["step_end"], raw["rewards"], per_step, a.log_every) | {"startup_s": raw["startup_s"], "settings": raw["settings"]}
     res |= {"peak_rss_mb": rss, "peak_pss_mb": pss, "wall_s": wall}
     if a.eval_prompts:
         res |= judge_policy(a, d / "run" / "policy" if side in SIDE_MODE else d / "policy", d, env)
     judged = f", policy reward {res['policy_reward']:+.3f}" if a.eval_prompts else ""
-    print(f"  rep {rep} {algo:10s} {side:13s}: {res['completions_per_s']:7.1f} completions/s over steps 2..{res['steps']}, "
+    print(f"  rep {rep} {algo:10s} {side:13s}: {res['completions_per_s']:7.1f} completions/s over steps {res['first'] + 1}..{res['steps']}, "
           f"RL {res['rl_s']:.1f} s, peak RSS {rss:.0f} MB, tree PSS {pss:.0f} MB, reward(last {min(LAST, len(res['rewards']))}) "
           f"{res['final_reward']:+.3f}{judged}, wall {wall:.0f} s", flush=True)
     return res
@@ -641,7 +663,7 @@ def table(a, results: dict) -> str:
         "",
         f"rlhflab vs TRL: model={a.model}, {a.prompts_per_step} prompts/step, k={a.k} (online DPO 2), "
         f"max_new_tokens={a.max_new_tokens or 'task (9)'}, lr {a.lr}, temperature {a.temperature}, "
-        f"eos_penalty {a.eos_penalty}, {a.steps} steps, "
+        f"eos_penalty {a.eos_penalty}, {a.steps} steps, logging every {a.log_every}, "
         f"{'float32' if a.precision == 'fp32' else 'bf16 autocast over float32 weights (TRL bf16=True, rlhflab trainer.precision=bf16-mixed)'}; {f'medians of {a.reps} interleaved reps' if a.reps > 1 else 'one rep'}. "
         f"Sides: {settings}.",
         f"({versions()}; {os.cpu_count()} CPUs; OMP_WAIT_POLICY=PASSIVE)",
@@ -665,7 +687,9 @@ def table(a, results: dict) -> str:
         cells += [" / ".join(f"{m[side][key]:.0f}" for side in sides) for key in ("peak_rss_mb", "peak_pss_mb")]
         cells += [" / ".join(f"{m[side][key]:.3f}" for side in sides) for key in keys[3:]]
         lines.append(f"| {LABEL[algo]} | " + " | ".join(cells) + " |")
-    lines += ["", f"completions/s: completions of steps 2..N over the wall time from the end of step 1 to the end of step N; "
+    lines += ["", f"completions/s: completions of steps {a.log_every + 1}..N over the wall time from the end of step "
+              f"{a.log_every} to the end of step N; both sides log each metric's mean once per {a.log_every} step(s) "
+              "(TRL logging_steps, rlhflab trainer.log_every_n_steps), except rlhflab_log1: every step; "
               f"final reward: mean batch gold reward over the last {min(LAST, a.steps)} steps; "
               + (f"policy reward: the final policy's mean gold reward on {a.eval_prompts} held-out prompts x {a.eval_samples} "
                  "samples, judged by one piece of code for every side; " if judged else "")
@@ -706,6 +730,10 @@ def parse(argv=None):
                    help="fp32 on both sides, or bf16 autocast on both (TRL's default bf16=True; rlhflab "
                         "trainer.precision=bf16-mixed; 2-3x faster matmuls on a CPU with AMX)")
     p.add_argument("--seed", type=int, default=0, help="seed of the SFT policy, prompts, sampling and the policy reward")
+    p.add_argument("--log-every", type=int, default=None,
+                   help="both sides log the mean of each metric once per this many steps (TRL logging_steps, rlhflab "
+                        "trainer.log_every_n_steps), and completions/s times the steps after the first logged; default: "
+                        "10, TRL's default, or 1 where --steps is under 20")
     def judge(i: int) -> str:  # --eval-samples said 'default: None', though tiny's is 8
         return ", ".join(f"{model} {n[i]}" for model, n in JUDGE.items()) + f", other models {JUDGE['tiny'][i]}"
 
@@ -741,7 +769,8 @@ def parse(argv=None):
     # Each of these failed in a child after minutes (or gave an empty table, or a traceback), if at all.
     if not a.algos or not a.sides:
         p.error(f"--{'algos' if not a.algos else 'sides'}: none given; name at least one")
-    at_least = {"reps": 1, "steps": 2, "prompts_per_step": 1, "k": 2, "response_words": 1, "eval_prompts": 0}
+    a.log_every = (10 if a.steps >= 20 else 1) if a.log_every is None else a.log_every
+    at_least = {"reps": 1, "steps": 2, "log_every": 1, "prompts_per_step": 1, "k": 2, "response_words": 1, "eval_prompts": 0}
     if a.eval_prompts:
         at_least["eval_samples"] = 1
     if a.max_new_tokens is not None:
@@ -750,6 +779,9 @@ def parse(argv=None):
         if getattr(a, name) < least:
             why = " (completions/s times steps 2..N)" if name == "steps" else ""
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: give {least} or more{why}")
+    if a.steps < 2 * a.log_every:
+        p.error(f"--steps {a.steps} with --log-every {a.log_every}: completions/s times the steps after the first logged "
+                f"one, so give --steps {2 * a.log_every} or more, or a smaller --log-every")
     if a.timeout <= 0:
         p.error(f"--timeout {a.timeout:g}: give a number of seconds above 0")
     for name in ("lr", "temperature", "eos_penalty"):  # nan or inf: refused by the first run, after the SFT run's ~10 s
@@ -789,6 +821,7 @@ def parse_child(argv):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--report-to", default="none")
     p.add_argument("--precision", choices=tuple(PRECISION), default="fp32")
+    p.add_argument("--log-every", type=int, default=1)
     return p.parse_args(argv)
 
 

@@ -71,6 +71,30 @@ def test_table_takes_ratios_against_the_fastest_trl_side():
     assert "TRL 2 threads: 2" in vs_trl.table(a, results)
 
 
+def test_vs_trl_times_the_same_steps_of_both_sides_whatever_their_logging():
+    """--log-every 10 (TRL's logging_steps default, both sides): rlhflab's MLflow rows are at steps 10, 20, ..., each
+    the mean over its 10 steps, TRL's clock ticks every step; both are timed from the end of step 10 to the end of the
+    last, and the final reward is the mean of the last 10 steps either way. Fewer steps than two logged ones: refused."""
+    vs_trl = load_vs_trl()
+    a = vs_trl.parse(["--steps", "30"])
+    assert a.log_every == 10 and vs_trl.parse(["--steps", "5"]).log_every == 1
+    assert "trainer.log_every_n_steps=10" in vs_trl.rlhflab_cmd(a, "rloo", None, 30, ROOT, [], "rlhflab")
+    log1 = vs_trl.rlhflab_cmd(a, "rloo", None, 30, ROOT, [], "rlhflab_log1")
+    assert [arg for arg in log1 if arg.startswith("trainer.log_every_n_steps=")] == ["trainer.log_every_n_steps=1"]
+    rewards = [float(step) for step in range(1, 31)]
+    ends = [0.5 * step for step in range(1, 31)]  # 2 steps a second, 8 completions a step: 16 completions/s
+    each = vs_trl.summarize(list(range(1, 31)), ends, rewards, 8, a.log_every)
+    windows = vs_trl.summarize([10, 20, 30], ends[9::10], [5.5, 15.5, 25.5], 8, a.log_every)
+    for res in (each, windows):
+        assert (res["first"], res["steps"], res["rl_s"]) == (10, 30, 10.0)
+        assert res["completions_per_s"] == pytest.approx(16.0) and res["final_reward"] == pytest.approx(25.5)
+    assert vs_trl.summarize([1, 2, 3], [1.0, 2.0, 4.0], [0.0, 1.0, 2.0], 8, 1)["completions_per_s"] == pytest.approx(16 / 3)
+    with pytest.raises(RuntimeError, match="the end of step 10 and a later one are needed"):
+        vs_trl.summarize([10], [5.0], [5.5], 8, 10)
+    with pytest.raises(SystemExit):
+        vs_trl.parse(["--steps", "15", "--log-every", "10"])
+
+
 def test_the_results_json_keeps_the_arguments_as_json_values(tmp_path):
     """args were Python text ("['rloo', 'grpo']", "None", "False"): a reader had to eval them."""
     vs_trl = load_vs_trl()
@@ -185,8 +209,8 @@ def test_vs_trl_precision_sets_both_sides_and_keeps_one_sft_policy(tmp_path):
                                    "--precision", precision]).precision == precision
         vs_trl.check_commands(a)  # rlhflab's preflight takes every command
     none = {algo: {side: [] for side in vs_trl.SIDES} for algo in vs_trl.ALGOS}  # the header alone
-    assert ", 60 steps, float32; " in vs_trl.table(vs_trl.parse([]), none)
-    assert ", 60 steps, bf16 autocast over float32 weights" in vs_trl.table(vs_trl.parse(["--precision", "bf16"]), none)
+    assert ", 60 steps, logging every 10, float32; " in vs_trl.table(vs_trl.parse([]), none)
+    assert ", 60 steps, logging every 10, bf16 autocast over float32 weights" in vs_trl.table(vs_trl.parse(["--precision", "bf16"]), none)
     assert vs_trl.one_sided(["trainer.precision=bf16-mixed"]) == [
         "vs_trl.py: warning: --rlhflab-override trainer.precision=bf16-mixed: the TRL side keeps --precision's value; "
         "give that flag instead; the sides no longer run the same setting"]

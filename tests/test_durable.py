@@ -222,6 +222,40 @@ def test_a_stop_between_weight_pushes_trains_on_to_the_next_and_checkpoints_ther
     assert [s for s, _ in history(make_cfg().logger.tracking_uri, resumed.run_id, "train/reward")] == list(range(1, 10))
 
 
+def test_step_metrics_every_n_steps_through_a_stop_and_resume_are_the_means_of_a_whole_runs_steps(make_cfg, tmp_path,
+                                                                                                    monkeypatch):
+    """trainer.log_every_n_steps=4, stopped by SIGINT after step 6 and resumed to step 9: train/reward is written at
+    steps 4, 6 (the stop's checkpoint took the window cut short: nothing lost), 8 and 9 (the run's end), each the
+    mean of an uninterrupted run's per-step rewards over its steps."""
+    from rlhflab.lit import rl_module
+
+    args = ["trainer.max_steps=9", "rl.prompts_per_step=8"]
+    whole = train(make_cfg(*args, f"output.dir={tmp_path}/whole"))
+    uri = make_cfg().logger.tracking_uri
+    per_step = dict(history(uri, whole.run_id, "train/reward"))
+    assert sorted(per_step) == list(range(1, 10))
+    stop, original = StopAt(6), rl_module.RLHFModule._log_step
+
+    def log_and_maybe_stop(self, metrics):
+        original(self, metrics)
+        stop(self)
+
+    monkeypatch.setattr(rl_module.RLHFModule, "_log_step", log_and_maybe_stop)
+    with pytest.raises(RunInterrupted):
+        train(make_cfg(*args, "trainer.log_every_n_steps=4", f"output.dir={tmp_path}/cut"))
+    monkeypatch.setattr(rl_module.RLHFModule, "_log_step", original)
+    assert [p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()] == ["step-00000006"]
+    resumed = train(make_cfg(*args, "trainer.log_every_n_steps=4", f"output.dir={tmp_path}/cut", "resume=auto"))
+    logged = history(uri, resumed.run_id, "train/reward")
+    assert [step for step, _ in logged] == [4, 6, 8, 9]
+
+    def mean(steps):
+        return sum(per_step[s] for s in steps) / len(steps)
+
+    assert [value for _, value in logged] == pytest.approx([mean([1, 2, 3, 4]), mean([5, 6]), mean([7, 8]), per_step[9]],
+                                                           abs=1e-12)
+
+
 def test_resume_refuses_a_different_config_naming_the_keys(make_cfg, tmp_path):
     train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={tmp_path}/run"))
     with pytest.raises(ConfigError, match=r"^resume: .*\(rl.lr: 0.001 -> 0.0003\)"):

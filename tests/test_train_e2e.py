@@ -234,6 +234,42 @@ def test_metrics_are_buffered_and_every_one_lands_by_the_run_end(tmp_path, caplo
     at_once.finish()
 
 
+def test_step_metrics_logged_every_n_steps_are_means_peaks_and_counts_and_a_cut_window_is_kept(tmp_path):
+    """trainer.log_every_n_steps=10 (window_steps): one value per metric for the steps up to each multiple of 10,
+    at the last of them: the mean (over the steps that had it), a peak's largest, a count's last. A checkpoint's
+    `unwritten()` and the run's end take a window cut short at its last step; a PPO run's steps (4, 8, 12, ...) are
+    written where they pass a multiple of 10."""
+    from rlhflab.tracking import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    tracker = MlflowTracker(uri, "window", flush_every_s=3600)
+    tracker.window_steps = 10
+    run_id = tracker.start(OmegaConf.create({"algo": {"name": "rloo"}}), {"algo": "rloo"}, [], tmp_path)
+    for step in range(1, 14):
+        odd = {"train/grad_norm": 100.0 * step} if step % 2 else {}
+        tracker.log_step({"train/a": step, "perf/peak_mem_mb": step % 7, "train/skipped_batches": step // 3, **odd}, step)
+    kept = tracker.unwritten()  # a checkpoint after step 13
+    assert sorted((key, step, value) for key, value, _, step in kept) == [
+        ("perf/peak_mem_mb", 10, 6.0), ("perf/peak_mem_mb", 13, 6.0), ("train/a", 10, 5.5), ("train/a", 13, 12.0),
+        ("train/grad_norm", 10, 500.0), ("train/grad_norm", 13, 1200.0),
+        ("train/skipped_batches", 10, 3.0), ("train/skipped_batches", 13, 4.0)]
+    for step in range(14, 26):
+        tracker.log_step({"train/a": step}, step)
+    tracker.finish()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/a")] == [
+        (10, 5.5), (13, 12.0), (20, 17.0), (25, 23.0)]
+
+    ppo = MlflowTracker(uri, "window", flush_every_s=3600)
+    ppo.window_steps = 10
+    run_id = ppo.start(OmegaConf.create({"algo": {"name": "ppo"}}), {"algo": "ppo"}, [], tmp_path)
+    for step in range(4, 36, 4):
+        ppo.log_step({"train/a": step}, step)
+    ppo.finish()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train/a")] == [
+        (12, 8.0), (20, 18.0), (32, 28.0)]
+
+
 def test_a_lightning_stage_logging_each_step_writes_once_at_its_end(tmp_path):
     """Lightning calls logger.save() after every self.log step; the tracker still writes only when its
     interval is due (here never) and at the stage's end (finalize)."""

@@ -76,6 +76,12 @@ def flatten(cfg: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+# RL step metrics reduced over trainer.log_every_n_steps steps (MlflowTracker.log_step) by their largest value, and by
+# their last (a count so far); every other by the mean.
+WINDOW_MAX = ("perf/peak_mem_mb", "perf/activation_peak_mb")
+WINDOW_LAST = ("train/skipped_batches",)
+
+
 class RunLogger(MLFlowLogger):
     """Lightning's MLflow logger bound to our run: its metrics go through the tracker's buffer, and it leaves
     ending the run to the tracker.
@@ -98,6 +104,10 @@ class RunLogger(MLFlowLogger):
 
     def log_metrics(self, metrics, step=None) -> None:
         self.tracker.log_metrics(metrics, step or 0)
+
+    def log_step(self, metrics: dict, step: int) -> None:
+        """An RL step's metrics, reduced over trainer.log_every_n_steps RL steps (`MlflowTracker.log_step`)."""
+        self.tracker.log_step(metrics, step)
 
     def log_hyperparams(self, params, *args, **kwargs) -> None:
         """Through the tracker, as every write: MLFlowLogger's own met a store that had stopped answering with its
@@ -282,6 +292,8 @@ class MlflowTracker:
       to a SQLite store costs milliseconds of Python, most of it per batch (a tiny model's RL step takes ~40 ms);
       a write happens in the training loop, not in a background thread that would hold the GIL while the
       step runs. What is buffered is written at every stage end, checkpoint and run end (finish).
+    window_steps: RL step metrics (`log_step`) are written once per this many RL steps, reduced over them
+      (trainer.log_every_n_steps; train sets it).
     """
 
     def __init__(self, tracking_uri: str, experiment_name: str = "rlhflab", run_name: str | None = None,
@@ -295,6 +307,10 @@ class MlflowTracker:
         self.pending: list = []  # mlflow.entities.Metric rows not written yet
         self.pending_tags: dict[str, str] = {}  # tags set once the store stopped answering (perf/mem_method at the end)
         self.flushed_at = time.monotonic()
+        self.window_steps = 1
+        self._window: dict[str, list] = {}  # metric -> [sum (a peak's largest, a count's last), steps] not written yet
+        self._window_base: int | None = None  # the step the window's steps follow: the last written, or the first's before
+        self._window_step = 0  # the window's last step
         self._keys: dict[str, str] = {}  # metric name -> the name MLflow accepts
         self._client = None
         self._system = None
@@ -524,6 +540,40 @@ class MlflowTracker:
         if time.monotonic() - self.flushed_at >= self.flush_every_s:
             self.flush()
 
+    def log_step(self, metrics: dict[str, float], step: int) -> None:
+        """An RL step's metrics. With window_steps n > 1 (trainer.log_every_n_steps) each metric is written once for
+        the RL steps up to each multiple of n, at the last of them: their mean (as TRL's logging_steps), a peak's
+        largest (WINDOW_MAX), a count's last (WINDOW_LAST). Every flush (a checkpoint, a stage's end, the run's end)
+        writes the steps so far first, so a window cut short is written at its last step, and nothing is lost."""
+        if self.window_steps <= 1:
+            return self.log_metrics(metrics, step)
+        if self.run_id is None:  # not rank 0 of a distributed run: rank 0 writes
+            return
+        if self._window_base is None:
+            self._window_base = step - 1
+        for key, value in metrics.items():
+            value, slot = float(value), self._window.get(key)
+            if slot is None:
+                self._window[key] = [value, 1]
+            elif key in WINDOW_MAX:
+                slot[0], slot[1] = max(slot[0], value), 1
+            elif key in WINDOW_LAST:
+                slot[0] = value
+            else:
+                slot[0] += value
+                slot[1] += 1
+        self._window_step = step
+        if step // self.window_steps > self._window_base // self.window_steps:
+            self._close_window()
+
+    def _close_window(self) -> None:
+        """Buffer the window's reduced metrics at its last step (`log_step`)."""
+        if not self._window:
+            return
+        window, self._window = self._window, {}
+        self._window_base = self._window_step
+        self.log_metrics({key: total / steps for key, (total, steps) in window.items()}, self._window_step)
+
     def _metric_key(self, key: str) -> str:
         """MLflow takes letters, digits and `_/. -` in a metric's name (a reward function's name may hold others);
         each name is checked once, not at every step."""
@@ -538,6 +588,7 @@ class MlflowTracker:
         """Write every buffered metric (MLflow takes at most 1000 per batch). What the store does not take stays
         buffered (see `lost`). Once the store stopped answering, they wait (for a checkpoint, or the run's end, which
         tries `again`): each try against a server that is down costs MLflow's retries, ~4 minutes at its defaults."""
+        self._close_window()
         self.flushed_at = time.monotonic()
         if not self.pending or self.run_id is None or (self.lost is not None and (not again or self.abandoned)):
             return
@@ -628,7 +679,9 @@ class MlflowTracker:
 
     def rl_ended(self) -> None:
         """RL's last step is done (its final evaluation, the summaries, the policy are left): a store lost from here
-        is met by train, which writes what it did not take to UNWRITTEN."""
+        is met by train, which writes what it did not take to UNWRITTEN. The last steps' window is buffered now, at
+        their time, not at the next flush's."""
+        self._close_window()
         self.when_lost = f"RL has ended, so what was not written goes to {UNWRITTEN} in the output directory as the run ends"
 
     def write_unwritten(self, run_id: str, rows: list, tags: dict) -> int:
@@ -641,6 +694,7 @@ class MlflowTracker:
 
     def unwritten(self) -> list[list]:
         """The buffered metrics as plain rows (key, value, timestamp, step), for a checkpoint."""
+        self._close_window()
         return [[m.key, m.value, m.timestamp, m.step] for m in self.pending]
 
     def ended_unwritten(self) -> dict:

@@ -578,6 +578,7 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
         OmegaConf.to_container(cfg.stages, resolve=True), OmegaConf.to_container(cfg.trainer, resolve=True)),
         ranks(cfg.trainer)), shares)
     logger = tracker.lightning_logger()
+    tracker.window_steps = cfg.trainer.log_every_n_steps  # the RL stage's step metrics (stages sft and rm: Lightning's)
     task = plan.task
 
     # Stage 0: the base model (built from config for the tiny preset, cached).

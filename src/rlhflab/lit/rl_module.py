@@ -611,8 +611,8 @@ class RLHFModule(L.LightningModule):
         for label, key in ((reward, "train/reward"), ("kl", "train/kl"), ("staleness", "rollout/staleness")):
             if key in metrics and (key != "rollout/staleness" or self.source.name != "sync"):
                 self.progress[label] = metrics[key]
-        if self.logger is not None:
-            self.logger.log_metrics(metrics, step=self.updates)
+        if self.logger is not None:  # (reduced over trainer.log_every_n_steps RL steps by rlhflab's own logger)
+            getattr(self.logger, "log_step", self.logger.log_metrics)(metrics, step=self.updates)
 
     # ---- evaluation ----------------------------------------------------------------------
 
