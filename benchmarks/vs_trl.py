@@ -606,7 +606,7 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
         res |= judge_policy(a, d / "run" / "policy" if side in SIDE_MODE else d / "policy", d, env)
     judged = f", policy reward {res['policy_reward']:+.3f}" if a.eval_prompts else ""
     print(f"  rep {rep} {algo:10s} {side:13s}: {res['completions_per_s']:7.1f} completions/s over steps {res['first'] + 1}..{res['steps']}, "
-          f"RL {res['rl_s']:.1f} s, peak RSS {rss:.0f} MB, tree PSS {pss:.0f} MB, reward(last {min(LAST, len(res['rewards']))}) "
+          f"RL {res['rl_s']:.1f} s, peak RSS {rss:.0f} MB, tree PSS {pss:.0f} MB, reward(last {min(LAST, res['steps'])}) "
           f"{res['final_reward']:+.3f}{judged}, wall {wall:.0f} s", flush=True)
     return res
 
