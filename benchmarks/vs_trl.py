@@ -23,8 +23,11 @@ What is compared
 
 Sides (--sides; the default is the first five)
 - `rlhflab sync`: mode=sync, one process, 1 torch thread per Python thread: generate with the current weights,
-  then learn (as TRL), with the reference's forward in a second thread beside the update's policy forward
-  (mode.reference=thread, what the default `auto` picks here): the same numbers, on the second core.
+  then learn (as TRL), with the reference's forward beside the update's policy forward where the default
+  mode.reference=auto puts it (fastest: in a second thread for steps 1-5, in a forked process for steps 6-10, each
+  timed, then the faster of the two for the rest; the choice is made before step 11, where --log-every 10's timing
+  starts): the same numbers, on the second core. `rlhflab sync thread` (not a default side): a second thread
+  from the start, mode.reference=thread (what `auto` picked before 2026-12-04, and this side's setting then).
 - `rlhflab sync process`: the same with mode.reference=process: the reference's forward in a forked process
   beside the update's policy forward instead of a thread (its own GIL; on the tiny model the thread's two forwards
   partly take turns for it). The same numbers again.
@@ -130,17 +133,20 @@ RLHFLAB_ALGO = {
 }
 
 # Each rlhflab side's mode and torch threads. Sync (generate with the current weights, then learn, as TRL) with the
-# reference's forward in a second thread beside the update's policy forward (what the default mode.reference=auto
-# picks on this machine) or in a forked process beside it, or in the one thread before it (exactly TRL's use of the machine), or that with 2 intra-op
-# threads; async: a forked generator process, 1 torch thread per process, so 1 + 1 on the 2 cores.
+# reference's forward beside the update's policy forward as the default mode.reference=auto puts it on this machine
+# (fastest: a second thread for the first 5 steps, a forked process for the next 5, then the faster of the two), or
+# in a second thread or a forked process from the start, or in the one thread before it (exactly TRL's use of the
+# machine), or that with 2 intra-op threads; async: a forked generator process, 1 torch thread per process, so 1 + 1
+# on the 2 cores.
 SIDE_MODE = {
-    "rlhflab": ["mode=sync", "mode.reference=thread", "torch_threads=1"],
+    "rlhflab": ["mode=sync", "mode.reference=auto", "torch_threads=1"],
+    "rlhflab_thread": ["mode=sync", "mode.reference=thread", "torch_threads=1"],
     "rlhflab_process": ["mode=sync", "mode.reference=process", "torch_threads=1"],
     "rlhflab_1thread": ["mode=sync", "mode.reference=learner", "torch_threads=1"],
     "rlhflab_2threads": ["mode=sync", "mode.reference=learner", "torch_threads=2"],
     # rlhflab sync writing its step metrics to MLflow at every step whatever --log-every says (the default, before
     # TRL's logging interval was set equal): what logging costs, side by side.
-    "rlhflab_log1": ["mode=sync", "mode.reference=thread", "torch_threads=1", "trainer.log_every_n_steps=1"],
+    "rlhflab_log1": ["mode=sync", "mode.reference=auto", "torch_threads=1", "trainer.log_every_n_steps=1"],
     "rlhflab_async": ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1",
                       "mode.learner_threads=1", "torch_threads=1"],
     # The same with each batch's reference rows split between generator and learner so both are equally busy.
@@ -153,7 +159,7 @@ TRL_SIDE = {"trl": {"threads": 1, "report_to": "none"}, "trl_2threads": {"thread
             "trl_mlflow": {"threads": 1, "report_to": "mlflow"}}
 SIDES = (*SIDE_MODE, *TRL_SIDE)
 DEFAULT_SIDES = ("rlhflab", "rlhflab_process", "rlhflab_1thread", "rlhflab_async", "trl")
-SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_log1": "rlhflab sync logging every step", "rlhflab_process": "rlhflab sync process", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
+SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_thread": "rlhflab sync thread", "rlhflab_log1": "rlhflab sync logging every step", "rlhflab_process": "rlhflab sync process", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
               "rlhflab_async": "rlhflab async", "rlhflab_async_balance": "rlhflab async balance", "trl": "TRL",
               "trl_2threads": "TRL 2 threads",
               "trl_mlflow": "TRL + MLflow"}

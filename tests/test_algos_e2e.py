@@ -1,10 +1,12 @@
 """Every algorithm, through the one LightningModule, raises the gold reward on the embedded task."""
 
 import multiprocessing
+import os
 import threading
 
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from rlhflab.algos.registry import ALGORITHMS
 from rlhflab.train import train
@@ -35,6 +37,54 @@ def test_remax_takes_several_samples_per_prompt(make_cfg):
     """Each prompt's greedy score is the baseline of all its k samples (it crashed with k=2)."""
     result = train(make_cfg("algo=remax", "algo.samples_per_prompt=2", "trainer.max_steps=2"))
     assert result.module.policy_version == 2
+
+
+def test_fastest_keeps_the_faster_of_thread_and_process_with_the_same_numbers():
+    """mode.reference=fastest times the pair (policy forward + reference beside it) with the thread for TRIAL + 1 steps,
+    then with a forked process for as many (each first step untimed), keeps the one whose median is lower, and ends
+    the other; every result is the reference's own, whichever computed it."""
+    from rlhflab.lit.reference import ReferenceFastest
+
+    def reference(query, response, mask):
+        return (query.float() * 2 + response.float()) * mask
+
+    steps = 2 * (ReferenceFastest.TRIAL + 1) + 2
+    for ms, kept in (({"thread": 9.0, "process": 5.0}, "process"), ({"thread": 5.0, "process": 9.0}, "thread")):
+        worker, said = ReferenceFastest(reference), []
+        try:
+            for step in range(steps):
+                rows = torch.full((2, 3), step), torch.arange(6).view(2, 3), torch.ones(2, 3)
+                assert torch.equal(worker.submit(*rows)(), reference(*rows)), (kept, step, worker.worker.name)
+                said.append(worker.observe(ms[worker.worker.name] / 1000))
+        finally:
+            worker.close()
+        assert said == [None] * (2 * ReferenceFastest.TRIAL + 1) + [kept, None, None]
+        assert worker.chosen == kept and worker.worker.name == kept
+        assert not [t for t in threading.enumerate() if t.name.startswith("rlhflab-reference")]
+        assert not [c for c in multiprocessing.active_children() if c.name == "rlhflab-reference"]
+
+
+def test_auto_runs_fastest_and_learns_the_learners_numbers(make_cfg, tmp_path, caplog):
+    """The default (mode.reference=auto = fastest here): thread, then process, then the faster, in one run of online
+    DPO: the weights and every metric as with the reference computed first, and the run says which it kept."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: no core is free for the reference")
+    from rlhflab.lit.reference import ReferenceFastest
+
+    steps = 2 * (ReferenceFastest.TRIAL + 1) + 1
+    args = ["algo=online_dpo", f"trainer.max_steps={steps}"]
+    with caplog.at_level("INFO"):
+        fastest = train(make_cfg(*args, f"output.dir={tmp_path / 'fastest'}"))
+    learner = train(make_cfg(*args, "mode.reference=learner", f"output.dir={tmp_path / 'learner'}"))
+    assert fastest.module.source.reference == "fastest" and fastest.module.reference_beside_update
+    a, b = fastest.module.memory.policy.parameters(), learner.module.memory.policy.parameters()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert {k: v for k, v in fastest.metrics.items() if not k.startswith("perf/")} == \
+        {k: v for k, v in learner.metrics.items() if not k.startswith("perf/")}
+    kept = MlflowClient(make_cfg().logger.tracking_uri).get_run(fastest.run_id).data.params["rlhflab.reference_kept"]
+    assert kept in ("thread", "process")
+    assert f"a forked process (medians of {ReferenceFastest.TRIAL} steps each): the {kept} from here" in caplog.text
+    assert not [c for c in multiprocessing.active_children() if c.name == "rlhflab-reference"]
 
 
 @pytest.mark.parametrize("algo, precision", [("rloo", "32-true"), ("grpo", "32-true"), ("online_dpo", "32-true"),

@@ -327,7 +327,7 @@ def test_a_tracking_store_that_cannot_be_opened_is_one_line_for_a_run_and_a_swee
 @pytest.mark.parametrize(
     "override, where",
     [
-        ("", "thread"),  # the default: memory=full, one pass, trainer=cpu, torch_threads=1 on a 2-core machine
+        ("", "fastest"),  # the default: memory=full, one pass, trainer=cpu, torch_threads=1 on a 2-core machine
         ("memory=lora", "learner"),  # the reference is the policy with its adapter off: same modules
         ("algo=ppo", "learner"),
         ("algo.num_minibatches=2", "learner"),
@@ -336,10 +336,11 @@ def test_a_tracking_store_that_cannot_be_opened_is_one_line_for_a_run_and_a_swee
         ("trainer=ddp trainer.devices=2", "learner"),  # two processes
         ("mode.reference=learner", "learner"),
         ("mode.reference=process", "process"),  # asked for, where it can run: kept
+        ("mode.reference=thread", "thread"),
     ],
 )
-def test_sync_reference_auto_takes_a_thread_only_where_it_can_run(override, where):
-    if len(os.sched_getaffinity(0)) < 2 and where in ("thread", "process"):
+def test_sync_reference_auto_takes_a_thread_or_process_only_where_it_can_run(override, where):
+    if len(os.sched_getaffinity(0)) < 2 and where in ("thread", "process", "fastest"):
         pytest.skip("one core: no core is free for the reference")
     assert validate(compose_cfg(override.split(), shrink=False)).source.reference == where
 

@@ -67,9 +67,9 @@ def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
     output the reference reads.
     mode=sync: `thread` runs the reference's forward in a second thread beside the update's
     policy forward, `process` in a forked process (its own GIL: faster where the model is small enough for
-    Python dispatch to set the pace); both need a reference model of its own, one pass over the batch in one
-    mini-batch, one CPU process and a core its torch threads leave free. `auto` picks `thread` when all hold,
-    else `learner`."""
+    Python dispatch to set the pace); `fastest` times both over the first steps and keeps the faster (which one
+    is follows the host). Each needs a reference model of its own, one pass over the batch in one mini-batch, one
+    CPU process and a core its torch threads leave free. `auto` picks `fastest` when all hold, else `learner`."""
     if source.name != "sync":
         free_in_learner = getattr(memory, "reference_shares_scoring_forward", False) and reward.needs_reward_model
         if source.reference == "auto":
@@ -89,10 +89,10 @@ def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
               + (f" (torch_threads={cores - 1} would)" if cores > 1 else "")) if free < 1
         else None
     )
-    if source.reference in ("thread", "process") and why_not:
+    if source.reference in ("thread", "process", "fastest") and why_not:
         raise ConfigError(f"mode.reference={source.reference}: {why_not}; use mode.reference=learner (or auto)")
     if source.reference == "auto":
-        source.reference = "learner" if why_not else "thread"
+        source.reference = "learner" if why_not else "fastest"
 
 
 def check_trainer(cfg: DictConfig) -> None:

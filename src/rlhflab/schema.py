@@ -288,7 +288,7 @@ class HydraMemory(LoraMemory):
 @dataclass
 class SyncMode:
     _target_: str = "rlhflab.rollout.sources.SyncSource"
-    reference: str = setting(choices=("auto", "learner", "thread", "process"))
+    reference: str = setting(choices=("auto", "learner", "thread", "process", "fastest"))
 
 
 @dataclass

@@ -424,7 +424,8 @@ class RLHFModule(L.LightningModule):
 
     @property
     def reference_beside_update(self) -> bool:
-        """Sync mode, mode.reference=thread/process: one pass over the batch in one mini-batch, a reference of its own."""
+        """Sync mode, mode.reference=thread/process/fastest: one pass over the batch in one mini-batch, a reference of
+        its own."""
         return getattr(self.source, "reference", None) in WORKERS
 
     def _reference_beside_forward(self, rollout: Rollout) -> tuple[torch.Tensor, tuple]:
@@ -434,11 +435,16 @@ class RLHFModule(L.LightningModule):
         are the same."""
         if self._reference_worker is None:  # started at the first step: a process forks the learner as it is then
             self._reference_worker = WORKERS[self.source.reference](self._reference_logprobs)
+        started = time.monotonic()
         result = self._reference_worker.submit(rollout.query, rollout.response, rollout.response_mask)
         try:
             first = self._first_forward(rollout)
         finally:
             ref = result()  # waited for even when the forward failed: no step leaves its reference running
+        observe = getattr(self._reference_worker, "observe", None)  # mode.reference=fastest: times the pair
+        chosen = observe(time.monotonic() - started) if observe is not None else None
+        if chosen is not None and self.logger is not None:
+            self.logger.log_hyperparams({"rlhflab.reference_kept": chosen})
         return ref, first
 
     @property

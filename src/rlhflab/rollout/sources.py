@@ -90,12 +90,14 @@ class SyncSource:
 
     def start(self, model, batches, train_prompts, algo, seed: int, version: int = 0, reference=None, autocast=None) -> None:
         """Sync mode leaves the reference log-probs to the learner: between generation and update, or beside the
-        update's own policy forward in a second thread (thread) or a forked process (process)."""
+        update's own policy forward in a second thread (thread) or a forked process (process), or whichever of the
+        two is faster (fastest)."""
         self.seed = seed
         self.rank = distributed.rank()
-        if self.reference in ("thread", "process"):
-            where = "a second thread" if self.reference == "thread" else "a forked process"
-            log.info("mode sync: reference log-probs in %s, beside the update's policy forward", where)
+        if self.reference in ("thread", "process", "fastest"):
+            where = {"thread": "a second thread", "process": "a forked process",
+                     "fastest": "a second thread or a forked process, whichever is faster over the first steps"}
+            log.info("mode sync: reference log-probs in %s, beside the update's policy forward", where[self.reference])
 
     def get(self, model, query, prompts: list[str], version: int, algo, batch: int) -> Rollout:
         """Generate training batch `batch` (its index in the run's prompt stream) with the current weights."""
