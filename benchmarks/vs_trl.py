@@ -24,7 +24,7 @@ What is compared
 Sides (--sides; the default is the first five)
 - `rlhflab sync`: mode=sync, one process, 1 torch thread per Python thread: generate with the current weights,
   then learn (as TRL), with the reference's forward beside the update's policy forward where the default
-  mode.reference=auto puts it (fastest: in a second thread for steps 1-5, in a forked process for steps 6-10, each
+  mode.reference=auto puts it (fastest: in a forked process for steps 1-5, in a second thread for steps 6-10, each
   timed, then the faster of the two for the rest; the choice is made before step 11, where --log-every 10's timing
   starts): the same numbers, on the second core. `rlhflab sync thread` (not a default side): a second thread
   from the start, mode.reference=thread (what `auto` picked before 2026-12-04, and this side's setting then).
@@ -134,7 +134,7 @@ RLHFLAB_ALGO = {
 
 # Each rlhflab side's mode and torch threads. Sync (generate with the current weights, then learn, as TRL) with the
 # reference's forward beside the update's policy forward as the default mode.reference=auto puts it on this machine
-# (fastest: a second thread for the first 5 steps, a forked process for the next 5, then the faster of the two), or
+# (fastest: a forked process for the first 5 steps, a second thread for the next 5, then the faster of the two), or
 # in a second thread or a forked process from the start, or in the one thread before it (exactly TRL's use of the
 # machine), or that with 2 intra-op threads; async: a forked generator process, 1 torch thread per process, so 1 + 1
 # on the 2 cores.

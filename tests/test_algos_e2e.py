@@ -40,8 +40,8 @@ def test_remax_takes_several_samples_per_prompt(make_cfg):
 
 
 def test_fastest_keeps_the_faster_of_thread_and_process_with_the_same_numbers():
-    """mode.reference=fastest times the pair (policy forward + reference beside it) with the thread for TRIAL + 1 steps,
-    then with a forked process for as many (each first step untimed), keeps the one whose median is lower, and ends
+    """mode.reference=fastest times the pair (policy forward + reference beside it) with a forked process for TRIAL + 1
+    steps, then with the thread for as many (each first step untimed), keeps the one whose median is lower, and ends
     the other; every result is the reference's own, whichever computed it."""
     from rlhflab.lit.reference import ReferenceFastest
 
@@ -65,7 +65,7 @@ def test_fastest_keeps_the_faster_of_thread_and_process_with_the_same_numbers():
 
 
 def test_auto_runs_fastest_and_learns_the_learners_numbers(make_cfg, tmp_path, caplog):
-    """The default (mode.reference=auto = fastest here): thread, then process, then the faster, in one run of online
+    """The default (mode.reference=auto = fastest here): process, then thread, then the faster, in one run of online
     DPO: the weights and every metric as with the reference computed first, and the run says which it kept."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: no core is free for the reference")

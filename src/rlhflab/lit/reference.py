@@ -10,7 +10,8 @@ the numbers are the learner's. They differ in what they share with the update's 
   memory as it was at the fork, copy on write; only the rows and the log-probs cross a pipe. Its own pages
   stayed at 50-90 MB on the 113M model (smaps Private_*, 5 GRPO steps), the whole tree within 30 MB of the
   thread's peak PSS.
-- fastest (what `auto` picks where these can run): each timed over the first steps, the faster kept.
+- fastest (what `auto` picks where these can run): the process, then the thread, each timed over the first
+  steps, the faster kept.
 """
 
 from __future__ import annotations
@@ -137,14 +138,16 @@ class ReferenceProcess:
 
 
 class ReferenceFastest:
-    """mode.reference=fastest (what auto picks where a reference can run beside the update): the thread and the
-    process each timed over the first steps, and the faster kept for the rest of the run.
+    """mode.reference=fastest (what auto picks where a reference can run beside the update): the process and the
+    thread each timed over the first steps, and the faster kept for the rest of the run.
 
     Which is faster follows the host: on an Intel Xeon the process's sync online DPO pair took ~5 ms against the
     thread's ~9 (py-spy, 2026-12-04), on an AMD EPYC the two were level, and the thread was the faster there for
-    RLOO in one run. Both compute the same numbers, so the choice changes the speed only. The thread runs the steps
-    up to TRIAL + 1, then the process (forked once the thread has ended) as many; each one's first step is not
-    counted (warm-up; the fork). The medians of the rest decide; a run too short to try both keeps the one it has.
+    RLOO in one run. Both compute the same numbers, so the choice changes the speed only. The process runs the
+    steps up to TRIAL + 1, forked at the first as mode.reference=process forks it (a fork after a few steps held
+    ~30 MB more of the tree's PSS: the learner's pages written since); then the thread as many steps, the process
+    idle; each one's first step is not counted (the fork; warm-up). The medians of the rest decide, and the other
+    ends. A run too short to try both keeps the one it has.
     """
 
     name = "fastest"
@@ -152,9 +155,15 @@ class ReferenceFastest:
 
     def __init__(self, reference: Callable[..., torch.Tensor]) -> None:
         self.reference = reference
-        self.worker = ReferenceThread(reference)
-        self.times: dict[str, list[float]] = {"thread": [], "process": []}
+        self.workers: dict[str, ReferenceThread | ReferenceProcess] = {"process": ReferenceProcess(reference)}
+        self.trying = "process"
+        self.times: dict[str, list[float]] = {"process": [], "thread": []}
         self.chosen: str | None = None
+
+    @property
+    def worker(self) -> ReferenceThread | ReferenceProcess:
+        """The one that computes this step's reference."""
+        return self.workers[self.chosen or self.trying]
 
     def submit(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> Result:
         return self.worker.submit(query, response, mask)
@@ -164,26 +173,25 @@ class ReferenceFastest:
         one kept, once it is chosen (at that step), else None."""
         if self.chosen is not None:
             return None
-        times = self.times[self.worker.name]
+        times = self.times[self.trying]
         times.append(seconds)
         if len(times) <= self.TRIAL:
             return None
-        if self.worker.name == "thread":
-            self.worker.close()  # its thread ended before the fork
-            self.worker = ReferenceProcess(self.reference)
+        if self.trying == "process":
+            self.workers["thread"] = ReferenceThread(self.reference)
+            self.trying = "thread"
             return None
         median = {name: statistics.median(t[1:]) for name, t in self.times.items()}
-        self.chosen = min(median, key=median.get)
-        if self.chosen == "thread":
-            self.worker.close()
-            self.worker = ReferenceThread(self.reference)
+        self.chosen = min(("thread", "process"), key=median.get)
+        self.workers.pop("process" if self.chosen == "thread" else "thread").close()
         log.info("mode.reference=fastest: the update's policy forward with the reference's beside it took %.1f ms in "
                  "a thread, %.1f ms with a forked process (medians of %d steps each): the %s from here",
                  1e3 * median["thread"], 1e3 * median["process"], self.TRIAL, self.chosen)
         return self.chosen
 
     def close(self) -> None:
-        self.worker.close()
+        for worker in self.workers.values():
+            worker.close()
 
 
 WORKERS = {"thread": ReferenceThread, "process": ReferenceProcess, "fastest": ReferenceFastest}
