@@ -157,28 +157,35 @@ class StopAt:
             os.kill(os.getpid(), signal.SIGINT)
 
 
-@pytest.mark.parametrize("reference", ["auto", "balance"])
-def test_async_resume_loses_and_repeats_no_batch_and_keeps_staleness_exact(make_cfg, tmp_path, monkeypatch, reference):
-    """Stopped at step 6 (SIGINT: a checkpoint holds the generator's rollouts made by older weights),
-    then resumed: the staleness history is exactly that of an uninterrupted run, and so are the weights, bit for bit
-    (with mode.reference=balance too: its kept rollouts carry only their first rows' reference log-probs, and the
-    resumed run's split, which follows timings, is another one)."""
+@contextmanager
+def stopped_after(monkeypatch, n: int):
+    """Within the block, SIGINT after RL step `n` (StopAt, called as each step's metrics are logged)."""
     from rlhflab.lit import rl_module
 
-    args = ["mode=async", "staleness=2", "trainer.max_steps=12", "rl.prompts_per_step=8", f"mode.reference={reference}"]
-    whole = train(make_cfg(*args, f"output.dir={tmp_path}/whole"))
-    stop = StopAt(6)
-    original = rl_module.RLHFModule._log_step
+    stop, original = StopAt(n), rl_module.RLHFModule._log_step
 
     def log_and_maybe_stop(self, metrics):
         original(self, metrics)
         stop(self)
 
     monkeypatch.setattr(rl_module.RLHFModule, "_log_step", log_and_maybe_stop)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(rl_module.RLHFModule, "_log_step", original)
+
+
+@pytest.mark.parametrize("reference", ["auto", "balance"])
+def test_async_resume_loses_and_repeats_no_batch_and_keeps_staleness_exact(make_cfg, tmp_path, monkeypatch, reference):
+    """Stopped at step 6 (SIGINT: a checkpoint holds the generator's rollouts made by older weights),
+    then resumed: the staleness history is exactly that of an uninterrupted run, and so are the weights, bit for bit
+    (with mode.reference=balance too: its kept rollouts carry only their first rows' reference log-probs, and the
+    resumed run's split, which follows timings, is another one)."""
+    args = ["mode=async", "staleness=2", "trainer.max_steps=12", "rl.prompts_per_step=8", f"mode.reference={reference}"]
+    whole = train(make_cfg(*args, f"output.dir={tmp_path}/whole"))
     cut_cfg = make_cfg(*args, f"output.dir={tmp_path}/cut")
-    with pytest.raises(RunInterrupted):
+    with stopped_after(monkeypatch, 6), pytest.raises(RunInterrupted):
         train(cut_cfg)
-    monkeypatch.setattr(rl_module.RLHFModule, "_log_step", original)
     checkpoint = tmp_path / "cut" / "checkpoints" / "step-00000006"
     assert checkpoint.is_dir()
     state = torch.load(checkpoint / "state.pt", weights_only=True)
@@ -201,20 +208,10 @@ def test_a_stop_between_weight_pushes_trains_on_to_the_next_and_checkpoints_ther
     """mode.sync_every=3, SIGINT after step 4: a resume starts only where the generator's weights were pushed, so the
     stop wrote no checkpoint and said the run stopped before its first (under DDP: 29 steps lost). It now trains on
     to step 6, checkpoints and stops there, and the resume continues it."""
-    from rlhflab.lit import rl_module
-
     args = ["mode=async", "staleness=1", "mode.sync_every=3", "trainer.max_steps=9", "rl.prompts_per_step=8",
             f"output.dir={tmp_path}/cut"]
-    stop, original = StopAt(4), rl_module.RLHFModule._log_step
-
-    def log_and_maybe_stop(self, metrics):
-        original(self, metrics)
-        stop(self)
-
-    monkeypatch.setattr(rl_module.RLHFModule, "_log_step", log_and_maybe_stop)
-    with pytest.raises(RunInterrupted):
+    with stopped_after(monkeypatch, 4), pytest.raises(RunInterrupted):
         train(make_cfg(*args))
-    monkeypatch.setattr(rl_module.RLHFModule, "_log_step", original)
     assert [p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()] == ["step-00000006"]
     assert "SIGINT: RL step 4 is not one a resume can start from (the generator has only every mode.sync_every=3th " \
            "update's weights); training on to the next that is" in caplog.text
@@ -227,23 +224,13 @@ def test_step_metrics_every_n_steps_through_a_stop_and_resume_are_the_means_of_a
     """trainer.log_every_n_steps=4, stopped by SIGINT after step 6 and resumed to step 9: train/reward is written at
     steps 4, 6 (the stop's checkpoint took the window cut short: nothing lost), 8 and 9 (the run's end), each the
     mean of an uninterrupted run's per-step rewards over its steps."""
-    from rlhflab.lit import rl_module
-
     args = ["trainer.max_steps=9", "rl.prompts_per_step=8"]
     whole = train(make_cfg(*args, f"output.dir={tmp_path}/whole"))
     uri = make_cfg().logger.tracking_uri
     per_step = dict(history(uri, whole.run_id, "train/reward"))
     assert sorted(per_step) == list(range(1, 10))
-    stop, original = StopAt(6), rl_module.RLHFModule._log_step
-
-    def log_and_maybe_stop(self, metrics):
-        original(self, metrics)
-        stop(self)
-
-    monkeypatch.setattr(rl_module.RLHFModule, "_log_step", log_and_maybe_stop)
-    with pytest.raises(RunInterrupted):
+    with stopped_after(monkeypatch, 6), pytest.raises(RunInterrupted):
         train(make_cfg(*args, "trainer.log_every_n_steps=4", f"output.dir={tmp_path}/cut"))
-    monkeypatch.setattr(rl_module.RLHFModule, "_log_step", original)
     assert [p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()] == ["step-00000006"]
     resumed = train(make_cfg(*args, "trainer.log_every_n_steps=4", f"output.dir={tmp_path}/cut", "resume=auto"))
     logged = history(uri, resumed.run_id, "train/reward")
