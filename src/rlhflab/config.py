@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from rlhflab.algos.registry import Algorithm
 from rlhflab.contracts import Generator, MemoryStrategy, Reward, RolloutSource, Task
 from rlhflab.errors import ConfigError
+from rlhflab.lit.reference import WORKERS
 from rlhflab.models.build import check_reward_chat_template
 from rlhflab.models.checks import check_language_model, check_reward_head
 from rlhflab.naming import model_tag
@@ -89,7 +90,7 @@ def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
               + (f" (torch_threads={cores - 1} would)" if cores > 1 else "")) if free < 1
         else None
     )
-    if source.reference in ("thread", "process", "fastest") and why_not:
+    if source.reference in WORKERS and why_not:  # each of the workers that run it beside the update
         raise ConfigError(f"mode.reference={source.reference}: {why_not}; use mode.reference=learner (or auto)")
     if source.reference == "auto":
         source.reference = "learner" if why_not else "fastest"

@@ -94,9 +94,9 @@ class SyncSource:
         two is faster (fastest)."""
         self.seed = seed
         self.rank = distributed.rank()
-        if self.reference in ("thread", "process", "fastest"):
-            where = {"thread": "a second thread", "process": "a forked process",
-                     "fastest": "a second thread or a forked process, whichever is faster over the first steps"}
+        where = {"thread": "a second thread", "process": "a forked process",
+                 "fastest": "a second thread or a forked process, whichever is faster over the first steps"}
+        if self.reference in where:  # (lit/reference.WORKERS: the workers that run it beside the update)
             log.info("mode sync: reference log-probs in %s, beside the update's policy forward", where[self.reference])
 
     def get(self, model, query, prompts: list[str], version: int, algo, batch: int) -> Rollout:
