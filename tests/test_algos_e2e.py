@@ -41,15 +41,19 @@ def test_remax_takes_several_samples_per_prompt(make_cfg):
 
 def test_fastest_keeps_the_faster_of_thread_and_process_with_the_same_numbers():
     """mode.reference=fastest times the pair (policy forward + reference beside it) with a forked process for TRIAL + 1
-    steps, then with the thread for as many (each first step untimed), keeps the one whose median is lower, and ends
-    the other; every result is the reference's own, whichever computed it."""
+    steps, then with the thread for as many (each first step untimed), keeps the one whose median is lower (the
+    process only where it is over MARGIN faster: it holds more memory), and ends the other; every result is the
+    reference's own, whichever computed it."""
     from rlhflab.lit.reference import ReferenceFastest
 
     def reference(query, response, mask):
         return (query.float() * 2 + response.float()) * mask
 
     steps = 2 * (ReferenceFastest.TRIAL + 1) + 2
-    for ms, kept in (({"thread": 9.0, "process": 5.0}, "process"), ({"thread": 5.0, "process": 9.0}, "thread")):
+    level = 5.0 * (1 - ReferenceFastest.MARGIN)  # the process this much faster: level, the thread kept
+    for ms, kept in (({"thread": 9.0, "process": 5.0}, "process"), ({"thread": 5.0, "process": 9.0}, "thread"),
+                     ({"thread": 5.0, "process": level + 0.01}, "thread"),
+                     ({"thread": 5.0, "process": level - 0.01}, "process")):
         worker, said = ReferenceFastest(reference), []
         try:
             for step in range(steps):
