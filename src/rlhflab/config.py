@@ -69,8 +69,9 @@ def resolve_reference(cfg: DictConfig, source, algo, memory, reward) -> None:
     mode=sync: `thread` runs the reference's forward in a second thread beside the update's
     policy forward, `process` in a forked process (its own GIL: faster where the model is small enough for
     Python dispatch to set the pace); `fastest` times both over the first steps and keeps the faster (which one
-    is follows the host; the thread where the process is not over 5% faster, as it holds more memory). Each needs a reference model of its own, one pass over the batch in one mini-batch, one
-    CPU process and a core its torch threads leave free. `auto` picks `fastest` when all hold, else `learner`."""
+    is follows the host; the thread unless the process is over 5% faster, as it holds more memory). Each needs a
+    reference model of its own, one pass over the batch in one mini-batch, one CPU process and a core its torch
+    threads leave free. `auto` picks `fastest` when all hold, else `learner`."""
     if source.name != "sync":
         free_in_learner = getattr(memory, "reference_shares_scoring_forward", False) and reward.needs_reward_model
         if source.reference == "auto":

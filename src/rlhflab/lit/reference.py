@@ -11,7 +11,7 @@ the numbers are the learner's. They differ in what they share with the update's 
   stayed at 50-90 MB on the 113M model (smaps Private_*, 5 GRPO steps), the whole tree within 30 MB of the
   thread's peak PSS.
 - fastest (what `auto` picks where these can run): the process, then the thread, each timed over the first
-  steps, the faster kept (the thread where the two are within 5%: the process holds more memory).
+  steps, the faster kept (the thread unless the process is over 5% faster: the process holds more memory).
 """
 
 from __future__ import annotations
