@@ -142,6 +142,9 @@ SIDE_MODE = {
     "rlhflab": ["mode=sync", "mode.reference=auto", "torch_threads=1"],
     "rlhflab_thread": ["mode=sync", "mode.reference=thread", "torch_threads=1"],
     "rlhflab_process": ["mode=sync", "mode.reference=process", "torch_threads=1"],
+    # The same with the learner sampling every row (the process computes the reference only): what
+    # mode.split_generation, the process sampling half of each batch, gives side by side.
+    "rlhflab_process_whole": ["mode=sync", "mode.reference=process", "mode.split_generation=false", "torch_threads=1"],
     "rlhflab_1thread": ["mode=sync", "mode.reference=learner", "torch_threads=1"],
     "rlhflab_2threads": ["mode=sync", "mode.reference=learner", "torch_threads=2"],
     # rlhflab sync writing its step metrics to MLflow at every step whatever --log-every says (the default, before
@@ -159,7 +162,7 @@ TRL_SIDE = {"trl": {"threads": 1, "report_to": "none"}, "trl_2threads": {"thread
             "trl_mlflow": {"threads": 1, "report_to": "mlflow"}}
 SIDES = (*SIDE_MODE, *TRL_SIDE)
 DEFAULT_SIDES = ("rlhflab", "rlhflab_process", "rlhflab_1thread", "rlhflab_async", "trl")
-SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_thread": "rlhflab sync thread", "rlhflab_log1": "rlhflab sync logging every step", "rlhflab_process": "rlhflab sync process", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
+SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_thread": "rlhflab sync thread", "rlhflab_log1": "rlhflab sync logging every step", "rlhflab_process": "rlhflab sync process", "rlhflab_process_whole": "rlhflab sync process, the learner sampling every row", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
               "rlhflab_async": "rlhflab async", "rlhflab_async_balance": "rlhflab async balance", "trl": "TRL",
               "trl_2threads": "TRL 2 threads",
               "trl_mlflow": "TRL + MLflow"}

@@ -40,7 +40,7 @@ def test_remax_takes_several_samples_per_prompt(make_cfg):
 
 
 def test_fastest_keeps_the_faster_of_thread_and_process_with_the_same_numbers():
-    """mode.reference=fastest times the pair (policy forward + reference beside it) with a forked process for TRIAL + 1
+    """mode.reference=fastest times generation and the pair (policy forward + reference beside it) with a forked process for TRIAL + 1
     steps, then with the thread for as many (each first step untimed), keeps the one whose median is lower (the
     process only where it is over MARGIN faster: it holds more memory), and ends the other; every result is the
     reference's own, whichever computed it."""
@@ -69,8 +69,9 @@ def test_fastest_keeps_the_faster_of_thread_and_process_with_the_same_numbers():
 
 
 def test_auto_runs_fastest_and_learns_the_learners_numbers(make_cfg, tmp_path, caplog):
-    """The default (mode.reference=auto = fastest here): process, then thread, then the faster, in one run of online
-    DPO: the weights and every metric as with the reference computed first, and the run says which it kept."""
+    """The default (mode.reference=auto = fastest here): process (sampling half of each batch: mode.split_generation),
+    then thread, then the faster, in one run of online DPO: the weights and every metric as with the reference
+    computed first and every row sampled by the learner, and the run says which it kept."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: no core is free for the reference")
     from rlhflab.lit.reference import ReferenceFastest
@@ -88,18 +89,25 @@ def test_auto_runs_fastest_and_learns_the_learners_numbers(make_cfg, tmp_path, c
     kept = MlflowClient(make_cfg().logger.tracking_uri).get_run(fastest.run_id).data.params["rlhflab.reference_kept"]
     assert kept in ("thread", "process")
     assert f"a forked process (medians of {ReferenceFastest.TRIAL} steps each): the {kept} from here" in caplog.text
+    assert "the reference's process samples the second half of each batch's rows" in caplog.text
     assert not [c for c in multiprocessing.active_children() if c.name == "rlhflab-reference"]
 
 
 @pytest.mark.parametrize("algo, precision", [("rloo", "32-true"), ("grpo", "32-true"), ("online_dpo", "32-true"),
                                              ("rloo", "bf16-mixed")])
-def test_reference_in_a_thread_or_a_process_gives_the_learners_numbers(make_cfg, tmp_path, algo, precision):
+def test_reference_in_a_thread_or_a_process_gives_the_learners_numbers(make_cfg, tmp_path, caplog, algo, precision):
     """mode=sync mode.reference=thread / process runs the reference forward beside the update's policy forward
-    (in a second thread / a forked process): the same losses, KLs and weights as computing it first (bit for bit:
-    the same forwards, the same order), under autocast too (per thread: the thread must be handed it)."""
-    results = {where: train(make_cfg(f"algo={algo}", "trainer.max_steps=3", f"mode.reference={where}",
-                                     f"trainer.precision={precision}", f"output.dir={tmp_path / where}"))
-               for where in ("learner", "thread", "process")}
+    (in a second thread / a forked process, which also samples half of each batch from step 2 on:
+    mode.split_generation): the same losses, KLs and weights as computing it first (bit for bit: the same forwards,
+    the same order, the same draws), under autocast too (per thread: the thread must be handed it)."""
+    results = {}
+    for where in ("learner", "thread", "process"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="rlhflab.rollout.hf"):
+            results[where] = train(make_cfg(f"algo={algo}", "trainer.max_steps=3", f"mode.reference={where}",
+                                            f"trainer.precision={precision}", f"output.dir={tmp_path / where}"))
+        split = "the reference's process samples the second half of each batch's rows" in caplog.text
+        assert split == (where == "process"), where
     assert not results["learner"].module.reference_beside_update
     assert results["thread"].module.reference_beside_update and results["process"].module.reference_beside_update
     learner = results["learner"].module.memory

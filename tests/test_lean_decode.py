@@ -95,6 +95,80 @@ def test_each_prompts_prefill_runs_once_and_gives_every_sample_the_batchs_number
                 assert torch.equal(logprobs, logprobs_each), (len(batch), seed)
 
 
+@ARCHS
+def test_a_batch_split_with_the_reference_process_samples_the_whole_batchs_tokens(arch, caplog):
+    """mode.split_generation: the reference's forked process samples the second half of the rows from the learner's
+    generator state, the learner the first: generate()'s tokens and log-probs, bit for bit (log-probs where the
+    response mask keeps them), and the generator as many draws on, for even and odd batches, sampled at two
+    temperatures and greedy; after the policy's weights change in place (an update making EOS likely, so the
+    halves end at different tokens), the process samples from the new ones (they are in shared memory)."""
+    from rlhflab.lit.reference import ReferenceProcess
+    from rlhflab.rollout.batch import response_mask_from_eos
+
+    model = llama(**arch)
+    uneven = 0
+    process = ReferenceProcess(lambda *rows: None, model)
+    try:
+        gen = HFGenerator(temperature=1.0, max_new_tokens=10)
+        gen.setup(TOK, 10)
+        query = encode_prompts(TOK, PROMPTS).repeat_interleave(2, dim=0)
+        for update in range(2):
+            if update:  # in place, as the optimizer writes them: EOS made likely (~half the mass), so rows end early
+                with torch.no_grad():
+                    h = model.model(query).last_hidden_state.mean((0, 1))
+                    model.lm_head.weight[TOK.eos_token_id] = 4 * h / h.dot(h)
+            for rows in (query, query[:-1]):
+                for seed, temperature in ((0, 1.0), (1, 0.7), (2, None)):
+                    drawn = []
+                    for split in (False, True):
+                        gen.temperature = temperature or 1.0
+                        gen.split_with = (lambda: process.generating) if split else None
+                        torch.manual_seed(seed)
+                        with caplog.at_level(logging.INFO, logger="rlhflab.rollout.hf"):
+                            response, logprobs = gen._generate(model, rows, greedy=temperature is None)
+                        drawn.append((response, logprobs, torch.rand(3)))
+                    (whole, whole_lp, after), (split, split_lp, split_after) = drawn
+                    what = (update, len(rows), seed, temperature)
+                    assert torch.equal(whole, split), what
+                    assert torch.equal(after, split_after), what  # the generator's state after them
+                    assert not any(t.is_inference() for t in (split, split_lp) if t is not None)
+                    if temperature is None:
+                        assert whole_lp is None and split_lp is None
+                    else:
+                        mask = response_mask_from_eos(whole, TOK.eos_token_id)
+                        assert torch.equal(whole_lp * mask, split_lp * mask), what
+                    # how many tokens each half's own loop ran (to its last row's EOS, or the budget)
+                    length = torch.where((whole == TOK.eos_token_id).any(1),
+                                         (whole == TOK.eos_token_id).int().argmax(1) + 1, whole.shape[1])
+                    cut = len(rows) // 2
+                    uneven += int(length[:cut].max() != length[cut:].max())
+    finally:
+        process.close()
+    assert uneven > 0  # the halves' loops ended at different tokens: the generator's draws past the shorter one's
+    assert caplog.text.count("samples the second half of each batch's rows") == 1
+
+
+def test_sampling_from_diverged_weights_says_so_in_one_line():
+    """NaN weights: the lean loop (which draws without torch.multinomial's per-token checks) and its split with the
+    reference process raise DivergedWeights, as generate() did through multinomial's refusal."""
+    from rlhflab.errors import DivergedWeights
+    from rlhflab.lit.reference import ReferenceProcess
+
+    model = llama()
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    process = ReferenceProcess(lambda *rows: None, model)
+    try:
+        for split in (False, True):
+            gen = HFGenerator(max_new_tokens=4)
+            gen.setup(TOK, 4)
+            gen.split_with = (lambda: process.generating) if split else None
+            with pytest.raises(DivergedWeights, match="weights have diverged"):
+                gen._generate(model, encode_prompts(TOK, PROMPTS), greedy=False)
+    finally:
+        process.close()
+
+
 def test_auto_decoding_leaves_what_it_cannot_reproduce_to_generate_and_says_why(caplog):
     """A LoRA-wrapped policy (memory=lora), autocast (bf16-mixed) and eager attention go to generate() under
     decode=auto, logged once with the reason; decode=lean says in one line why it cannot run."""

@@ -289,6 +289,7 @@ class HydraMemory(LoraMemory):
 class SyncMode:
     _target_: str = "rlhflab.rollout.sources.SyncSource"
     reference: str = setting(choices=("auto", "learner", "thread", "process", "fastest"))
+    split_generation: bool = MISSING
 
 
 @dataclass

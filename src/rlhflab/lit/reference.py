@@ -12,6 +12,15 @@ the numbers are the learner's. They differ in what they share with the update's 
   thread's peak PSS.
 - fastest (what `auto` picks where these can run): the process, then the thread, each timed over the first
   steps, the faster kept (the thread unless the process is over 5% faster: the process holds more memory).
+
+With mode.split_generation (the default) the process also samples the second half of each batch's rows while the
+learner samples the first (rollout/lean.lean_generate_split: the same tokens and log-probs bit for bit), on the
+policy's parameters, moved to shared memory before the fork so that it reads each update's weights. Sync online DPO
+on vs_trl's settings (2026-12-04, 300 steps, 3 interleaved pairs): 32.0-32.7 ms a step against 33.9-35.9 without,
+its generation 10.7-11.2 against 12.0-12.6 ms.
+
+The process runs one torch thread: GNU OpenMP's thread pool does not survive a fork, and a child of a learner that
+had run multi-threaded ops hung at its first parallel op (a 2-thread learner's reference forward, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rlhflab.rollout.async_source import POLL_S, die_with_parent, end_child, ignore_stop_signals, stop_signals_held
+from rlhflab.rollout.lean import _sample
 from rlhflab.rollout.sources import autocast_as, current_autocast
 
 Result = Callable[[], torch.Tensor]
@@ -42,8 +52,9 @@ class ReferenceThread:
     """mode.reference=thread: the reference's forward in a second thread of the learner."""
 
     name = "thread"
+    generating = None  # it samples nothing: the learner's thread samples every row
 
-    def __init__(self, reference: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, reference: Callable[..., torch.Tensor], policy=None) -> None:
         self.reference = reference
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhflab-reference")
 
@@ -63,7 +74,18 @@ class ReferenceThread:
         self.pool.shutdown()
 
 
-def _reference_main(reference, conn, parent: int, threads: int) -> None:
+def _generate_rows(policy, query, state, offset: int, batch_rows: int, *settings) -> tuple:
+    """Rows offset.. of a batch of batch_rows sampled by `lean_generate`'s loop from the learner's generator state
+    (lean_generate_split's other half) -> (response, log-probs or None) as numpy arrays. Outside autocast, as the
+    lean loop runs only there: this process was forked inside a training step, under bf16-mixed's autocast, which
+    the learner's evaluation samples outside of (it got other tokens there before this)."""
+    torch.set_rng_state(torch.from_numpy(state))
+    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+        response, logprobs = _sample(policy, torch.from_numpy(query), *settings, offset=offset, batch_rows=batch_rows)
+    return response.numpy(), None if logprobs is None else logprobs.numpy()
+
+
+def _reference_main(reference, policy, conn, parent: int, threads: int) -> None:
     ignore_stop_signals()  # the learner's to handle: it finishes its step, then closes us
     die_with_parent(parent)
     torch.set_num_threads(threads)
@@ -75,28 +97,39 @@ def _reference_main(reference, conn, parent: int, threads: int) -> None:
                 return
             if msg is None:
                 return
+            kind, args = msg
             try:
-                out = reference(*(torch.from_numpy(a) for a in msg))
+                if kind == "generate":
+                    out = _generate_rows(policy, *args)
+                else:
+                    out = reference(*(torch.from_numpy(a) for a in args)).numpy()
             except Exception:
                 conn.send(("error", traceback.format_exc()))
                 return
-            conn.send(("ok", out.numpy()))
+            conn.send(("ok", out))
 
 
 class ReferenceProcess:
     """mode.reference=process: the reference's forward in a forked process (CPU).
 
-    reference(query, response, mask) -> (n, R) log-probs runs there on the learner's memory as forked. A failure
-    there reaches the learner at its result with the traceback, a death within a poll interval; closing or the
-    learner dying ends it.
+    reference(query, response, mask) -> (n, R) log-probs runs there on the learner's memory as forked. With a
+    `policy` (mode.split_generation) it also samples the second half of each batch's rows (`generate`,
+    rollout/lean.lean_generate_split): the policy's parameters are moved to shared memory before the fork, so it
+    samples from the weights of each step's update, which writes them in place. A failure there reaches the learner
+    at its result with the traceback, a death within a poll interval; closing or the learner dying ends it.
     """
 
     name = "process"
 
-    def __init__(self, reference: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, reference: Callable[..., torch.Tensor], policy=None) -> None:
+        self.policy = policy
+        if policy is not None:
+            for p in policy.parameters():
+                p.data.share_memory_()  # moves the storage in place: the parameter and its optimizer keep it
         ctx = mp.get_context("fork")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_reference_main, args=(reference, child, os.getpid(), torch.get_num_threads()),
+        self.proc = ctx.Process(target=_reference_main,
+                                args=(reference, policy, child, os.getpid(), 1),  # one thread: see the module's doc
                                 daemon=True, name="rlhflab-reference")
         with stop_signals_held():
             self.proc.start()
@@ -109,14 +142,28 @@ class ReferenceProcess:
         self.proc.join(timeout=POLL_S)
         return ReferenceCrashed(f"reference process died (exit code {self.proc.exitcode}) without a traceback")
 
-    def submit(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> Result:
+    def _send(self, msg) -> None:
         try:
-            self.conn.send(tuple(t.detach().cpu().numpy() for t in (query, response, mask)))
+            self.conn.send(msg)
         except (BrokenPipeError, ConnectionResetError):
             raise self._died() from None
+
+    def submit(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> Result:
+        self._send(("reference", tuple(t.detach().cpu().numpy() for t in (query, response, mask))))
+        return lambda: torch.from_numpy(self._result())
+
+    @property
+    def generating(self):
+        """`lean_generate_split`'s other half: the process samples rows there (None: it has no policy)."""
+        return self.generate if self.policy is not None else None
+
+    def generate(self, query: torch.Tensor, state: torch.Tensor, offset: int, batch_rows: int, *settings) -> Callable:
+        """Start sampling `query`, rows offset.. of a batch of batch_rows, from generator state `state`; returns
+        the callable that waits for its (response, log-probs or None) numpy arrays."""
+        self._send(("generate", (query.numpy(), state.numpy(), offset, batch_rows, *settings)))
         return self._result
 
-    def _result(self) -> torch.Tensor:
+    def _result(self):
         while not self.conn.poll(POLL_S):
             if not self.proc.is_alive():
                 raise self._died()
@@ -126,7 +173,7 @@ class ReferenceProcess:
             raise self._died() from None
         if kind == "error":
             raise ReferenceCrashed(f"reference process failed:\n{payload}")
-        return torch.from_numpy(payload)
+        return payload
 
     def close(self) -> None:
         if self.proc is None:
@@ -139,7 +186,9 @@ class ReferenceProcess:
 
 class ReferenceFastest:
     """mode.reference=fastest (what auto picks where a reference can run beside the update): the process and the
-    thread each timed over the first steps, and the faster kept for the rest of the run.
+    thread each timed over the first steps, and the faster kept for the rest of the run. What is timed is what the
+    choice changes: the step's generation (which the process shares with mode.split_generation) and the update's
+    policy forward with the reference's beside it.
 
     Which is faster follows the host: on an Intel Xeon the process's sync online DPO pair took ~5 ms against the
     thread's ~9 (py-spy, 2026-12-04), on an AMD EPYC the two were level, and the thread was the faster there for
@@ -157,9 +206,9 @@ class ReferenceFastest:
     TRIAL = 4  # timed steps of each
     MARGIN = 0.05  # how much faster the process must be to be kept over the thread (it costs memory)
 
-    def __init__(self, reference: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, reference: Callable[..., torch.Tensor], policy=None) -> None:
         self.reference = reference
-        self.workers: dict[str, ReferenceThread | ReferenceProcess] = {"process": ReferenceProcess(reference)}
+        self.workers: dict[str, ReferenceThread | ReferenceProcess] = {"process": ReferenceProcess(reference, policy)}
         self.trying = "process"
         self.times: dict[str, list[float]] = {"process": [], "thread": []}
         self.chosen: str | None = None
@@ -172,9 +221,14 @@ class ReferenceFastest:
     def submit(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> Result:
         return self.worker.submit(query, response, mask)
 
+    @property
+    def generating(self):
+        """The process's half of the sampling while it is tried or kept (ReferenceProcess.generating), else None."""
+        return self.worker.generating
+
     def observe(self, seconds: float) -> str | None:
-        """The wall time of a step's pair (the update's policy forward and the reference's beside it); returns the
-        one kept, once it is chosen (at that step), else None."""
+        """The wall time of a step's generation and pair (the update's policy forward and the reference's beside
+        it); returns the one kept, once it is chosen (at that step), else None."""
         if self.chosen is not None:
             return None
         times = self.times[self.trying]
@@ -188,9 +242,9 @@ class ReferenceFastest:
         median = {name: statistics.median(t[1:]) for name, t in self.times.items()}
         self.chosen = "process" if median["process"] < (1 - self.MARGIN) * median["thread"] else "thread"
         self.workers.pop("process" if self.chosen == "thread" else "thread").close()
-        log.info("mode.reference=fastest: the update's policy forward with the reference's beside it took %.1f ms in "
-                 "a thread, %.1f ms with a forked process (medians of %d steps each): the %s from here (the "
-                 "process where it is over %d%% faster: it holds more memory)",
+        log.info("mode.reference=fastest: generation, then the update's policy forward with the reference's beside it, "
+                 "took %.1f ms with a thread, %.1f ms with a forked process (medians of %d steps each): the %s from "
+                 "here (the process where it is over %d%% faster: it holds more memory)",
                  1e3 * median["thread"], 1e3 * median["process"], self.TRIAL, self.chosen, round(100 * self.MARGIN))
         return self.chosen
 

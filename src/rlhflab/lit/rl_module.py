@@ -284,7 +284,7 @@ class RLHFModule(L.LightningModule):
                 values = self._values(rollout.query, rollout.response, mask)
         first = None  # the update's own policy forward, run now where it serves twice
         if beside:  # mode.reference=thread/process: the reference's forward runs beside the update's own policy forward
-            ref_logprobs, first = self._reference_beside_forward(rollout)
+            ref_logprobs, first = self._reference_beside_forward(rollout, t_gen)
         elif self.proximal_from_update or self.values_from_update:
             first = self._first_forward(rollout)
         if self.values_from_update:
@@ -428,21 +428,26 @@ class RLHFModule(L.LightningModule):
         its own."""
         return getattr(self.source, "reference", None) in WORKERS
 
-    def _reference_beside_forward(self, rollout: Rollout) -> tuple[torch.Tensor, tuple]:
+    def _reference_beside_forward(self, rollout: Rollout, t_gen: float) -> tuple[torch.Tensor, tuple]:
         """The reference's log-probs, computed in a second thread or a forked process while this thread runs the
         update's policy forward (with grad) over the pass's order -> (reference log-probs, _first_forward's).
         Both forwards are the ones the sequential path runs, in the same order of the random stream: the numbers
-        are the same."""
+        are the same. t_gen: this step's generation, which a process with mode.split_generation shares."""
         if self._reference_worker is None:  # started at the first step: a process forks the learner as it is then
-            self._reference_worker = WORKERS[self.source.reference](self._reference_logprobs)
+            generator = self.source.generator
+            split = self.source.split_generation and hasattr(generator, "split_with")
+            self._reference_worker = WORKERS[self.source.reference](
+                self._reference_logprobs, self.memory.generation_model if split else None)
+            if split:  # from the next step's generation on, while a process with the policy runs
+                generator.split_with = lambda: None if self._reference_worker is None else self._reference_worker.generating
         started = time.monotonic()
         result = self._reference_worker.submit(rollout.query, rollout.response, rollout.response_mask)
         try:
             first = self._first_forward(rollout)
         finally:
             ref = result()  # waited for even when the forward failed: no step leaves its reference running
-        observe = getattr(self._reference_worker, "observe", None)  # mode.reference=fastest: times the pair
-        chosen = observe(time.monotonic() - started) if observe is not None else None
+        observe = getattr(self._reference_worker, "observe", None)  # mode.reference=fastest: times what it changes
+        chosen = observe(t_gen + time.monotonic() - started) if observe is not None else None
         if chosen is not None and self.logger is not None:
             self.logger.log_hyperparams({"rlhflab.reference_kept": chosen})
         return ref, first
@@ -641,6 +646,8 @@ class RLHFModule(L.LightningModule):
 
     def teardown(self, stage: str) -> None:
         if self._reference_worker is not None:  # mode.reference=thread/process: its thread or process ends with the run
+            if getattr(self.source.generator, "split_with", None) is not None:
+                self.source.generator.split_with = None
             self._reference_worker.close()
             self._reference_worker = None
 

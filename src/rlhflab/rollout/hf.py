@@ -11,7 +11,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from rlhflab.errors import ConfigError, DivergedWeights
 from rlhflab.rollout.batch import Rollout, repeat_prompts, response_mask_from_eos
-from rlhflab.rollout.lean import lean_generate, lean_unsupported
+from rlhflab.rollout.lean import lean_generate, lean_generate_split, lean_unsupported
 from rlhflab.rollout.sources import casts_once
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,10 @@ class HFGenerator:
     synced = False  # set when the model is sharded over ranks: every rank runs the same number of forward steps
     told = False  # the settings plain_sampling set aside are logged once
     told_decode = False  # auto's choice of generate() is logged once, with its reason
+    # mode.split_generation: () -> the sampler of the second half of the rows (lit/reference.ReferenceProcess.generate)
+    # or None; set by the RL module while a reference process with the policy runs
+    split_with = None
+    told_split = False  # the first split batch is logged
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None,
                  decode: str = "auto") -> None:
@@ -161,9 +165,15 @@ class HFGenerator:
         if self.decoding != "generate":
             why = lean_unsupported(model) if not self.synced else "the policy is sharded over ranks"
             if why is None:
+                other = self.split_with() if self.split_with is not None and len(query) > 1 else None
+                if other is not None and not self.told_split:
+                    log.info("generator: the reference's process samples the second half of each batch's rows "
+                             "(mode.split_generation), this process the first")
+                    self.told_split = True
                 with diverged_as_nonfinite():
-                    return lean_generate(model, query, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id,
-                                         self.max_new_tokens, None if greedy else self.temperature)
+                    args = (model, query, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, self.max_new_tokens,
+                            None if greedy else self.temperature)
+                    return lean_generate(*args) if other is None else lean_generate_split(*args, other)
             if self.decoding == "lean":
                 raise ConfigError(f"generator.decode=lean cannot run here: {why}; set generator.decode=auto "
                                   "(generate() where the lean loop cannot run)")

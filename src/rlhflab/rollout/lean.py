@@ -7,8 +7,10 @@ processors and stopping criteria. The two functions here run the same modules' w
 same order (transformers' RMSNorm, SiLU and embedding modules' ops inline, without a module call each; rotate_half
 as one roll against a sin with its first half negated), so they compute the same floats:
 - `lean_generate` samples (`generator.decode=auto`): a key/value cache allocated once per call, the rotary angles of
-  every position computed once, each token drawn with `torch.multinomial` from the same probabilities, so from the
-  same torch seed it returns generate()'s tokens and the log-probs `BehaviourLogprobs` records. On vs_trl's tiny
+  every position computed once, each token drawn from the same probabilities as `torch.multinomial` draws it
+  (`_draw`: its algorithm without its per-token checks, 0.98x the loop's time), so from the same torch seed it
+  returns generate()'s tokens and the log-probs `BehaviourLogprobs` records. `lean_generate_split` shares the rows
+  with the reference's forked process (mode.split_generation), the same tokens and log-probs. On vs_trl's tiny
   policy, 64 rows x 9 tokens took 10.4 against 15.7 ms, 128 rows 16.6 against 21.3 ms (benchmarks/generation.md).
   A prompt's k samples share one prefill forward (`_prefill`): 0.90x / 0.80x the loop's time at k = 2 / 4 on that
   policy, 0.87x for 32 rows x 32 tokens of the 113M model (k = 4), the same tokens and log-probs.
@@ -224,15 +226,72 @@ def lean_generate(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens
     cloned out of it: inference tensors could not be modified in place or saved for backward later."""
     with torch.inference_mode():
         response, logprobs = _sample(model, query, pad, eos, max_new_tokens, temperature)
-    return response.clone(), (None if logprobs is None else logprobs.clone())
+    return _checked(response.clone(), None if logprobs is None else logprobs.clone())
+
+
+def _checked(response: torch.Tensor, logprobs: torch.Tensor | None):
+    """torch.multinomial's refusal of NaN/Inf probabilities, once for the whole loop (`_draw` skips its checks): a
+    token drawn from such a row has a NaN log-prob (NaN logits, or +Inf ones: softmax NaN, and argmax takes the
+    NaN), so the same error as multinomial raised at that token (hf.diverged_as_nonfinite words it)."""
+    if logprobs is not None and bool(logprobs.isnan().any()):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    return response, logprobs
+
+
+def lean_generate_split(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens: int,
+                        temperature: float | None, other):
+    """lean_generate's tokens and log-probs (and the generator's state after them), the rows shared with a second
+    process: this one samples the first half of the rows while `other(query rows, rng state, offset, batch rows,
+    pad, eos, max_new_tokens, temperature)`, submitted first, samples the rest on the same weights
+    (lit/reference.ReferenceProcess.generate) and returns a callable for its (response, log-probs) numpy arrays.
+
+    Bit for bit: each token is `_draw`'s argmax(p / q) with q one exponential draw for the whole batch, as
+    torch.multinomial draws it; both sides start from this process's generator state and draw every row's noise,
+    each reading its own rows. A row's numbers do not depend on the rows beside it (as `_prefill` relies on), and
+    the generator ends as many draws on as the longer half took, as the whole batch's loop would have."""
+    rows = len(query)
+    cut = rows // 2
+    state = torch.get_rng_state()
+    result = other(query[cut:], state, cut, rows, pad, eos, max_new_tokens, temperature)
+    try:
+        with torch.inference_mode():
+            mine, mine_logprobs = _sample(model, query[:cut], pad, eos, max_new_tokens, temperature, batch_rows=rows)
+    finally:  # read even when this half failed: no reply is left in the pipe for the next request
+        theirs, theirs_logprobs = (None if a is None else torch.from_numpy(a) for a in result())
+    width = max(mine.shape[1], theirs.shape[1])
+    if temperature is not None:
+        for _ in range(width - mine.shape[1]):  # the other half's draws past this half's end
+            torch.empty(rows, model.lm_head.weight.shape[0], dtype=torch.float32).exponential_(1)
+    response = torch.cat([F.pad(mine, (0, width - mine.shape[1]), value=pad),
+                          F.pad(theirs, (0, width - theirs.shape[1]), value=pad)])
+    if temperature is None:
+        return response, None
+    # past a half's end every row of it has ended (EOS): its log-probs there are masked out as generate()'s are
+    logprobs = torch.cat([F.pad(mine_logprobs, (0, width - mine.shape[1])),
+                          F.pad(theirs_logprobs, (0, width - theirs.shape[1]))])
+    return _checked(response, logprobs)
+
+
+def _draw(probs: torch.Tensor, rows: slice | None = None, batch_rows: int = 0) -> torch.Tensor:
+    """torch.multinomial(probs, 1).squeeze(1), the same draw: for one sample, multinomial takes argmax(p / q) with q
+    `empty_like(p).exponential_(1)` (ATen's Distributions.cpp), here without its per-call checks of the
+    probabilities (`_checked` does them once). rows / batch_rows: `probs` are these rows of a batch of batch_rows,
+    whose noise is drawn whole, as the whole batch's call would draw it (`lean_generate_split`)."""
+    if rows is None:
+        q = torch.empty_like(probs).exponential_(1)
+    else:
+        q = torch.empty((batch_rows, probs.shape[1]), dtype=probs.dtype).exponential_(1)[rows]
+    return torch.div(probs, q, out=q).argmax(-1)
 
 
 def _sample(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens: int, temperature: float | None,
-            share_prefill: bool = True):
+            share_prefill: bool = True, offset: int = 0, batch_rows: int = 0):
     """lean_generate's loop. share_prefill: each prompt's forward once for its k samples (`_prefill`); False runs it
-    for every row, as generate() does (what the test compares with)."""
+    for every row, as generate() does (what the test compares with). offset / batch_rows: `query` is rows offset..
+    of a batch of batch_rows (0: the whole batch), whose noise each token draws whole (`_draw`)."""
     core = model.model
     rows, prompt = query.shape
+    mine = slice(offset, offset + rows) if batch_rows else None
     width = prompt + max_new_tokens
     dtype = model.lm_head.weight.dtype
 
@@ -268,7 +327,7 @@ def _sample(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens: int,
             token = logits.argmax(-1)
         else:
             scores = logits / temperature if temperature != 1.0 else logits
-            token = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
+            token = _draw(scores.softmax(-1), mine, batch_rows)
             logprobs.append(scores.log_softmax(-1))
         token = torch.where(done, pads, token)
         if logprobs:

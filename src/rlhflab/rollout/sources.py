@@ -75,8 +75,10 @@ class SyncSource:
     staleness = 0
     max_staleness = 0
 
-    def __init__(self, generator: Generator, correction: OffPolicyCorrection | None = None, reference: str = "learner") -> None:
+    def __init__(self, generator: Generator, correction: OffPolicyCorrection | None = None, reference: str = "learner",
+                 split_generation: bool = False) -> None:
         self.generator = generator
+        self.split_generation = split_generation  # the reference's process samples half of each batch (lit/reference.py)
         self.correction = correction or Behaviour()
         self.reference = reference  # mode.reference: learner, or thread / process (beside the update's policy forward)
         self.seed = 0
