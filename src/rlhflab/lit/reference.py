@@ -54,7 +54,7 @@ class ReferenceThread:
     name = "thread"
     generating = None  # it samples nothing: the learner's thread samples every row
 
-    def __init__(self, reference: Callable[..., torch.Tensor], policy=None) -> None:
+    def __init__(self, reference: Callable[..., torch.Tensor], policy=None) -> None:  # policy: the process's only
         self.reference = reference
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhflab-reference")
 
