@@ -1,6 +1,7 @@
 """mode.reference=process (lit/reference.py): a forked process computes what it is given, reports a failure with
 its traceback, is noticed when it dies, ignores SIGTERM, and ends when closed."""
 
+import json
 import os
 import signal
 import subprocess
@@ -85,3 +86,52 @@ def test_a_learner_that_never_closes_it_still_exits():
     pid = int(out.stdout.split()[0])
     with pytest.raises(ProcessLookupError):  # reaped, not left behind
         os.kill(pid, 0)
+
+
+SMALL_SHM = r"""
+import json, logging, os, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from rlhflab.lit.reference import ReferenceProcess
+
+said = []
+logging.getLogger("rlhflab.lit.reference").addHandler(logging.Handler())
+logging.getLogger("rlhflab.lit.reference").handlers[-1].emit = lambda r: said.append(r.getMessage())
+logging.getLogger("rlhflab.lit.reference").setLevel(logging.INFO)
+out = {}
+for name, width in (("small", 32), ("large", 128)):  # ~0.1 MB and ~1.4 MB of float32 parameters
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=width, intermediate_size=2 * width,
+                                          num_hidden_layers=2, num_attention_heads=4))
+    w = ReferenceProcess(lambda q, r, m: (q.float().sum(1, keepdim=True) + r.float()) * m, policy)
+    try:
+        rows = torch.arange(6).view(2, 3), torch.arange(8).view(2, 4), torch.ones(2, 4)
+        out[name] = {"splits": w.generating is not None, "shared": all(p.is_shared() for p in policy.parameters()),
+                     "reference": w.submit(*rows)().tolist()}
+    finally:
+        w.close()
+out["said"] = said
+print(json.dumps(out))
+"""
+
+
+def test_a_policy_that_does_not_fit_in_shared_memory_is_sampled_by_the_learner(tmp_path):
+    """In a 1 MB /dev/shm (a private mount, as a container's small one): a ~0.1 MB policy moves there and the process
+    samples half of each batch; a ~1.4 MB one stays where it is, the log says why and the fix, the learner samples
+    every row, and the process still computes the reference."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs root and unshare -m, to mount a small /dev/shm of its own")
+    script = tmp_path / "small_shm.py"
+    script.write_text(SMALL_SHM)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs /dev/shm && "
+                           f"exec {sys.executable} {script}"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["small"]["splits"] and out["small"]["shared"]
+    assert not out["large"]["splits"] and not out["large"]["shared"]
+    expected = ((torch.arange(6).view(2, 3).float().sum(1, keepdim=True) + torch.arange(8).view(2, 4).float())).tolist()
+    assert out["small"]["reference"] == expected and out["large"]["reference"] == expected
+    [line] = out["said"]
+    assert line.startswith("mode.split_generation: the policy's 1.") and "free in /dev/shm (a container's --shm-size " \
+        "sets it); the learner samples every row" in line, line

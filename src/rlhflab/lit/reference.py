@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import statistics
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -109,19 +110,44 @@ def _reference_main(reference, policy, conn, parent: int, threads: int) -> None:
             conn.send(("ok", out))
 
 
+SHM = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open)
+
+
+def no_room_for(policy, shm: str = SHM) -> str | None:
+    """Why the policy's parameters should not move to shared memory (None: they may): they would take more than
+    half of what is free there, which the rest of the run (another process's tensors, a loader) may need. A Docker
+    container's /dev/shm is 64 MB unless --shm-size says otherwise; a 113M float32 policy is 450 MB, vs_trl's tiny
+    one 0.35 MB. Past the space, share_memory_ raises `unable to allocate shared memory(shm) ... No space left on
+    device` (16 MB into a 1 MB /dev/shm, 2026-12-04)."""
+    need = sum(p.numel() * p.element_size() for p in policy.parameters() if not p.is_shared())
+    try:
+        free = shutil.disk_usage(shm).free
+    except OSError as err:
+        return f"{shm} cannot be read ({err.strerror})"
+    if 2 * need > free:
+        return (f"the policy's {need / 2**20:.1f} MB would take over half of the {free / 2**20:.1f} MB free in {shm} "
+                "(a container's --shm-size sets it)")
+    return None
+
+
 class ReferenceProcess:
     """mode.reference=process: the reference's forward in a forked process (CPU).
 
     reference(query, response, mask) -> (n, R) log-probs runs there on the learner's memory as forked. With a
     `policy` (mode.split_generation) it also samples the second half of each batch's rows (`generate`,
     rollout/lean.lean_generate_split): the policy's parameters are moved to shared memory before the fork, so it
-    samples from the weights of each step's update, which writes them in place. A failure there reaches the learner
-    at its result with the traceback, a death within a poll interval; closing or the learner dying ends it.
+    samples from the weights of each step's update, which writes them in place (where they fit there: `no_room_for`;
+    else the learner samples every row, as the log says). A failure there reaches the learner at its result with the
+    traceback, a death within a poll interval; closing or the learner dying ends it.
     """
 
     name = "process"
 
     def __init__(self, reference: Callable[..., torch.Tensor], policy=None) -> None:
+        why = None if policy is None else no_room_for(policy)
+        if why is not None:
+            log.info("mode.split_generation: %s; the learner samples every row", why)
+            policy = None
         self.policy = policy
         if policy is not None:
             for p in policy.parameters():
