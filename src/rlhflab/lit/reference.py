@@ -86,10 +86,10 @@ def _generate_rows(policy, query, state, offset: int, batch_rows: int, *settings
     return response.numpy(), None if logprobs is None else logprobs.numpy()
 
 
-def _reference_main(reference, policy, conn, parent: int, threads: int) -> None:
+def _reference_main(reference, policy, conn, parent: int) -> None:
     ignore_stop_signals()  # the learner's to handle: it finishes its step, then closes us
     die_with_parent(parent)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # one thread: see the module's doc
     with torch.no_grad():
         while True:
             try:
@@ -155,7 +155,7 @@ class ReferenceProcess:
         ctx = mp.get_context("fork")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_reference_main,
-                                args=(reference, policy, child, os.getpid(), 1),  # one thread: see the module's doc
+                                args=(reference, policy, child, os.getpid()),
                                 daemon=True, name="rlhflab-reference")
         with stop_signals_held():
             self.proc.start()
