@@ -1,7 +1,10 @@
 """mode=async: exact staleness, sync equivalence at N=0, fast failure, no orphans."""
 
+import json
+import os
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -44,6 +47,94 @@ def test_a_weight_slot_is_never_rewritten_before_the_generator_reads_it(stalenes
         need = required_version(j, staleness, sync_every)
         pushed_since = [v for v in range(need + 1, j + 1) if v % sync_every == 0]
         assert all(ring.slot(v) != ring.slot(need) for v in pushed_since), (j, need, pushed_since)
+
+
+def _double_in_child(block) -> None:
+    import torch
+
+    block.tensors["w"].mul_(2)
+    block.tensors["h"].mul_(2)
+    block.tensors["b"].copy_(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_shared_block_is_one_memory_in_both_processes(method):
+    """SharedWeights' ring (and so every push to a spawned generator, or to one at staleness 2+) lives in a memfd:
+    what either process writes, the other reads, whether the block was inherited (fork) or pickled (spawn)."""
+    import multiprocessing
+
+    import torch
+
+    from rlhflab.shm import SharedBlock
+
+    block = SharedBlock({"w": ((2, 3), torch.float32), "h": ((5,), torch.bfloat16), "b": ((3,), torch.float64)})
+    assert all(not t.any() for t in block.tensors.values())
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in block.tensors.values())
+    assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:]))  # no tensor overlaps the next
+    block.tensors["w"].copy_(torch.arange(6.0).view(2, 3))
+    block.tensors["h"].fill_(1.5)
+    child = multiprocessing.get_context(method).Process(target=_double_in_child, args=(block,))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
+    assert block.tensors["w"].tolist() == (2 * torch.arange(6.0)).view(2, 3).tolist()
+    assert block.tensors["h"].tolist() == [3.0] * 5
+    assert block.tensors["b"].tolist() == [1.0, 2.0, 3.0]
+
+
+SMALL_SHM = r"""
+import json, logging, sys
+from mlflow.tracking import MlflowClient
+from omegaconf import open_dict
+from conftest import compose_cfg
+from rlhflab.train import train
+
+if __name__ == "__main__":  # spawn imports this file again in its process
+    cache, tmp = sys.argv[1], sys.argv[2]
+    said = []
+    logger = logging.getLogger("rlhflab.rollout.async_source")
+    logger.addHandler(logging.Handler())
+    logger.handlers[-1].emit = lambda r: said.append(r.getMessage())
+    logger.setLevel(logging.INFO)
+    out = {}
+    for name, extra in (("fork", []), ("spawn", ["mode.start_method=spawn"])):
+        cfg = compose_cfg([f"cache_dir={cache}", "mode=async", "staleness=1", "trainer.max_steps=4", *extra])
+        with open_dict(cfg):
+            cfg.logger.tracking_uri, cfg.output.dir = f"sqlite:///{tmp}/mlflow.db", f"{tmp}/{name}"
+        run_id = train(cfg).run_id
+        client = MlflowClient(cfg.logger.tracking_uri)
+        out[name] = {k: [m.value for m in sorted(client.get_metric_history(run_id, k), key=lambda m: m.step)]
+                     for k in ("train/reward", "train/kl", "train/loss", "rollout/staleness")}
+    out["said"] = [line for line in said if "/dev/shm" in line]
+    print(json.dumps(out))
+"""
+
+
+def test_async_runs_in_a_small_dev_shm_as_in_a_large_one(make_cfg, stage_cache, tmp_path):
+    """In a 256 KB /dev/shm (a private mount, as a container's small one; the default policy's trainable parameters
+    are 0.35 MB): at staleness 1 the forked generator reads pushes from the ring (a memfd) instead of the learner's
+    parameters, which would not fit there, and the log says why; a spawned one gets the policy through a memfd, not
+    torch's /dev/shm copies. Both give the numbers of a run with room (torch raised 'No space left on device' at
+    the first share_memory_ before)."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs root and unshare -m, to mount a small /dev/shm of its own")
+    cfg = make_cfg("mode=async", "staleness=1", "trainer.max_steps=4")
+    run_id = train(cfg).run_id
+    roomy = {k: history(cfg, run_id, k) for k in ("train/reward", "train/kl", "train/loss", "rollout/staleness")}
+    script = tmp_path / "small_shm.py"
+    script.write_text(SMALL_SHM)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=256k tmpfs /dev/shm && "
+                           f"exec {sys.executable} {script} {stage_cache} {tmp_path}"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["fork"] == roomy
+    for key, values in roomy.items():
+        assert out["spawn"][key] == pytest.approx(values, abs=1e-6), key
+    [line] = out["said"]  # the forked run's; the spawned one never tries the learner's parameters
+    assert line.startswith("mode async: the trainable parameters' 0.") and "MB free in /dev/shm (a container's " \
+        "--shm-size sets it); the generator reads pushed weights from copies outside /dev/shm" in line, line
 
 
 def test_weights_come_from_the_learners_parameters_only_where_that_cannot_stall_it():

@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import shutil
 import statistics
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +39,7 @@ import torch.multiprocessing as mp
 from rlhflab.rollout.async_source import POLL_S, die_with_parent, end_child, ignore_stop_signals, stop_signals_held
 from rlhflab.rollout.lean import _sample
 from rlhflab.rollout.sources import autocast_as, current_autocast
+from rlhflab.shm import no_room_for, unshared_bytes
 
 Result = Callable[[], torch.Tensor]
 log = logging.getLogger(__name__)
@@ -110,26 +110,6 @@ def _reference_main(reference, policy, conn, parent: int) -> None:
             conn.send(("ok", out))
 
 
-SHM = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open)
-
-
-def no_room_for(policy, shm: str = SHM) -> str | None:
-    """Why the policy's parameters should not move to shared memory (None: they may): they would take more than
-    half of what is free there, which the rest of the run (another process's tensors, a loader) may need. A Docker
-    container's /dev/shm is 64 MB unless --shm-size says otherwise; a 113M float32 policy is 450 MB, vs_trl's tiny
-    one 0.35 MB. Past the space, share_memory_ raises `unable to allocate shared memory(shm) ... No space left on
-    device` (16 MB into a 1 MB /dev/shm, 2026-12-04)."""
-    need = sum(p.numel() * p.element_size() for p in policy.parameters() if not p.is_shared())
-    try:
-        free = shutil.disk_usage(shm).free
-    except OSError as err:
-        return f"{shm} cannot be read ({err.strerror})"
-    if 2 * need > free:
-        return (f"the policy's {need / 2**20:.1f} MB would take over half of the {free / 2**20:.1f} MB free in {shm} "
-                "(a container's --shm-size sets it)")
-    return None
-
-
 class ReferenceProcess:
     """mode.reference=process: the reference's forward in a forked process (CPU).
 
@@ -144,7 +124,7 @@ class ReferenceProcess:
     name = "process"
 
     def __init__(self, reference: Callable[..., torch.Tensor], policy=None) -> None:
-        why = None if policy is None else no_room_for(policy)
+        why = None if policy is None else no_room_for(unshared_bytes(policy.parameters()), "the policy's")
         if why is not None:
             log.info("mode.split_generation: %s; the learner samples every row", why)
             policy = None

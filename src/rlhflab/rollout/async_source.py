@@ -16,7 +16,6 @@ traceback; closing (or the learner dying) ends it.
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import logging
 import os
@@ -36,6 +35,7 @@ from rlhflab.interrupts import STOP
 from rlhflab.models.sharding import full, is_sharded
 from rlhflab.rollout.batch import Rollout
 from rlhflab.rollout.sources import SyncSource, autocast_as, seeded
+from rlhflab.shm import SharedBlock, no_room_for, through_memfd, unshared_bytes
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,22 @@ class SharedWeights:
     long before. When the generator reads version v for batch j, the learner may have pushed the versions
     after v up to j (its step j waits for batch j): ceil(staleness / sync_every) of them at most, so with one
     slot more no push lands in v's slot before the generator has read it. For a full fine-tune that is
-    2 host copies of the policy at staleness 1 (the queue held pickled copies instead).
+    2 host copies of the policy at staleness 1 (the queue held pickled copies instead). The ring is a memfd
+    (shm.SharedBlock), not /dev/shm: a container's 64 MB there would not hold it.
     """
 
     def __init__(self, model, staleness: int, sync_every: int) -> None:
         self.sync_every = sync_every
-        state = trainable_state(model)
-        self.slots = [{n: torch.empty(t.shape, dtype=t.dtype, device="cpu").share_memory_() for n, t in state.items()}
-                      for _ in range(-(-staleness // sync_every) + 1)]
+        layout = {n: (t.shape, t.dtype) for n, t in trainable_state(model).items()}
+        self.ring = [SharedBlock(layout, "rlhflab-weights") for _ in range(-(-staleness // sync_every) + 1)]
+        self.slots = [block.tensors for block in self.ring]
+
+    def __getstate__(self) -> dict:  # spawn: the blocks travel as descriptors and are mapped again there
+        return {"sync_every": self.sync_every, "ring": self.ring}
+
+    def __setstate__(self, state: dict) -> None:
+        self.sync_every, self.ring = state["sync_every"], state["ring"]
+        self.slots = [block.tensors for block in self.ring]
 
     def slot(self, version: int) -> int:
         return (version // self.sync_every) % len(self.slots)
@@ -128,6 +136,11 @@ class LearnerWeights:
     def fits(model, staleness: int, start_method: str, device: str | None) -> bool:
         return (staleness <= 1 and start_method == "fork" and device is None
                 and all(p.device.type == "cpu" and not is_sharded(p) for p in model.parameters() if p.requires_grad))
+
+    @staticmethod
+    def no_room(model) -> str | None:
+        """Why the trainable parameters should stay out of /dev/shm (None: they fit there; shm.no_room_for)."""
+        return no_room_for(unshared_bytes(p for p in model.parameters() if p.requires_grad), "the trainable parameters'")
 
     def write(self, model, version: int) -> int:
         self.pushed = version  # the parameters are the push
@@ -438,13 +451,12 @@ class AsyncSource(SyncSource):
         # Pushes are small (version, slot, learner costs or None) notes sent from the learner's own thread (no
         # feeder thread to wait for).
         self.weights_rx, self.weights_tx = ctx.Pipe(duplex=False)
-        self.weights = (LearnerWeights(model, ctx) if LearnerWeights.fits(model, self.staleness, self.start_method, self.device)
-                        else SharedWeights(model, self.staleness, self.sync_every))
+        self.weights = self._weights(model, ctx)
         self.busy = BusyClock(ctx)
         torch.set_num_threads(self.learner_threads)
-        # fork: the child's copy is the parent's memory at fork time (copy on write). spawn pickles
-        # the arguments, so hand it a host copy rather than shared handles to the learner's weights.
-        gen_model = model if self.start_method == "fork" else copy.deepcopy(model).to("cpu")
+        # fork: the child's copy is the parent's memory at fork time (copy on write). spawn pickles the arguments:
+        # hand it the model saved into a memfd (torch's pickling would put a copy of each tensor in /dev/shm).
+        gen_model = model if self.start_method == "fork" else through_memfd(model)
         device = self.device
         if device and device.startswith("cuda") and distributed.world_size() > 1:  # rank r: GPU N + its local rank
             device = f"cuda:{int(device.partition(':')[2] or 0) + int(os.environ.get('LOCAL_RANK', 0))}"
@@ -456,9 +468,23 @@ class AsyncSource(SyncSource):
         self.proc = ctx.Process(target=_generator_main, args=args, daemon=True, name="rlhflab-generator")
         with stop_signals_held():
             self.proc.start()
+        if self.start_method == "spawn":
+            gen_model.close()  # the process holds the memfd now (or failed to start): one host copy less
         log.info("mode async: generator process %d started (staleness %d, weights every %d updates, threads %d+%d, "
                  "reference log-probs: %s)", self.proc.pid, self.staleness, self.sync_every, self.generator_threads,
                  self.learner_threads, "split between generator and learner" if self.reference == "balance" else self.reference)
+
+    def _weights(self, model, ctx):
+        """LearnerWeights where they fit (LearnerWeights.fits) and /dev/shm has room for the parameters they move
+        there; else SharedWeights' ring (a memfd), and the log says why."""
+        if not LearnerWeights.fits(model, self.staleness, self.start_method, self.device):
+            return SharedWeights(model, self.staleness, self.sync_every)
+        why = LearnerWeights.no_room(model)
+        if why is None:
+            return LearnerWeights(model, ctx)
+        log.info("mode async: %s; the generator reads pushed weights from copies outside /dev/shm (one more host copy "
+                 "of them)", why)
+        return SharedWeights(model, self.staleness, self.sync_every)
 
     def _alive(self) -> None:
         """Raise what the generator said before it ended (or that it died without a word); a stop asked for: stop."""

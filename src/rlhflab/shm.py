@@ -1,0 +1,111 @@
+"""Host memory that two processes share, without filling /dev/shm.
+
+torch's `share_memory_()` (and its pickling of tensors for a spawned process) puts them in /dev/shm, a tmpfs that a
+Docker container sizes at 64 MB unless `--shm-size` says more: a 113M float32 policy is 450 MB. Past the space it
+raises `unable to allocate shared memory(shm) ... No space left on device`, which is how `python src/train.py
+mode=async` ended in a 256 KB /dev/shm (2026-12-04). A memfd (memfd_create) is the same memory (shmem pages, counted
+against the process's memory cgroup, freed when no process holds them), with no mount to fill:
+
+- `SharedBlock`: named tensors laid out in one memfd, which a forked process inherits mapped and a spawned one
+  receives as a file descriptor (multiprocessing's DupFd) and maps again.
+- `through_memfd(model)`: a model for a spawned process, saved into a memfd whose descriptor the process inherits.
+- `no_room_for`: where the learner's own parameters must be shared in place (share_memory_ moves their storage, so
+  the optimizer and every view keep it), whether /dev/shm has room for them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import weakref
+from multiprocessing.reduction import DupFd
+
+import torch
+
+SHM = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open)
+
+
+def no_room_for(nbytes: int, what: str, shm: str = SHM) -> str | None:
+    """Why `nbytes` (`what`, e.g. "the policy's") should not go to /dev/shm (None: they may): they would take more
+    than half of what is free there, which the rest of the run (another process's tensors, a loader) may need."""
+    try:
+        free = shutil.disk_usage(shm).free
+    except OSError as err:
+        return f"{shm} cannot be read ({err.strerror})"
+    if 2 * nbytes > free:
+        return (f"{what} {nbytes / 2**20:.1f} MB would take over half of the {free / 2**20:.1f} MB free in {shm} "
+                "(a container's --shm-size sets it)")
+    return None
+
+
+def unshared_bytes(tensors) -> int:
+    """Bytes of `tensors` that share_memory_ would move (those already shared stay where they are)."""
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_shared())
+
+
+class SharedBlock:
+    """Tensors of the given shapes and dtypes, zeroed, in one memfd: `tensors[name]`.
+
+    A forked process inherits the mapping (the same memory); pickled for a spawned one (its arguments), the memfd's
+    descriptor goes with it and the process maps it again. Freed when no process holds the descriptor or a mapping.
+    """
+
+    ALIGN = 64  # every tensor starts at a multiple: whole cache lines, and any dtype's element size
+
+    def __init__(self, layout: dict[str, tuple[tuple[int, ...], torch.dtype]], name: str = "rlhflab") -> None:
+        self.layout = {n: (tuple(shape), dtype) for n, (shape, dtype) in layout.items()}
+        self.fd = os.memfd_create(name)
+        weakref.finalize(self, os.close, self.fd)
+        os.ftruncate(self.fd, max(self._size(), self.ALIGN))
+        self._map()
+
+    def _spans(self):
+        offset = 0
+        for name, (shape, dtype) in self.layout.items():
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            yield name, offset, nbytes
+            offset += -(-nbytes // self.ALIGN) * self.ALIGN
+
+    def _size(self) -> int:
+        return max((offset + nbytes for _, offset, nbytes in self._spans()), default=0)
+
+    def _map(self) -> None:
+        size = max(self._size(), self.ALIGN)
+        data = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=size, dtype=torch.uint8)
+        self.tensors = {name: data[offset:offset + nbytes].view(self.layout[name][1]).view(self.layout[name][0])
+                        for name, offset, nbytes in self._spans()}
+
+    def __getstate__(self) -> dict:
+        return {"layout": self.layout, "fd": DupFd(self.fd)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.layout = state["layout"]
+        self.fd = state["fd"].detach()
+        weakref.finalize(self, os.close, self.fd)
+        self._map()
+
+
+class _SavedModel:
+    """What pickles a model as a memfd holding its torch.save (see through_memfd)."""
+
+    def __init__(self, model) -> None:
+        self.fd = os.memfd_create("rlhflab-model")
+        with open(self.fd, "wb", closefd=False) as f:
+            torch.save(model, f)
+        self.close = weakref.finalize(self, os.close, self.fd)
+
+    def __reduce__(self):
+        return _load_model, (DupFd(self.fd),)
+
+
+def _load_model(fd):
+    with open(fd.detach(), "rb") as f:
+        f.seek(0)  # the descriptor shares its offset with the learner's, which wrote it to the end
+        return torch.load(f, map_location="cpu", weights_only=False)
+
+
+def through_memfd(model) -> _SavedModel:
+    """`model` for a spawned process's arguments: unpickled there as the model (on the CPU), read from a memfd rather
+    than from the /dev/shm copies torch's pickling of each tensor makes. Close it (`.close()`) once the process has
+    started; until then it holds one host copy of the model's tensors."""
+    return _SavedModel(model)
