@@ -57,15 +57,20 @@ def _double_in_child(block) -> None:
     block.tensors["b"].copy_(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
 
 
+@pytest.mark.parametrize("memfd", [True, False], ids=["memfd", "no-memfd"])
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_a_shared_block_is_one_memory_in_both_processes(method):
+def test_a_shared_block_is_one_memory_in_both_processes(method, memfd, monkeypatch):
     """SharedWeights' ring (and so every push to a spawned generator, or to one at staleness 2+) lives in a memfd:
-    what either process writes, the other reads, whether the block was inherited (fork) or pickled (spawn)."""
+    what either process writes, the other reads, whether the block was inherited (fork) or pickled (spawn). Without
+    memfd_create (not Linux) in torch's shared memory."""
     import multiprocessing
 
     import torch
 
     from rlhflab.shm import SharedBlock
+
+    if not memfd:
+        monkeypatch.delattr(os, "memfd_create")
 
     block = SharedBlock({"w": ((2, 3), torch.float32), "h": ((5,), torch.bfloat16), "b": ((3,), torch.float64)})
     assert all(not t.any() for t in block.tensors.values())
@@ -77,6 +82,7 @@ def test_a_shared_block_is_one_memory_in_both_processes(method):
     child.start()
     child.join(timeout=120)
     assert child.exitcode == 0
+    assert (block.fd is not None) == memfd
     assert block.tensors["w"].tolist() == (2 * torch.arange(6.0)).view(2, 3).tolist()
     assert block.tensors["h"].tolist() == [3.0] * 5
     assert block.tensors["b"].tolist() == [1.0, 2.0, 3.0]
@@ -471,8 +477,12 @@ def test_checkpoints_from_before_the_busy_clock_resume():
     assert saved_step_times([[32, 0.1, 0.2, 0.3], [32, 0.1, 0.05, 0.2, 0.3]]) == [(32, 0.1, 0.1, 0.2, 0.3), (32, 0.1, 0.05, 0.2, 0.3)]
 
 
-def test_spawned_generator_matches_the_forked_one(make_cfg):
-    """spawn is what a CUDA generator needs; on CPU it must reproduce fork exactly."""
+@pytest.mark.parametrize("memfd", [True, False], ids=["memfd", "no-memfd"])
+def test_spawned_generator_matches_the_forked_one(make_cfg, memfd, monkeypatch):
+    """spawn is what a CUDA generator needs; on CPU it must reproduce fork exactly. It gets the policy through a
+    memfd (without memfd_create, not Linux: through torch's shared memory)."""
+    if not memfd:
+        monkeypatch.delattr(os, "memfd_create")
     forked = make_cfg("mode=async", "staleness=1", "trainer.max_steps=4")
     spawned = make_cfg("mode=async", "staleness=1", "trainer.max_steps=4", "mode.start_method=spawn")
     a, b = train(forked), train(spawned)

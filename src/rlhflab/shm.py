@@ -11,10 +11,13 @@ against the process's memory cgroup, freed when no process holds them), with no 
 - `through_memfd(model)`: a model for a spawned process, saved into a memfd whose descriptor the process inherits.
 - `no_room_for`: where the learner's own parameters must be shared in place (share_memory_ moves their storage, so
   the optimizer and every view keep it), whether /dev/shm has room for them.
+
+Without memfd_create (not Linux) both fall back to torch's own shared memory, as before.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import weakref
@@ -54,6 +57,10 @@ class SharedBlock:
 
     def __init__(self, layout: dict[str, tuple[tuple[int, ...], torch.dtype]], name: str = "rlhflab") -> None:
         self.layout = {n: (tuple(shape), dtype) for n, (shape, dtype) in layout.items()}
+        self.fd = None
+        if not hasattr(os, "memfd_create"):  # torch's shared memory, which it pickles for a spawned process itself
+            self.tensors = {n: torch.zeros(shape, dtype=dtype).share_memory_() for n, (shape, dtype) in self.layout.items()}
+            return
         self.fd = os.memfd_create(name)
         weakref.finalize(self, os.close, self.fd)
         os.ftruncate(self.fd, max(self._size(), self.ALIGN))
@@ -76,10 +83,15 @@ class SharedBlock:
                         for name, offset, nbytes in self._spans()}
 
     def __getstate__(self) -> dict:
+        if self.fd is None:
+            return {"layout": self.layout, "tensors": self.tensors}
         return {"layout": self.layout, "fd": DupFd(self.fd)}
 
     def __setstate__(self, state: dict) -> None:
         self.layout = state["layout"]
+        if "tensors" in state:
+            self.fd, self.tensors = None, state["tensors"]
+            return
         self.fd = state["fd"].detach()
         weakref.finalize(self, os.close, self.fd)
         self._map()
@@ -104,8 +116,25 @@ def _load_model(fd):
         return torch.load(f, map_location="cpu", weights_only=False)
 
 
-def through_memfd(model) -> _SavedModel:
+class _HostCopy:
+    """Without memfd_create: a host copy of the model, which torch pickles through its shared memory."""
+
+    def __init__(self, model) -> None:
+        self.model = copy.deepcopy(model).to("cpu")
+
+    def __reduce__(self):
+        return _unwrap, (self.model,)
+
+    def close(self) -> None:
+        self.model = None
+
+
+def _unwrap(model):
+    return model
+
+
+def through_memfd(model) -> _SavedModel | _HostCopy:
     """`model` for a spawned process's arguments: unpickled there as the model (on the CPU), read from a memfd rather
     than from the /dev/shm copies torch's pickling of each tensor makes. Close it (`.close()`) once the process has
     started; until then it holds one host copy of the model's tensors."""
-    return _SavedModel(model)
+    return _SavedModel(model) if hasattr(os, "memfd_create") else _HostCopy(model)
