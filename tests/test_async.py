@@ -140,7 +140,7 @@ def test_async_runs_in_a_small_dev_shm_as_in_a_large_one(make_cfg, stage_cache, 
         assert out["spawn"][key] == pytest.approx(values, abs=1e-6), key
     [line] = out["said"]  # the forked run's; the spawned one never tries the learner's parameters
     assert line.startswith("mode async: the trainable parameters' 0.") and "MB free in /dev/shm (a container's " \
-        "--shm-size sets it); the generator reads pushed weights from copies outside /dev/shm" in line, line
+        "--shm-size sets it); the generator reads pushed weights from copies outside /dev/shm (2 host copies of them)" in line, line
 
 
 def test_weights_come_from_the_learners_parameters_only_where_that_cannot_stall_it():

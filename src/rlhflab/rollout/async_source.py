@@ -482,9 +482,10 @@ class AsyncSource(SyncSource):
         why = LearnerWeights.no_room(model)
         if why is None:
             return LearnerWeights(model, ctx)
-        log.info("mode async: %s; the generator reads pushed weights from copies outside /dev/shm (one more host copy "
-                 "of them)", why)
-        return SharedWeights(model, self.staleness, self.sync_every)
+        ring = SharedWeights(model, self.staleness, self.sync_every)
+        log.info("mode async: %s; the generator reads pushed weights from copies outside /dev/shm (%d host cop%s of "
+                 "them)", why, len(ring.slots), "y" if len(ring.slots) == 1 else "ies")
+        return ring
 
     def _alive(self) -> None:
         """Raise what the generator said before it ended (or that it died without a word); a stop asked for: stop."""
