@@ -89,36 +89,51 @@ def test_a_learner_that_never_closes_it_still_exits():
 
 
 SMALL_SHM = r"""
-import json, logging, os, sys
+import json, logging
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from rlhflab.lit.data import encode_prompts
 from rlhflab.lit.reference import ReferenceProcess
+from rlhflab.rollout.hf import HFGenerator
+from test_lean_decode import PROMPTS, TOK, llama
 
 said = []
-logging.getLogger("rlhflab.lit.reference").addHandler(logging.Handler())
-logging.getLogger("rlhflab.lit.reference").handlers[-1].emit = lambda r: said.append(r.getMessage())
-logging.getLogger("rlhflab.lit.reference").setLevel(logging.INFO)
+logging.getLogger("rlhflab.rollout.hf").addHandler(logging.Handler())
+logging.getLogger("rlhflab.rollout.hf").handlers[-1].emit = lambda r: said.append(r.getMessage())
+logging.getLogger("rlhflab.rollout.hf").setLevel(logging.INFO)
 out = {}
-for name, width in (("small", 32), ("large", 128)):  # ~0.1 MB and ~1.4 MB of float32 parameters
-    torch.manual_seed(0)
-    policy = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=width, intermediate_size=2 * width,
-                                          num_hidden_layers=2, num_attention_heads=4))
+for name, width in (("small", 32), ("large", 256)):  # ~0.1 MB and ~4 MB of float32 parameters
+    policy = llama(hidden_size=width, intermediate_size=2 * width)
     w = ReferenceProcess(lambda q, r, m: (q.float().sum(1, keepdim=True) + r.float()) * m, policy)
     try:
         rows = torch.arange(6).view(2, 3), torch.arange(8).view(2, 4), torch.ones(2, 4)
         out[name] = {"splits": w.generating is not None, "shared": all(p.is_shared() for p in policy.parameters()),
-                     "reference": w.submit(*rows)().tolist()}
+                     "reference": w.submit(*rows)().tolist(), "same": []}
+        query = encode_prompts(TOK, PROMPTS).repeat_interleave(2, dim=0)
+        for update in range(2):
+            if update:  # in place, as the optimizer writes them: the process must sample from the new weights
+                with torch.no_grad():
+                    policy.lm_head.weight.mul_(-1)
+            drawn = []
+            for split in (False, True):
+                torch.manual_seed(update)
+                gen = HFGenerator(temperature=1.0, max_new_tokens=10)
+                gen.setup(TOK, 10)
+                gen.split_with = (lambda: w.generating) if split else None
+                drawn.append(gen._generate(policy, query, greedy=False)[0])
+            out[name]["same"].append(torch.equal(*drawn))
     finally:
         w.close()
-out["said"] = said
+out["split_said"] = sum("samples the second half of each batch's rows" in line for line in said)
 print(json.dumps(out))
 """
 
 
-def test_a_policy_that_does_not_fit_in_shared_memory_is_sampled_by_the_learner(tmp_path):
-    """In a 1 MB /dev/shm (a private mount, as a container's small one): a ~0.1 MB policy moves there and the process
-    samples half of each batch; a ~1.4 MB one stays where it is, the log says why and the fix, the learner samples
-    every row, and the process still computes the reference."""
+def test_a_policy_larger_than_dev_shm_is_shared_with_the_process_all_the_same(tmp_path):
+    """In a 1 MB /dev/shm (a private mount, as a container's small one), a ~0.1 MB and a ~4 MB policy both move to
+    shared memory (a memfd, which the mount does not limit): the process samples half of each batch, the tokens of the
+    learner's whole batch before and after an in-place update of the weights, and computes the reference. Until the
+    memfd (9ac907c) the larger stayed out of /dev/shm and the learner sampled every row; before 9ac907c share_memory_
+    raised 'No space left on device'."""
     if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs root and unshare -m, to mount a small /dev/shm of its own")
     script = tmp_path / "small_shm.py"
@@ -128,10 +143,9 @@ def test_a_policy_that_does_not_fit_in_shared_memory_is_sampled_by_the_learner(t
                            f"exec {sys.executable} {script}"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["small"]["splits"] and out["small"]["shared"]
-    assert not out["large"]["splits"] and not out["large"]["shared"]
     expected = ((torch.arange(6).view(2, 3).float().sum(1, keepdim=True) + torch.arange(8).view(2, 4).float())).tolist()
-    assert out["small"]["reference"] == expected and out["large"]["reference"] == expected
-    [line] = out["said"]
-    assert line.startswith("mode.split_generation: the policy's 1.") and "free in /dev/shm (a container's --shm-size " \
-        "sets it); the learner samples every row" in line, line
+    for name in ("small", "large"):
+        assert out[name]["splits"] and out[name]["shared"], name
+        assert out[name]["reference"] == expected, name
+        assert out[name]["same"] == [True, True], name
+    assert out["split_said"] == 4  # every split draw (a generator of its own each, which says it once)

@@ -8,43 +8,21 @@ against the process's memory cgroup, freed when no process holds them), with no 
 
 - `SharedBlock`: named tensors laid out in one memfd, which a forked process inherits mapped and a spawned one
   receives as a file descriptor (multiprocessing's DupFd) and maps again.
+- `share_in_place(params)`: parameters moved into one, in place (`p.data`, as `Module.to` moves them): the same
+  Parameter objects, so the optimizer and a tied head keep them; a process forked after reads each update's values.
 - `through_memfd(model)`: a model for a spawned process, saved into a memfd whose descriptor the process inherits.
-- `no_room_for`: where the learner's own parameters must be shared in place (share_memory_ moves their storage, so
-  the optimizer and every view keep it), whether /dev/shm has room for them.
 
-Without memfd_create (not Linux) both fall back to torch's own shared memory, as before.
+Without memfd_create (not Linux) they fall back to torch's own shared memory, as before.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import shutil
 import weakref
 from multiprocessing.reduction import DupFd
 
 import torch
-
-SHM = "/dev/shm"  # where torch's shared memory lives on Linux (shm_open)
-
-
-def no_room_for(nbytes: int, what: str, shm: str = SHM) -> str | None:
-    """Why `nbytes` (`what`, e.g. "the policy's") should not go to /dev/shm (None: they may): they would take more
-    than half of what is free there, which the rest of the run (another process's tensors, a loader) may need."""
-    try:
-        free = shutil.disk_usage(shm).free
-    except OSError as err:
-        return f"{shm} cannot be read ({err.strerror})"
-    if 2 * nbytes > free:
-        return (f"{what} {nbytes / 2**20:.1f} MB would take over half of the {free / 2**20:.1f} MB free in {shm} "
-                "(a container's --shm-size sets it)")
-    return None
-
-
-def unshared_bytes(tensors) -> int:
-    """Bytes of `tensors` that share_memory_ would move (those already shared stay where they are)."""
-    return sum(t.numel() * t.element_size() for t in tensors if not t.is_shared())
-
 
 class SharedBlock:
     """Tensors of the given shapes and dtypes, zeroed, in one memfd: `tensors[name]`.
@@ -95,6 +73,24 @@ class SharedBlock:
         self.fd = state["fd"].detach()
         weakref.finalize(self, os.close, self.fd)
         self._map()
+
+
+def share_in_place(params) -> None:
+    """Move the parameters' data into shared memory, in place (`p.data`, as `Module.to` moves a module's): one memfd
+    for all of them, each Parameter the same object (its optimizer, its grad accumulator and a tied head keep it). A
+    process forked after this sees every later in-place update. Those already shared stay where they are."""
+    params = [p for p in {id(p): p for p in params}.values() if not p.is_shared()]
+    if not params:
+        return
+    if not hasattr(os, "memfd_create"):
+        for p in params:
+            p.data.share_memory_()
+        return
+    block = SharedBlock({str(i): (p.shape, p.dtype) for i, p in enumerate(params)}, "rlhflab-params")
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            block.tensors[str(i)].copy_(p.data)
+            p.data = block.tensors[str(i)]
 
 
 class _SavedModel:

@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from rlhflab.rollout.async_source import POLL_S, die_with_parent, end_child, ignore_stop_signals, stop_signals_held
 from rlhflab.rollout.lean import _sample
 from rlhflab.rollout.sources import autocast_as, current_autocast
-from rlhflab.shm import no_room_for, unshared_bytes
+from rlhflab.shm import share_in_place
 
 Result = Callable[[], torch.Tensor]
 log = logging.getLogger(__name__)
@@ -115,23 +115,18 @@ class ReferenceProcess:
 
     reference(query, response, mask) -> (n, R) log-probs runs there on the learner's memory as forked. With a
     `policy` (mode.split_generation) it also samples the second half of each batch's rows (`generate`,
-    rollout/lean.lean_generate_split): the policy's parameters are moved to shared memory before the fork, so it
-    samples from the weights of each step's update, which writes them in place (where they fit there: `no_room_for`;
-    else the learner samples every row, as the log says). A failure there reaches the learner at its result with the
-    traceback, a death within a poll interval; closing or the learner dying ends it.
+    rollout/lean.lean_generate_split): the policy's parameters are moved to shared memory before the fork (a memfd,
+    shm.share_in_place: a container's small /dev/shm does not limit it), so it samples from the weights of each step's
+    update, which writes them in place. A failure there reaches the learner at its result with the traceback, a death
+    within a poll interval; closing or the learner dying ends it.
     """
 
     name = "process"
 
     def __init__(self, reference: Callable[..., torch.Tensor], policy=None) -> None:
-        why = None if policy is None else no_room_for(unshared_bytes(policy.parameters()), "the policy's")
-        if why is not None:
-            log.info("mode.split_generation: %s; the learner samples every row", why)
-            policy = None
         self.policy = policy
         if policy is not None:
-            for p in policy.parameters():
-                p.data.share_memory_()  # moves the storage in place: the parameter and its optimizer keep it
+            share_in_place(policy.parameters())  # into a memfd (shm.py): the parameter and its optimizer keep it
         ctx = mp.get_context("fork")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_reference_main,

@@ -35,7 +35,7 @@ from rlhflab.interrupts import STOP
 from rlhflab.models.sharding import full, is_sharded
 from rlhflab.rollout.batch import Rollout
 from rlhflab.rollout.sources import SyncSource, autocast_as, seeded
-from rlhflab.shm import SharedBlock, no_room_for, through_memfd, unshared_bytes
+from rlhflab.shm import SharedBlock, share_in_place, through_memfd
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,8 @@ class LearnerWeights:
     """Pushed weights read straight from the learner's own parameters: no host copy of the policy between them.
 
     For a CPU learner whose parameters are whole (not sharded), forked at mode.staleness 0 or 1. The trainable
-    parameters move to shared memory before the fork (in place: the optimizer, Lightning and the model keep the
-    same tensors), and the generator gives itself private copies (`adopt`), into which it copies a pushed version
+    parameters move to shared memory before the fork (a memfd, shm.share_in_place; in place: the optimizer,
+    Lightning and the model keep the same Parameters), and the generator gives itself private copies (`adopt`), into which it copies a pushed version
     from the learner's parameters when a batch needs it (`read`). So the learner must not step its optimizer
     between a push and that copy: `hold` waits for it. At N <= 1 the generator reads version v right after it
     sent batch v + N - 1 <= v, and the learner's first step after pushing v trains batch v: so the copy (0.1 s
@@ -125,9 +125,8 @@ class LearnerWeights:
     """
 
     def __init__(self, model, ctx) -> None:
+        share_in_place(p for p in model.parameters() if p.requires_grad)  # into a memfd (shm.py), in place
         self.shared = trainable_state(model)  # whole and on the host (fits): the parameters themselves
-        for t in self.shared.values():
-            t.share_memory_()  # moves the storage, which the parameter shares, to shared memory
         self.copied = ctx.Value(ctypes.c_longlong, -1)  # the newest version the generator copied
         self.doorbell = ctx.Semaphore(0)  # rung after each copy
         self.pushed = -1  # the learner's newest push (the learner's side only)
@@ -136,11 +135,6 @@ class LearnerWeights:
     def fits(model, staleness: int, start_method: str, device: str | None) -> bool:
         return (staleness <= 1 and start_method == "fork" and device is None
                 and all(p.device.type == "cpu" and not is_sharded(p) for p in model.parameters() if p.requires_grad))
-
-    @staticmethod
-    def no_room(model) -> str | None:
-        """Why the trainable parameters should stay out of /dev/shm (None: they fit there; shm.no_room_for)."""
-        return no_room_for(unshared_bytes(p for p in model.parameters() if p.requires_grad), "the trainable parameters'")
 
     def write(self, model, version: int) -> int:
         self.pushed = version  # the parameters are the push
@@ -451,7 +445,8 @@ class AsyncSource(SyncSource):
         # Pushes are small (version, slot, learner costs or None) notes sent from the learner's own thread (no
         # feeder thread to wait for).
         self.weights_rx, self.weights_tx = ctx.Pipe(duplex=False)
-        self.weights = self._weights(model, ctx)
+        self.weights = (LearnerWeights(model, ctx) if LearnerWeights.fits(model, self.staleness, self.start_method, self.device)
+                        else SharedWeights(model, self.staleness, self.sync_every))
         self.busy = BusyClock(ctx)
         torch.set_num_threads(self.learner_threads)
         # fork: the child's copy is the parent's memory at fork time (copy on write). spawn pickles the arguments:
@@ -473,19 +468,6 @@ class AsyncSource(SyncSource):
         log.info("mode async: generator process %d started (staleness %d, weights every %d updates, threads %d+%d, "
                  "reference log-probs: %s)", self.proc.pid, self.staleness, self.sync_every, self.generator_threads,
                  self.learner_threads, "split between generator and learner" if self.reference == "balance" else self.reference)
-
-    def _weights(self, model, ctx):
-        """LearnerWeights where they fit (LearnerWeights.fits) and /dev/shm has room for the parameters they move
-        there; else SharedWeights' ring (a memfd), and the log says why."""
-        if not LearnerWeights.fits(model, self.staleness, self.start_method, self.device):
-            return SharedWeights(model, self.staleness, self.sync_every)
-        why = LearnerWeights.no_room(model)
-        if why is None:
-            return LearnerWeights(model, ctx)
-        ring = SharedWeights(model, self.staleness, self.sync_every)
-        log.info("mode async: %s; the generator reads pushed weights from copies outside /dev/shm (%d host cop%s of "
-                 "them)", why, len(ring.slots), "y" if len(ring.slots) == 1 else "ies")
-        return ring
 
     def _alive(self) -> None:
         """Raise what the generator said before it ended (or that it died without a word); a stop asked for: stop."""
