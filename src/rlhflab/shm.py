@@ -24,6 +24,7 @@ from multiprocessing.reduction import DupFd
 
 import torch
 
+
 class SharedBlock:
     """Tensors of the given shapes and dtypes, zeroed, in one memfd: `tensors[name]`.
 
@@ -37,7 +38,8 @@ class SharedBlock:
         self.layout = {n: (tuple(shape), dtype) for n, (shape, dtype) in layout.items()}
         self.fd = None
         if not hasattr(os, "memfd_create"):  # torch's shared memory, which it pickles for a spawned process itself
-            self.tensors = {n: torch.zeros(shape, dtype=dtype).share_memory_() for n, (shape, dtype) in self.layout.items()}
+            self.tensors = {n: torch.zeros(shape, dtype=dtype).share_memory_()
+                            for n, (shape, dtype) in self.layout.items()}
             return
         self.fd = os.memfd_create(name)
         weakref.finalize(self, os.close, self.fd)

@@ -115,13 +115,13 @@ class LearnerWeights:
 
     For a CPU learner whose parameters are whole (not sharded), forked at mode.staleness 0 or 1. The trainable
     parameters move to shared memory before the fork (a memfd, shm.share_in_place; in place: the optimizer,
-    Lightning and the model keep the same Parameters), and the generator gives itself private copies (`adopt`), into which it copies a pushed version
-    from the learner's parameters when a batch needs it (`read`). So the learner must not step its optimizer
-    between a push and that copy: `hold` waits for it. At N <= 1 the generator reads version v right after it
-    sent batch v + N - 1 <= v, and the learner's first step after pushing v trains batch v: so the copy (0.1 s
-    at 113M) runs beside that step's forward and backward, and the hold waits for nothing. A larger N reads v
-    N - 1 batches later, which would stall the learner for them: SharedWeights keeps its ring there.
-    SharedWeights' ring held 2 copies at staleness 1: 900 MB of the learner's RSS at 113M.
+    Lightning and the model keep the same Parameters), and the generator gives itself private copies (`adopt`), into
+    which it copies a pushed version from the learner's parameters when a batch needs it (`read`). So the learner
+    must not step its optimizer between a push and that copy: `hold` waits for it. At N <= 1 the generator reads
+    version v right after it sent batch v + N - 1 <= v, and the learner's first step after pushing v trains batch v:
+    so the copy (0.1 s at 113M) runs beside that step's forward and backward, and the hold waits for nothing. A
+    larger N reads v N - 1 batches later, which would stall the learner for them: SharedWeights keeps its ring
+    there. SharedWeights' ring held 2 copies at staleness 1: 900 MB of the learner's RSS at 113M.
     """
 
     def __init__(self, model, ctx) -> None:
@@ -461,10 +461,12 @@ class AsyncSource(SyncSource):
                 ReferenceSplit() if self.reference == "balance" else None, autocast, self.busy)
         self._got = None  # when the learner got its last rollout: its busy time goes to the generator (balance)
         self.proc = ctx.Process(target=_generator_main, args=args, daemon=True, name="rlhflab-generator")
-        with stop_signals_held():
-            self.proc.start()
-        if self.start_method == "spawn":
-            gen_model.close()  # the process holds the memfd now (or failed to start): one host copy less
+        try:
+            with stop_signals_held():
+                self.proc.start()
+        finally:
+            if self.start_method == "spawn":
+                gen_model.close()  # the process holds the memfd now: one host copy less
         log.info("mode async: generator process %d started (staleness %d, weights every %d updates, threads %d+%d, "
                  "reference log-probs: %s)", self.proc.pid, self.staleness, self.sync_every, self.generator_threads,
                  self.learner_threads, "split between generator and learner" if self.reference == "balance" else self.reference)
