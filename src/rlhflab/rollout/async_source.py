@@ -78,29 +78,22 @@ class SharedWeights:
         self.sync_every = sync_every
         layout = {n: (t.shape, t.dtype) for n, t in trainable_state(model).items()}
         self.ring = [SharedBlock(layout, "rlhflab-weights") for _ in range(-(-staleness // sync_every) + 1)]
-        self.slots = [block.tensors for block in self.ring]
-
-    def __getstate__(self) -> dict:  # spawn: the blocks travel as descriptors and are mapped again there
-        return {"sync_every": self.sync_every, "ring": self.ring}
-
-    def __setstate__(self, state: dict) -> None:
-        self.sync_every, self.ring = state["sync_every"], state["ring"]
-        self.slots = [block.tensors for block in self.ring]
 
     def slot(self, version: int) -> int:
-        return (version // self.sync_every) % len(self.slots)
+        return (version // self.sync_every) % len(self.ring)
 
     def write(self, model, version: int) -> int:
         """Copy the model's trainable tensors into version's slot -> the slot's index."""
         index = self.slot(version)
+        slot = self.ring[index].tensors
         with torch.no_grad():
             for name, t in trainable_state(model).items():
-                self.slots[index][name].copy_(t)
+                slot[name].copy_(t)
         return index
 
     def read(self, slot: int, params: dict[str, torch.nn.Parameter], version: int) -> None:
         with torch.no_grad():
-            for name, t in self.slots[slot].items():
+            for name, t in self.ring[slot].tensors.items():
                 params[name].copy_(t)
 
     def adopt(self, params: dict[str, torch.nn.Parameter]) -> None:
