@@ -43,7 +43,7 @@ class SharedBlock:
             return
         self.fd = os.memfd_create(name)
         weakref.finalize(self, os.close, self.fd)
-        os.ftruncate(self.fd, max(self._size(), self.ALIGN))
+        os.ftruncate(self.fd, self._size())
         self._map()
 
     def _spans(self):
@@ -54,11 +54,11 @@ class SharedBlock:
             offset += -(-nbytes // self.ALIGN) * self.ALIGN
 
     def _size(self) -> int:
-        return max((offset + nbytes for _, offset, nbytes in self._spans()), default=0)
+        """The memfd's bytes: the spans', and at least one line (an empty layout still maps)."""
+        return max((offset + nbytes for _, offset, nbytes in self._spans()), default=0) or self.ALIGN
 
     def _map(self) -> None:
-        size = max(self._size(), self.ALIGN)
-        data = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=size, dtype=torch.uint8)
+        data = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=self._size(), dtype=torch.uint8)
         self.tensors = {name: data[offset:offset + nbytes].view(self.layout[name][1]).view(self.layout[name][0])
                         for name, offset, nbytes in self._spans()}
 
