@@ -1,6 +1,7 @@
 """mode=async: exact staleness, sync equivalence at N=0, fast failure, no orphans."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -352,7 +353,6 @@ def test_the_generator_stops_by_itself_when_the_batch_it_queued_ahead_is_never_r
     """With staleness 1 the generator has made one batch more than the run reads. A rollout larger than a pipe's
     buffer (64 KiB; here 64 prompts x 4 samples x 32 tokens) once kept its queue's feeder thread, and so the
     process, from exiting: close() waited 2 s, then its SIGTERM met the learner's handler, inherited by the fork."""
-    import logging
 
     cfg = make_cfg("mode=async", "staleness=1", "trainer.max_steps=2", "algo=rloo", "algo.samples_per_prompt=4",
                    "rl.prompts_per_step=64", "generator.max_new_tokens=32", "rl.eos_penalty=null")
@@ -373,13 +373,16 @@ def test_importance_weighted_corrections_run_and_learn(make_cfg, correction):
 
 
 @pytest.mark.parametrize("memory", ["full", "lora"])
-def test_reference_in_the_generator_matches_the_learners(make_cfg, memory):
+def test_reference_in_the_generator_matches_the_learners(make_cfg, memory, caplog):
     """mode.reference=generator moves the reference forward into the (forked) generator, and balance splits each
-    batch's rows between the two, where the split follows timings: the same numbers, bit for bit."""
+    batch's rows between the two, where the split follows timings: the same numbers, bit for bit (in float32, so
+    without bf16's warning)."""
     places = ("learner", "generator", "balance")
     runs = {where: make_cfg(f"memory={memory}", "mode=async", "staleness=1", "trainer.max_steps=4", f"mode.reference={where}")
             for where in places}
-    results = {where: train(cfg) for where, cfg in runs.items()}
+    with caplog.at_level(logging.WARNING, logger="rlhflab"):
+        results = {where: train(cfg) for where, cfg in runs.items()}
+    assert not [r for r in caplog.records if "not bit for bit" in r.getMessage()]
     for key in ("train/kl", "train/loss", "train/reward"):
         learner, *others = (history(runs[w], results[w].run_id, key) for w in places)
         for where, other in zip(places[1:], others):
@@ -387,6 +390,23 @@ def test_reference_in_the_generator_matches_the_learners(make_cfg, memory):
     assert history(runs["learner"], results["learner"].run_id, "train/kl")[-1] != 0.0  # the reference is in the numbers
     split = history(runs["balance"], results["balance"].run_id, "perf/ref_rows_generator")
     assert len(split) == 4 and split[0] == 0.5 and all(0 <= s <= 1 for s in split)  # half until both sides reported
+    assert not live_children()
+
+
+@pytest.mark.parametrize("override, why", [("trainer.precision=bf16-mixed", "under bfloat16 autocast"),
+                                            ("mode.learner_threads=2", "with 2 torch threads on a side")])
+def test_balance_says_where_its_numbers_follow_the_split(make_cfg, caplog, override, why):
+    """Under bf16 autocast, or with more than one thread on a side, a row's numbers in a forward can depend on how
+    many rows it holds (tests/test_rollout.py), so balance's timed split reaches the reference log-probs: the run
+    says so once, as it starts, and runs."""
+    cfg = make_cfg("mode=async", "staleness=1", "trainer.max_steps=2", "mode.reference=balance", override)
+    with caplog.at_level(logging.WARNING, logger="rlhflab"):
+        run_id = train(cfg).run_id
+    said = [r.getMessage() for r in caplog.records if "not bit for bit" in r.getMessage()]
+    assert said == [f"mode.reference=balance {why}: a row's reference log-probs can move in their last bits with where "
+                    "the timed split cuts the batch, so runs are not bit for bit repeatable; mode.reference=generator "
+                    "or learner are"]
+    assert len(history(cfg, run_id, "perf/ref_rows_generator")) == 2
     assert not live_children()
 
 

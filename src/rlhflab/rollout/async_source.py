@@ -173,8 +173,9 @@ class ReferenceSplit:
     weights push. Every estimate is smoothed (half the last, half the new one), and m is n / 2 until both
     sides have reported. The split follows timings, yet the numbers do not: each side computes its rows in the
     groups and at the widths the whole batch's forwards give them (`by_length`'s rows), so a rerun, and
-    mode.reference=generator or learner, give the same numbers bit for bit (on the CPU, where a row's numbers do
-    not depend on the rows beside it in a forward).
+    mode.reference=generator or learner, give the same numbers bit for bit (on the CPU in float32 at one thread a side,
+    where a row's numbers do not depend on the rows beside it in a forward; elsewhere they can: AsyncSource.start
+    warns).
     """
 
     SMOOTH = 0.5  # weight of the newest measurement
@@ -463,6 +464,22 @@ class AsyncSource(SyncSource):
         log.info("mode async: generator process %d started (staleness %d, weights every %d updates, threads %d+%d, "
                  "reference log-probs: %s)", self.proc.pid, self.staleness, self.sync_every, self.generator_threads,
                  self.learner_threads, "split between generator and learner" if self.reference == "balance" else self.reference)
+        if self.reference == "balance":
+            self._say_split_reaches_numbers(autocast)
+
+    def _say_split_reaches_numbers(self, autocast: dict | None) -> None:
+        """balance's numbers equal generator's and learner's where a row's numbers in a forward do not depend on how
+        many rows it holds: in float32 on one thread a side. bf16 autocast (oneDNN's kernels on an AMX CPU: ~8e-3 in
+        the log-probs of 768-wide layers) and more threads (~1e-6 there at 2) break that, so the timed split reaches
+        the numbers (tests/test_rollout.py)."""
+        why = [f"under {'/'.join(str(d).removeprefix('torch.') for d in autocast.values())} autocast"] if autocast else []
+        threads = max(self.generator_threads, self.learner_threads)
+        if threads > 1:
+            why.append(f"with {threads} torch threads on a side")
+        if why:
+            log.warning("mode.reference=balance %s: a row's reference log-probs can move in their last bits with where "
+                        "the timed split cuts the batch, so runs are not bit for bit repeatable; mode.reference=generator "
+                        "or learner are", " and ".join(why))
 
     def _alive(self) -> None:
         """Raise what the generator said before it ended (or that it died without a word); a stop asked for: stop."""

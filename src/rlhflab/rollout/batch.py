@@ -173,8 +173,9 @@ def by_length(forward, query: torch.Tensor, response: torch.Tensor, response_mas
     rows: only these rows of the batch ((len, R) out; mode.reference=balance, where the generator computes a batch's
     first rows and the learner the rest). Each is computed in the group the whole batch puts it in, cut to that
     group's widths, so it gets the numbers it gets in the batch's own forwards wherever a row's numbers do not
-    depend on the rows beside it in a forward (on the CPU they do not: tests/test_rollout.py). A group's widths
-    set the numbers: cut to its own rows' widths, a split moved them by ~5e-7."""
+    depend on the rows beside it in a forward (on the CPU in float32 on one thread they do not; under bf16 autocast,
+    or on more threads, a wide forward's rows can depend on how many it holds: tests/test_rollout.py). A group's
+    widths set the numbers: cut to its own rows' widths, a split moved them by ~5e-7."""
     mask = response_mask if rows is None else response_mask[rows]
     if buckets is None:
         return each(forward(query, response) if rows is None else forward(query[rows], response[rows]), lambda t: t * mask)
