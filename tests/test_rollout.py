@@ -151,26 +151,35 @@ def test_by_length_gives_one_forwards_numbers_and_gradients():
     assert torch.equal(whole[0], one) and torch.equal(whole[1], -one)
 
 
-def test_a_batchs_rows_split_anywhere_get_the_whole_batchs_numbers_bit_for_bit():
-    """mode.reference=balance: the generator computes the reference log-probs of a batch's first m rows, the learner
-    the rest, m following timings. Each side computes its rows in the groups and at the widths the whole batch's
-    forwards give them, so any m gives the numbers of the whole batch exactly and a rerun is bit for bit. Grouped
-    by their own lengths instead (each side's rows bucketed apart), 8 of 17 splits moved some log-probs by ~5e-7."""
+def _scored_batch(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, n: int, P: int, R: int,
+                  left_padded: bool):
+    """(forward, query, response, mask): a random Llama's response log-probs and a random batch of n rows of P
+    prompt tokens (left-padded to random lengths, or whole) and up to R response tokens (right-padded)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, max_position_embeddings=64)).eval()
-    n, P, R = 64, 12, 9
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                         num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=64)).eval()
     g = torch.Generator().manual_seed(1)
-    query = torch.randint(3, 48, (n, P), generator=g)
-    for i, p in enumerate(torch.randint(3, P + 1, (n,), generator=g).tolist()):
-        query[i, : P - p] = PAD
+    query = torch.randint(3, vocab, (n, P), generator=g)
+    if left_padded:
+        for i, p in enumerate(torch.randint(3, P + 1, (n,), generator=g).tolist()):
+            query[i, : P - p] = PAD
     mask = _mask(torch.randint(1, R + 1, (n,), generator=g).tolist(), R)
-    response = torch.randint(3, 48, (n, R), generator=g).masked_fill(mask == 0, PAD)
+    response = torch.randint(3, vocab, (n, R), generator=g).masked_fill(mask == 0, PAD)
 
     def forward(q, r):
         ids, att, pos = join(q, r, PAD)
         return token_logprobs(model(input_ids=ids, attention_mask=att, position_ids=pos).logits[:, q.shape[1] - 1 : -1], r, 1.0)
 
+    return forward, query, response, mask
+
+
+def test_a_batchs_rows_split_anywhere_get_the_whole_batchs_numbers_bit_for_bit():
+    """mode.reference=balance: the generator computes the reference log-probs of a batch's first m rows, the learner
+    the rest, m following timings. Each side computes its rows in the groups and at the widths the whole batch's
+    forwards give them, so any m gives the numbers of the whole batch exactly and a rerun is bit for bit. Grouped
+    by their own lengths instead (each side's rows bucketed apart), 8 of 17 splits moved some log-probs by ~5e-7."""
+    n, P, R = 64, 12, 9
+    forward, query, response, mask = _scored_batch(48, 64, 128, 2, 4, n, P, R, left_padded=True)
     groups = length_buckets(mask, P, max_buckets=4)
     assert groups is not None and len(groups) >= 2
     with torch.no_grad():
@@ -189,19 +198,8 @@ def test_on_wide_layers_a_split_is_bit_for_bit_in_float32_on_one_thread_only():
     get the whole batch's numbers exactly; under bf16 autocast (oneDNN's kernels on this host's AMX: ~8e-3 here) or on
     2 threads (~1e-6) a forward's rows can depend on how many it holds, which is why mode.reference=balance warns
     there (test_async.py), yet they stay within that precision's rounding of the whole batch's."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=768, intermediate_size=3072, num_hidden_layers=1,
-                                         num_attention_heads=12, max_position_embeddings=64)).eval()
     n, P, R = 32, 6, 24
-    g = torch.Generator().manual_seed(1)
-    query = torch.randint(3, 256, (n, P), generator=g)
-    mask = _mask(torch.randint(1, R + 1, (n,), generator=g).tolist(), R)
-    response = torch.randint(3, 256, (n, R), generator=g).masked_fill(mask == 0, PAD)
-
-    def forward(q, r):
-        ids, att, pos = join(q, r, PAD)
-        return token_logprobs(model(input_ids=ids, attention_mask=att, position_ids=pos).logits[:, q.shape[1] - 1 : -1], r, 1.0)
-
+    forward, query, response, mask = _scored_batch(256, 768, 3072, 1, 12, n, P, R, left_padded=False)
     threads = torch.get_num_threads()
     try:
         for n_threads, bf16, atol in ((1, False, 0.0), (1, True, 0.05), (2, False, 1e-4)):
