@@ -470,8 +470,8 @@ class AsyncSource(SyncSource):
     def _say_split_reaches_numbers(self, autocast: dict | None) -> None:
         """balance's numbers equal generator's and learner's where a row's numbers in a forward do not depend on how
         many rows it holds: in float32 on one thread a side. bf16 autocast (oneDNN's kernels on an AMX CPU: ~8e-3 in
-        the log-probs of 768-wide layers) and more threads (~1e-6 there at 2) break that, so the timed split reaches
-        the numbers (tests/test_rollout.py)."""
+        the log-probs of 768-wide layers) and more threads (~1e-6 there at 2, where a forward was not even repeatable
+        call to call) break that, so the timed split reaches the numbers (tests/test_rollout.py)."""
         why = [f"under {'/'.join(str(d).removeprefix('torch.') for d in autocast.values())} autocast"] if autocast else []
         threads = max(self.generator_threads, self.learner_threads)
         if threads > 1:

@@ -306,10 +306,10 @@ def _sample(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens: int,
     attends[:, :prompt] = keep
     causal = torch.ones(prompt, prompt, dtype=torch.bool).tril()
 
-    def forward(tokens: torch.Tensor, start: int, caches=caches, rows=slice(None), head=True) -> torch.Tensor:
-        """Last position's float32 logits (head=False: its final-normed hidden state, for `head`); writes the
-        tokens' keys and values at slots start.. of the caches. rows: which rows of the batch `tokens` are (the
-        prefill of each prompt once)."""
+    def forward(tokens: torch.Tensor, start: int, caches=caches, rows=slice(None)) -> torch.Tensor:
+        """Last position's final-normed hidden state (`lm_head` makes its logits); writes the tokens' keys and
+        values at slots start.. of the caches. rows: which rows of the batch `tokens` are (the prefill of each
+        prompt once)."""
         end = start + tokens.shape[1]
         mask = attends[rows, None, None, :end]
         if tokens.shape[1] > 1:
@@ -317,13 +317,13 @@ def _sample(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens: int,
         x = _embed(core.embed_tokens, tokens)
         for layer, cache in zip(core.layers, caches):
             x = _layer(layer, x, cos[rows, :, start:end], sin[rows, :, start:end], mask, cache, start)
-        x = _norm(core.norm, x[:, -1:])
-        return lm_head(x) if head else x
+        return _norm(core.norm, x[:, -1:])
 
     def lm_head(x: torch.Tensor) -> torch.Tensor:
+        """float32 logits of every row (the shared prefill's too: `_prefill`)."""
         return F.linear(x, model.lm_head.weight, model.lm_head.bias)[:, -1].float()
 
-    logits = lm_head(_prefill(forward, query, caches)) if share_prefill else forward(query, 0)
+    logits = lm_head(_prefill(forward, query, caches) if share_prefill else forward(query, 0))
     done = torch.zeros(rows, dtype=torch.bool)
     pads = torch.full((rows,), pad, dtype=torch.long)
     tokens, logprobs = [], []
@@ -342,27 +342,27 @@ def _sample(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens: int,
         if step == max_new_tokens - 1 or bool(done.all()):
             break
         attends[:, prompt + step] = True
-        logits = forward(token[:, None], prompt + step)
+        logits = lm_head(forward(token[:, None], prompt + step))
     response = torch.stack(tokens, 1)
     return response, (torch.stack(logprobs, 1) if logprobs else None)
 
 
 def _prefill(forward, query: torch.Tensor, caches: list) -> torch.Tensor:
-    """The prompt's forward (`_sample`'s `forward(query, 0, head=False)`): each run of equal consecutive rows (a
-    prompt's k samples, `repeat_prompts`) once, its keys, values and last hidden state then copied to each of its
-    rows; the LM head runs on every row, as the whole batch's does (its 8-row product's logits differed by ~5e-7 from
-    the same rows' among 32, for the 113M preset's width on the Intel Xeon host with AMX). The layers' numbers did not
-    depend on the rows beside them there, so they are the whole batch's forward's: tests/test_lean_decode.py checks
-    tokens and log-probs bit for bit against the prefill of every row (`_sample(share_prefill=False)`), on the tiny
-    shapes and the 113M preset's width."""
+    """The prompt's forward (`_sample`'s `forward(query, 0)`: last hidden states): each run of equal consecutive
+    rows (a prompt's k samples, `repeat_prompts`) once, its keys, values and last hidden state then copied to each of
+    its rows; the caller's LM head runs on every row, as the whole batch's does (an 8-row head product's logits
+    differed by ~5e-7 from the same rows' among 32, for the 113M preset's width on the Intel Xeon host with AMX). The
+    layers' numbers did not depend on the rows beside them there, so they are the whole batch's forward's:
+    tests/test_lean_decode.py checks tokens and log-probs bit for bit against the prefill of every row
+    (`_sample(share_prefill=False)`), on the tiny shapes and the 113M preset's width."""
     _, inverse, counts = torch.unique_consecutive(query, dim=0, return_inverse=True, return_counts=True)
     if len(counts) == len(query):
-        return forward(query, 0, head=False)
+        return forward(query, 0)
     rows = counts.cumsum(0) - counts  # each prompt's first row
     prompt = query.shape[1]
     once = [tuple(torch.empty((len(rows), c.shape[1], prompt, c.shape[3]), dtype=c.dtype) for c in pair)
             for pair in caches]
-    hidden = forward(query[rows], 0, once, rows, head=False)
+    hidden = forward(query[rows], 0, once, rows)
     for pair, small in zip(caches, once):
         for cache, part in zip(pair, small):
             cache[:, :, :prompt] = part[inverse]
