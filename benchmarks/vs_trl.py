@@ -155,6 +155,11 @@ SIDE_MODE = {
     # The same with each batch's reference rows split between generator and learner so both are equally busy.
     "rlhflab_async_balance": ["mode=async", "staleness=1", "mode.reference=balance", "mode.generator_threads=1",
                               "mode.learner_threads=1", "torch_threads=1"],
+    # The async side with autocast's own bf16 products in generate() (no weights laid out once per call): what
+    # generator.prepack gives under --precision bf16, side by side (float32 runs the same code either way).
+    "rlhflab_async_noprepack": ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1",
+                                "mode.learner_threads=1", "torch_threads=1", "generator.prepack=false"],
+    "rlhflab_2threads_noprepack": ["mode=sync", "mode.reference=learner", "torch_threads=2", "generator.prepack=false"],
 }
 # TRL's sides: torch.set_num_threads in its one process, and its tracker (report_to): none, or MLflow into a
 # SQLite store in the run's directory as rlhflab's (TRL's MLflowCallback, logging every step as logging_steps=1).
@@ -163,7 +168,9 @@ TRL_SIDE = {"trl": {"threads": 1, "report_to": "none"}, "trl_2threads": {"thread
 SIDES = (*SIDE_MODE, *TRL_SIDE)
 DEFAULT_SIDES = ("rlhflab", "rlhflab_process", "rlhflab_1thread", "rlhflab_async", "trl")
 SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_thread": "rlhflab sync thread", "rlhflab_log1": "rlhflab sync logging every step", "rlhflab_process": "rlhflab sync process", "rlhflab_process_whole": "rlhflab sync process, the learner sampling every row", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
-              "rlhflab_async": "rlhflab async", "rlhflab_async_balance": "rlhflab async balance", "trl": "TRL",
+              "rlhflab_async": "rlhflab async", "rlhflab_async_balance": "rlhflab async balance",
+              "rlhflab_async_noprepack": "rlhflab async without prepack",
+              "rlhflab_2threads_noprepack": "rlhflab sync 2 threads without prepack", "trl": "TRL",
               "trl_2threads": "TRL 2 threads",
               "trl_mlflow": "TRL + MLflow"}
 

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -297,7 +298,7 @@ def test_generation_under_lightnings_autocast_casts_each_trainable_weight_once_p
                                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
     prompts = task.prompts("train")[:4]
     query = encode_prompts(tok, prompts)
-    gen = HFGenerator(temperature=1.0, max_new_tokens=8)
+    gen = HFGenerator(temperature=1.0, max_new_tokens=8, prepack=False)  # prepack's own casts: the test below
     gen.setup(tok, 8)
     linears = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
 
@@ -341,3 +342,66 @@ def test_generation_under_lightnings_autocast_casts_each_trainable_weight_once_p
         uniform = gen.generate(model, query, prompts, samples_per_prompt=1, version=0)
     mask = uniform.response_mask.bool()
     torch.testing.assert_close(uniform.logprobs[mask], torch.full((int(mask.sum()),), -math.log(len(tok))))
+
+
+@pytest.mark.parametrize("width", [(32, 64, 4), (768, 3072, 12)], ids=["tiny", "113m-width"])
+def test_prepacked_bf16_weights_sample_what_autocasts_own_products_sample(width):
+    """generator.prepack (rollout.sources.packs_once): under CPU bf16 autocast each linear layer multiplies through a
+    bf16 weight oneDNN laid out once per generate() call, not at every token, and samples the same tokens and
+    log-probs as autocast's own products, at the 113M model's width too. Every Linear runs packed while it samples
+    and none after (its forward put back, so an in-place update is read by the next call); nothing is packed in
+    float32 or with grad on."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlhflab.lit.data import encode_prompts
+    from rlhflab.rollout.hf import HFGenerator
+    from rlhflab.rollout.sources import packs_once
+    from rlhflab.tasks.sentiment import SentimentTask
+
+    hidden, inner, heads = width
+    task = SentimentTask(response_words=8, seed=0)
+    tok = task.build_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=inner,
+                                         num_hidden_layers=2, num_attention_heads=heads, max_position_embeddings=64,
+                                         tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+                                         eos_token_id=tok.eos_token_id))
+    prompts = task.prompts("train")[:4]
+    query = encode_prompts(tok, prompts)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+    class Products(TorchDispatchMode):
+        """Counts the products through packed weights."""
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.mkldnn._linear_pointwise.default:
+                Products.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def sample(prepack: bool, autocast: bool = True):
+        gen = HFGenerator(temperature=1.0, max_new_tokens=8, prepack=prepack)
+        gen.setup(tok, 8)
+        Products.n = 0
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=autocast), Products():
+            rollout = gen.generate(model, query, prompts, samples_per_prompt=2, version=0)
+        return rollout, Products.n
+
+    own, none = sample(prepack=False)
+    packed, products = sample(prepack=True)
+    assert none == 0 and packed.response.shape[1] > 2
+    assert products >= len(linears) * packed.response.shape[1]  # every layer, at every token
+    assert not any("forward" in m.__dict__ for m in linears)  # put back
+    assert torch.equal(own.response, packed.response)
+    torch.testing.assert_close(own.logprobs, packed.logprobs, atol=0, rtol=0)
+    assert sample(prepack=True, autocast=False)[1] == 0  # float32: nothing to lay out
+    with torch.autocast("cpu", dtype=torch.bfloat16), packs_once(model, 8):
+        assert not any("forward" in m.__dict__ for m in linears)  # grad on: the packed product has no backward
+    # The next call lays the weights out again: after the head is zeroed in place, it samples uniformly.
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    uniform, _ = sample(prepack=True)
+    mask = uniform.response_mask.bool()
+    torch.testing.assert_close(uniform.logprobs[mask], torch.full((int(mask.sum()),), -math.log(len(tok))),
+                               atol=1e-6, rtol=0)

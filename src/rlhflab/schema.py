@@ -326,6 +326,7 @@ class HFGenerator:
     top_k: int = setting(choices=(0,), why="the learner and the reference never truncate, so top-k samples would make every ratio and KL wrong")
     max_new_tokens: Optional[int] = setting(ge=1)
     decode: str = setting(choices=("auto", "lean", "generate"))
+    prepack: bool = MISSING
 
 
 @dataclass
