@@ -344,13 +344,15 @@ def test_generation_under_lightnings_autocast_casts_each_trainable_weight_once_p
     torch.testing.assert_close(uniform.logprobs[mask], torch.full((int(mask.sum()),), -math.log(len(tok))))
 
 
-@pytest.mark.parametrize("width", [(32, 64, 4), (768, 3072, 12)], ids=["tiny", "113m-width"])
+@pytest.mark.parametrize("width", [(32, 64, 4, False), (32, 64, 4, True), (768, 3072, 12, False)],
+                         ids=["tiny", "tiny-lora", "113m-width"])
 def test_prepacked_bf16_weights_sample_what_autocasts_own_products_sample(width):
     """generator.prepack (rollout.sources.packs_once): under CPU bf16 autocast each linear layer multiplies through a
     bf16 weight oneDNN laid out once per generate() call, not at every token, and samples the same tokens and
-    log-probs as autocast's own products, at the 113M model's width too. Every Linear runs packed while it samples
-    and none after (its forward put back, so an in-place update is read by the next call); nothing is packed in
-    float32 or with grad on."""
+    log-probs as autocast's own products, at the 113M model's width and with LoRA adapters (memory=lora: PEFT's
+    layer calls its base and adapter Linears) too. Every Linear runs packed while it samples and none after (its
+    forward put back, so an in-place update is read by the next call); nothing is packed in float32 or with grad
+    on."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rlhflab.lit.data import encode_prompts
@@ -358,7 +360,7 @@ def test_prepacked_bf16_weights_sample_what_autocasts_own_products_sample(width)
     from rlhflab.rollout.sources import packs_once
     from rlhflab.tasks.sentiment import SentimentTask
 
-    hidden, inner, heads = width
+    hidden, inner, heads, lora = width
     task = SentimentTask(response_words=8, seed=0)
     tok = task.build_tokenizer()
     torch.manual_seed(0)
@@ -366,6 +368,10 @@ def test_prepacked_bf16_weights_sample_what_autocasts_own_products_sample(width)
                                          num_hidden_layers=2, num_attention_heads=heads, max_position_embeddings=64,
                                          tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
                                          eos_token_id=tok.eos_token_id))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     prompts = task.prompts("train")[:4]
     query = encode_prompts(tok, prompts)
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
@@ -400,7 +406,7 @@ def test_prepacked_bf16_weights_sample_what_autocasts_own_products_sample(width)
         assert not any("forward" in m.__dict__ for m in linears)  # grad on: the packed product has no backward
     # The next call lays the weights out again: after the head is zeroed in place, it samples uniformly.
     with torch.no_grad():
-        model.lm_head.weight.zero_()
+        model.get_output_embeddings().weight.zero_()
     uniform, _ = sample(prepack=True)
     mask = uniform.response_mask.bool()
     torch.testing.assert_close(uniform.logprobs[mask], torch.full((int(mask.sum()),), -math.log(len(tok))),
