@@ -1,5 +1,6 @@
 """The rollout helpers the learner and every generator share."""
 
+import logging
 import math
 
 import pytest
@@ -346,7 +347,7 @@ def test_generation_under_lightnings_autocast_casts_each_trainable_weight_once_p
 
 @pytest.mark.parametrize("width", [(32, 64, 4, False), (32, 64, 4, True), (768, 3072, 12, False)],
                          ids=["tiny", "tiny-lora", "113m-width"])
-def test_prepacked_bf16_weights_sample_what_autocasts_own_products_sample(width):
+def test_prepacked_bf16_weights_sample_what_autocasts_own_products_sample(width, caplog):
     """generator.prepack (rollout.sources.packs_once): under CPU bf16 autocast each linear layer multiplies through a
     bf16 weight oneDNN laid out once per generate() call, not at every token, and samples the same tokens and
     log-probs as autocast's own products, at the 113M model's width and with LoRA adapters (memory=lora: PEFT's
@@ -395,7 +396,11 @@ def test_prepacked_bf16_weights_sample_what_autocasts_own_products_sample(width)
         return rollout, Products.n
 
     own, none = sample(prepack=False)
-    packed, products = sample(prepack=True)
+    with caplog.at_level(logging.INFO, logger="rlhflab.rollout.hf"):
+        packed, products = sample(prepack=True)
+    told = [r.getMessage() for r in caplog.records if "generator.prepack" in r.getMessage()]
+    assert told == [f"generator: bf16 products through {len(linears)} linear layers' weights laid out for oneDNN once "
+                    "per generate() call (generator.prepack=true)"]
     assert none == 0 and packed.response.shape[1] > 2
     assert products >= len(linears) * packed.response.shape[1]  # every layer, at every token
     assert not any("forward" in m.__dict__ for m in linears)  # put back

@@ -137,6 +137,7 @@ class HFGenerator:
     # or None; set by the RL module while a reference process with the policy runs
     split_with = None
     told_split = False  # the first split batch is logged
+    told_packed = False  # generator.prepack's first packed call is logged
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None,
                  decode: str = "auto", prepack: bool = True) -> None:
@@ -187,7 +188,11 @@ class HFGenerator:
         attention_mask = (query != self.tokenizer.pad_token_id).long()
         recorder = None if greedy else BehaviourLogprobs(self.temperature)
         with diverged_as_nonfinite(), plain_sampling(model) as dropped, casts_once(enabled=not self.synced), \
-                packs_once(model, len(query), enabled=self.prepack and not self.synced):
+                packs_once(model, len(query), enabled=self.prepack and not self.synced) as packed:
+            if packed and not self.told_packed:
+                log.info("generator: bf16 products through %d linear layers' weights laid out for oneDNN once per "
+                         "generate() call (generator.prepack=true)", packed)
+                self.told_packed = True
             if dropped and not self.told:
                 log.info("generator: sampling the policy as it is, without its generation_config.json's %s",
                          ", ".join(dropped))

@@ -84,10 +84,10 @@ def packs_once(model, rows: int, enabled: bool = True):
     Only under no_grad (the packed product has no backward), on the CPU, with oneDNN's bf16 support; each layer's
     forward is replaced on the instance for the block and restored after it, and the packed copies (half the
     weights' float32 bytes, what `casts_once` would cache) are dropped with it. `enabled=False` leaves it all as it
-    is (a model sharded over ranks, generator.prepack=false)."""
+    is (a model sharded over ranks, generator.prepack=false). Yields how many layers it laid out."""
     if (not enabled or current_autocast().get("cpu") is not torch.bfloat16 or torch.is_grad_enabled()
             or not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        yield
+        yield 0
         return
     packed = []
     try:
@@ -99,7 +99,7 @@ def packs_once(model, rows: int, enabled: bool = True):
             bias = None if m.bias is None else m.bias.detach().to(torch.bfloat16)
             m.forward = partial(_packed_linear, weight, bias)
             packed.append(m)
-        yield
+        yield len(packed)
     finally:
         for m in packed:
             del m.forward
