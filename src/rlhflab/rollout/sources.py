@@ -83,7 +83,9 @@ def packs_once(model, rows: int, enabled: bool = True):
 
     Only under no_grad (the packed product has no backward), on the CPU, with oneDNN's bf16 support; each layer's
     forward is replaced on the instance for the block and restored after it, and the packed copies (half the
-    weights' float32 bytes, what `casts_once` would cache) are dropped with it. `enabled=False` leaves it all as it
+    weights' float32 bytes) are dropped with it. They are of every linear layer, frozen ones too: where `casts_once`
+    caches a LoRA policy's adapters only, this holds a bf16 copy of its base for the call (generator.prepack=false
+    if that memory matters more than the speed). `enabled=False` leaves it all as it
     is (a model sharded over ranks, generator.prepack=false). Yields how many layers it laid out."""
     if (not enabled or current_autocast().get("cpu") is not torch.bfloat16 or torch.is_grad_enabled()
             or not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
