@@ -1,0 +1,111 @@
+"""models/attention.py: a forward that trains on the CPU in half precision attends in float32 over short keys; every
+other forward is transformers' sdpa, bit for bit."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlhflab.models import attention
+from rlhflab.models.build import load_causal_lm, load_reward_model, load_value_model
+from rlhflab.rollout.lean import lean_unsupported
+
+
+def pair(**arch):
+    """The same tiny Llama twice: on transformers' sdpa, and switched by use_for_training."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**dict(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=64), **arch})
+    plain = LlamaForCausalLM(config)
+    ours = LlamaForCausalLM(copy.deepcopy(config))
+    ours.load_state_dict(plain.state_dict())
+    return plain, attention.use_for_training(ours)
+
+
+def forward(model, ids, mask, autocast: bool, grad: bool):
+    """Logits and the first layer's query-weight gradient (None without grad)."""
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    grad_q = None
+    if grad:
+        logits.log_softmax(-1).gather(-1, ids[..., None]).sum().backward()
+        grad_q = model.model.layers[0].self_attn.q_proj.weight.grad.clone()
+        model.zero_grad(set_to_none=True)
+    return logits.detach(), grad_q
+
+
+def batch(rows=6, length=20):
+    torch.manual_seed(1)
+    ids = torch.randint(0, 40, (rows, length))
+    mask = torch.ones_like(ids)
+    mask[::2, :3] = 0  # left padding on some rows, as a prompt batch has
+    return ids, mask
+
+
+def test_use_for_training_names_the_attention_and_lean_decode_still_applies():
+    plain, ours = pair()
+    assert plain.config._attn_implementation == "sdpa"
+    assert ours.config._attn_implementation == attention.NAME
+    assert attention.is_sdpa(ours.config) and lean_unsupported(ours.eval()) is None
+    eager = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4))
+    eager.set_attn_implementation("eager")
+    assert attention.use_for_training(eager).config._attn_implementation == "eager"  # a choice made is kept
+
+
+@pytest.mark.parametrize("autocast,grad", [(False, False), (False, True), (True, False)])
+def test_every_other_forward_is_sdpa_bit_for_bit(autocast, grad):
+    plain, ours = pair()
+    ids, mask = batch()
+    logits, grad_q = forward(plain, ids, mask, autocast, grad)
+    logits2, grad_q2 = forward(ours, ids, mask, autocast, grad)
+    assert torch.equal(logits, logits2)
+    assert (grad_q is None and grad_q2 is None) or torch.equal(grad_q, grad_q2)
+
+
+def test_training_under_bf16_autocast_attends_in_float32():
+    """The product is float32's (1e-6 of float64) where bf16 sdpa's is 1e-3 off or more; longer keys: sdpa's own."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 30, 16, requires_grad=True) for _ in range(3))
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True).transpose(1, 2)
+    module = torch.nn.Module()
+    module.is_causal = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, _ = attention.sdpa_trains_f32(module, q, k, v, None)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        theirs, _ = sdpa_attention_forward(module, q, k, v, None)
+    assert ours.dtype == torch.float32 and (ours.double() - exact).abs().max() < 1e-5
+    assert (theirs.double() - exact).abs().max() > 1e-3
+    ours.sum().backward()  # the backward runs through float32 sdpa
+    assert q.grad is not None and q.grad.dtype == torch.float32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not attention.trains_in_f32(q, k)  # no grad: sdpa as it is
+    long_k = torch.randn(2, 4, attention.SHORT_KEYS + 1, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention.trains_in_f32(q, k) and not attention.trains_in_f32(q, long_k)
+    assert not attention.trains_in_f32(q, k)  # float32 without autocast: sdpa as it is
+    assert attention.trains_in_f32(q.detach().bfloat16().requires_grad_(), k.bfloat16())  # half weights
+
+
+def test_a_bf16_training_forward_stays_close_to_sdpa_and_closer_to_float32():
+    """Through a model: logits and the query weight's gradient near sdpa's under bf16 autocast, and the gradient no
+    farther than sdpa's from the float32 one."""
+    plain, ours = pair()
+    ids, mask = batch()
+    _, grad_f32 = forward(plain, ids, mask, autocast=False, grad=True)
+    logits, grad_q = forward(plain, ids, mask, autocast=True, grad=True)
+    logits2, grad_q2 = forward(ours, ids, mask, autocast=True, grad=True)
+    assert not torch.equal(grad_q, grad_q2)  # the float32 path ran
+    assert (logits - logits2).abs().max() < 0.05
+    assert (grad_q - grad_q2).norm() / grad_q.norm() < 0.05
+    assert (grad_q2 - grad_f32).norm() <= (grad_q - grad_f32).norm() * 1.05
+
+
+def test_the_loaders_switch_and_a_saved_model_does_not_carry_the_name(tmp_path):
+    plain, ours = pair()
+    ours.save_pretrained(tmp_path)
+    assert attention.NAME not in (tmp_path / "config.json").read_text()  # loads anywhere, as sdpa
+    for load in (load_causal_lm, load_reward_model, load_value_model):
+        assert load(tmp_path).config._attn_implementation == attention.NAME
