@@ -2,8 +2,11 @@
 
 Two tables, each kind interleaved with the other, medians over --rounds:
 1. Attention alone, forward and backward: PyTorch's sdpa on bf16 query/key/value (what bf16 autocast runs) against
-   sdpa on float32 ones, causal with a padding mask as rlhflab's batches carry, 12 heads of 64, about --tokens
-   tokens a call at each key length; and each one's largest error against float64.
+   rlhflab's `f32_between` (float32 flash attention between the same bf16 roundings, keeping bf16 tensors for the
+   backward)
+   and float32 sdpa as it is, causal with a padding mask as rlhflab's batches carry, 12 heads of 64, about
+   --tokens tokens a call at each key length; and the largest error of each bf16 product against float64 over the
+   same bf16-rounded inputs.
 2. A 113M Llama (`model=llama100m`'s arch, random init; or --sft, a from_pretrained directory) forward and backward
    under bf16 autocast on --rows x --length tokens: transformers' `sdpa` against rlhflab's `sdpa_trains_f32`, with
    the relative distance of the first query weight's gradient from float32's for each.
@@ -33,8 +36,10 @@ def timed(fn, rounds: int) -> list[float]:
 
 
 def attention_table(lengths, tokens: int, rounds: int) -> list[str]:
-    rows = ["| keys | rows | bf16 sdpa ms | float32 sdpa ms | bf16 / float32 | error bf16 | error float32 |",
-            "|---|---|---|---|---|---|---|"]
+    from rlhflab.models.attention import f32_between
+
+    rows = ["| keys | rows | bf16 sdpa ms | rlhflab's ms | bf16 / rlhflab's | float32 sdpa ms | error bf16 | "
+            "error rlhflab's |", "|---|---|---|---|---|---|---|---|"]
     for length in lengths:
         batch = max(1, tokens // length)
         torch.manual_seed(0)
@@ -42,28 +47,36 @@ def attention_table(lengths, tokens: int, rounds: int) -> list[str]:
         mask = torch.ones(length, length, dtype=torch.bool).tril().expand(batch, 1, length, length).clone()
         mask[::2, :, :, :3] = False  # left padding on every other row
         mask[::2, :, :3, :3] = torch.eye(3, dtype=torch.bool)  # a padded query attends to itself (sdpa would NaN)
-        grad = torch.randn(batch, 12, length, 64)
-        exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+        grad = torch.randn(batch, length, 12, 64)
+        exact = F.scaled_dot_product_attention(*(t.bfloat16().double() for t in (q, k, v)), attn_mask=mask)
+        exact = exact.transpose(1, 2)  # against the bf16-rounded inputs both sides attend over
 
         def bf16():
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
             out.float().backward(grad)
             return out
 
-        def f32():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        def ours():  # what a forward that trains under bf16 autocast runs at any length (the bound aside)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = f32_between(q, k, v, mask, False, None, torch.bfloat16).transpose(1, 2)
+            out.float().backward(grad)
+            return out
+
+        def f32():  # float32 sdpa as it is, keeping its float32 inputs for the backward
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
             out.backward(grad)
             return out
 
-        times = {"bf16": [], "f32": []}
+        kinds = {"bf16": bf16, "ours": ours, "f32": f32}
+        times = {name: [] for name in kinds}
         for _ in range(rounds):  # interleaved: one call of each per round
-            for name, fn in (("bf16", bf16), ("f32", f32)):
+            for name, fn in kinds.items():
                 times[name] += timed(fn, 1)
-        err = {name: (fn().double() - exact).abs().max().item() for name, fn in (("bf16", bf16), ("f32", f32))}
-        mb, mf = statistics.median(times["bf16"]) * 1e3, statistics.median(times["f32"]) * 1e3
-        rows.append(f"| {length} | {batch} | {mb:.1f} | {mf:.1f} | {mb / mf:.2f}x | {err['bf16']:.1e} | "
-                    f"{err['f32']:.1e} |")
+        err = {name: (kinds[name]().double() - exact).abs().max().item() for name in ("bf16", "ours")}
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        rows.append(f"| {length} | {batch} | {ms['bf16']:.1f} | {ms['ours']:.1f} | {ms['bf16'] / ms['ours']:.2f}x | "
+                    f"{ms['f32']:.1f} | {err['bf16']:.1e} | {err['ours']:.1e} |")
     return rows
 
 
@@ -109,7 +122,7 @@ def model_table(sft: str | None, rows: int, length: int, rounds: int) -> list[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="44,128,256,384,512", help="key lengths of table 1")
+    parser.add_argument("--lengths", default="44,128,160,192,256,512", help="key lengths of table 1")
     parser.add_argument("--tokens", type=int, default=1408, help="tokens a call in table 1 (rows = tokens / length)")
     parser.add_argument("--rows", type=int, default=32, help="table 2's rows (vs_trl's 113M setting: 8 prompts x 4)")
     parser.add_argument("--length", type=int, default=44, help="table 2's tokens a row (prompt + 32 new)")

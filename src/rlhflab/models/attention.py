@@ -1,16 +1,18 @@
-"""Attention for the forwards that train, on the CPU under bf16/fp16: float32 sdpa over short sequences.
+"""Attention for the forwards that train, on the CPU under bf16/fp16: float32 sdpa over short keys.
 
-Every model rlhflab loads or builds with transformers' default attention (`sdpa`) is switched to `sdpa_trains_f32`
+Every model rlhflab loads with transformers' default attention (`sdpa`) is switched to `sdpa_trains_f32`
 (`use_for_training`), an entry in transformers' AttentionInterface that is sdpa itself everywhere but in one case: a
 forward with grad on, on the CPU, in half precision (bf16/fp16 autocast, `trainer.precision=bf16-mixed`, or half
-weights), over keys at most SHORT_KEYS long. There it runs sdpa on float32 query, key and value with autocast off,
-and returns the product in the query's dtype. Two reasons, both measured on this repo's machine (torch 2.13, one
-thread, `benchmarks/attention_train.py`):
-- PyTorch's CPU flash attention backward in bf16 is slow at short lengths: 32 rows of 44 tokens, 12 heads of 64,
-  forward and backward took 77 ms in bf16 against 25 ms in float32; at 256 tokens they are level, and from 384 on
-  bf16 is faster, hence the bound. Through the 113M model's forward and backward under bf16 autocast (32 x 44
-  tokens): 2.55 against 3.2 s on one thread.
-- float32 attention is the more exact: its result is within 1e-6 of float64's, bf16's within 2e-2.
+weights), over keys at most SHORT_KEYS long. There it rounds query, key and value to the half dtype as autocast
+would, runs PyTorch's CPU flash attention on them in float32, and rounds the product to the half dtype as autocast's
+sdpa returns it (`f32_between`): the same roundings, float32 arithmetic between them in place of the same kernel in
+bf16, whose backward is slow at short lengths. The backward keeps the same half tensors half sdpa keeps. Measured on
+this repo's machine (torch 2.13, Intel Xeon with AMX, one thread, `benchmarks/attention_train.py`), forward and
+backward of 12 heads of 64 over ~1,400 tokens: 1.88x bf16 sdpa's speed at 44 keys (40.9 against 76.8 ms), 1.26x at
+128, 1.34x at 160, 0.87x at 192 and 0.72x at 512, hence the bound; the product no farther from float64's than bf16
+sdpa's. Through the 113M model's forward and backward under bf16 autocast (32 x 44 tokens): 1.21x (2.64 against 3.20
+s), with the same memory held for the backward (`benchmarks/attention_train.md`).
+
 Forwards without grad (generation, the reference's and the old log-probs' forwards) run sdpa unchanged, so their
 numbers are as before bit for bit, and so is every float32 run. The choice is per call and per thread (grad mode and
 autocast are thread-local), so a reference forward in a thread beside the learner's keeps sdpa.
@@ -25,7 +27,7 @@ import torch
 log = logging.getLogger(__name__)
 
 NAME = "sdpa_trains_f32"
-SHORT_KEYS = 256  # the longest key length attended in float32 (see the module docstring)
+SHORT_KEYS = 160  # the longest key length attended in float32 (see the module docstring)
 HALF = (torch.bfloat16, torch.float16)
 _said: list = []  # the one-time log line, once said in this process
 
@@ -40,18 +42,63 @@ def trains_in_f32(query: torch.Tensor, key: torch.Tensor) -> bool:
 def sdpa_trains_f32(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not trains_in_f32(query, key):
+    if not trains_in_f32(query, key) or kwargs.get("dropout", 0.0) or set(kwargs) & ODD_KWARGS:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    half = query.dtype if query.dtype in HALF else torch.get_autocast_dtype("cpu")
     if not _said:
         _said.append(True)
         log.info("attention: forwards that train in %s on the CPU attend in float32 over keys of up to %d tokens "
                  "(sdpa's bf16 backward is ~3x slower there; transformers' sdpa everywhere else)",
-                 str(query.dtype if query.dtype in HALF else torch.get_autocast_dtype("cpu")).removeprefix("torch."),
-                 SHORT_KEYS)
+                 str(half).removeprefix("torch."), SHORT_KEYS)
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:  # as transformers' sdpa with a mask: the key/value heads repeated
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    is_causal = kwargs.get("is_causal")
+    is_causal = query.shape[2] > 1 and attention_mask is None and (
+        is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    out = f32_between(query, key, value, attention_mask, is_causal, kwargs.get("scaling"), half)
+    return out.transpose(1, 2).contiguous(), None
+
+
+# What sdpa_trains_f32 leaves to transformers' sdpa: a paged cache, T5's position bias, a soft cap, attention weights.
+ODD_KWARGS = {"cache", "position_bias", "softcap", "output_attentions"}
+
+
+class _F32Between(torch.autograd.Function):
+    """The CPU flash kernel (the one sdpa picks on the CPU) on float32 copies of half inputs; its product and what
+    the backward keeps in the half dtype, as half sdpa keeps them."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, is_causal, scale, half):
+        q, k, v = query.to(half), key.to(half), value.to(half)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float(), k.float(), v.float(), 0.0, is_causal, attn_mask=mask, scale=scale)
+        out = out.to(half)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.is_causal, ctx.scale, ctx.dtypes = is_causal, scale, (query.dtype, key.dtype, value.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, ctx.is_causal, attn_mask=mask,
+            scale=ctx.scale)
+        return *(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None, None, None, None
+
+
+def f32_between(query, key, value, mask, is_causal: bool, scale, half) -> torch.Tensor:
+    """Attention over query, key and value (rows, heads, length, dim; as many key/value heads as query heads) rounded
+    to `half`, in float32, its product rounded to `half`: autocast's roundings of sdpa's inputs and output, float32
+    arithmetic between them. The backward keeps the half inputs and product (float32 copies cost +125 MB at 113M, 32
+    x 44 tokens, and put the async side's peak RSS above TRL's) and reads them back as float32. A boolean mask
+    (True: attend) becomes sdpa's own additive one."""
+    if mask is not None and mask.dtype == torch.bool:  # as sdpa converts it, at each layer
+        mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+    elif mask is not None:
+        mask = mask.float()
     with torch.autocast("cpu", enabled=False):
-        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
-                                              **kwargs)
-    return out.to(query.dtype), weights
+        return _F32Between.apply(query, key, value, mask, is_causal, scale, half)
 
 
 def register() -> None:
