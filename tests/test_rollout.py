@@ -416,3 +416,65 @@ def test_prepacked_bf16_weights_sample_what_autocasts_own_products_sample(width,
     mask = uniform.response_mask.bool()
     torch.testing.assert_close(uniform.logprobs[mask], torch.full((int(mask.sum()),), -math.log(len(tok))),
                                atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("arch", [(32, 64, 4, 4, False), (32, 64, 4, 2, False), (32, 64, 4, 4, True),
+                                  (768, 3072, 12, 12, False)], ids=["tiny", "tiny-gqa", "tiny-lora", "113m-width"])
+def test_a_bf16_key_value_cache_samples_what_generates_own_cache_samples(arch, caplog):
+    """generator.autocast_cache (rollout.sources.autocast_cache): under CPU bf16 autocast generate() keeps its keys
+    and values in bf16, the numbers autocast's attention reads, rather than float32 keys cast again at every token:
+    the same tokens and log-probs as generate()'s own cache, with grouped-query attention, LoRA adapters and at the
+    113M model's width, with and without generator.prepack. Said once; nothing in float32."""
+    from rlhflab.lit.data import encode_prompts
+    from rlhflab.rollout.hf import HFGenerator
+    from rlhflab.rollout.sources import autocast_cache
+    from rlhflab.tasks.sentiment import SentimentTask
+
+    hidden, inner, heads, kv_heads, lora = arch
+    task = SentimentTask(response_words=8, seed=0)
+    tok = task.build_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=inner,
+                                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                         max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+                                         eos_token_id=tok.eos_token_id))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    prompts = task.prompts("train")[:4]
+    query = encode_prompts(tok, prompts)
+    given = []
+    generate = model.generate
+
+    def spied(**kwargs):
+        given.append(kwargs.get("past_key_values"))
+        return generate(**kwargs)
+
+    model.generate = spied
+
+    def sample(cached: bool, prepack: bool = True, autocast: bool = True):
+        gen = HFGenerator(temperature=1.0, max_new_tokens=8, prepack=prepack, autocast_cache=cached)
+        gen.setup(tok, 8)
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=autocast):
+            return gen.generate(model, query, prompts, samples_per_prompt=2, version=0)
+
+    for prepack in (True, False):
+        own = sample(cached=False, prepack=prepack)
+        assert given.pop() is None
+        with caplog.at_level(logging.INFO, logger="rlhflab.rollout.hf"):
+            half = sample(cached=True, prepack=prepack)
+        cache = given.pop()
+        assert half.response.shape[1] > 2
+        assert {layer.keys.dtype for layer in cache.layers} == {layer.values.dtype for layer in cache.layers} == {
+            torch.bfloat16}
+        assert torch.equal(own.response, half.response)
+        torch.testing.assert_close(own.logprobs, half.logprobs, atol=0, rtol=0)
+    told = [r.getMessage() for r in caplog.records if "generator.autocast_cache" in r.getMessage()]
+    assert told == ["generator: generate()'s key/value cache held in bfloat16, as autocast's attention reads it "
+                    "(generator.autocast_cache=true)"] * 2  # once per generator
+    assert autocast_cache(model) is None  # float32: generate()'s own cache (a plain Llama's runs the lean loop)
+    model.generation_config.cache_implementation = "static"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_cache(model) is None  # a model that asks for another cache gets it

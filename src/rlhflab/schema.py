@@ -327,6 +327,7 @@ class HFGenerator:
     max_new_tokens: Optional[int] = setting(ge=1)
     decode: str = setting(choices=("auto", "lean", "generate"))
     prepack: bool = MISSING
+    autocast_cache: bool = MISSING
 
 
 @dataclass

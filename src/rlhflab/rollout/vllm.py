@@ -103,8 +103,8 @@ def _drop_expected_warnings(record: logging.LogRecord) -> bool:
 class VLLMGenerator(HFGenerator):
     """Samples k completions per prompt with a vLLM engine, recording the engine's behaviour log-probs.
 
-    temperature, top_k, max_new_tokens: as for `generator=hf`; decode, prepack: how the learner's own evaluation
-      samples are drawn while a generator process owns the engine (`for_learner`), as `generator=hf`'s.
+    temperature, top_k, max_new_tokens: as for `generator=hf`; decode, prepack, autocast_cache: how the learner's own
+      evaluation samples are drawn while a generator process owns the engine (`for_learner`), as `generator=hf`'s.
     gpu_memory_utilization: the share of the GPU the engine may take (weights + KV cache);
       leave room for the learner when they share a device.
     kv_cache_memory_bytes: a fixed KV cache size instead (null = from gpu_memory_utilization).
@@ -118,8 +118,8 @@ class VLLMGenerator(HFGenerator):
     def __init__(self, temperature: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.3, kv_cache_memory_bytes: int | None = None, dtype: str = "auto",
                  enforce_eager: bool = True, max_model_len: int | None = None, decode: str = "auto",
-                 prepack: bool = True) -> None:
-        super().__init__(temperature, top_k, max_new_tokens, decode, prepack)  # settings first: they fail the same with or without vllm
+                 prepack: bool = True, autocast_cache: bool = True) -> None:
+        super().__init__(temperature, top_k, max_new_tokens, decode, prepack, autocast_cache)  # settings first: they fail the same with or without vllm
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(f"generator.gpu_memory_utilization={gpu_memory_utilization}: must be in (0, 1]")
         self.build = check_vllm_available()
@@ -149,7 +149,7 @@ class VLLMGenerator(HFGenerator):
 
     def for_learner(self) -> HFGenerator:
         """What the learner samples evaluation completions with while a generator process owns the engine."""
-        local = HFGenerator(self.temperature, 0, self.max_new_tokens, self.decoding, self.prepack)
+        local = HFGenerator(self.temperature, 0, self.max_new_tokens, self.decoding, self.prepack, self.autocast_cache)
         local.setup(self.tokenizer, self.max_new_tokens)
         return local
 
