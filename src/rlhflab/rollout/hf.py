@@ -206,7 +206,7 @@ class HFGenerator:
             cache = autocast_cache(model, enabled=self.autocast_cache and not self.synced)
             if cache is not None and not self.told_cache:
                 log.info("generator: generate()'s key/value cache held in %s, as autocast's attention reads it "
-                         "(generator.autocast_cache=true)", str(cache.dtype).removeprefix("torch."))
+                         "(generator.autocast_cache=true)", str(cache.store_dtype).removeprefix("torch."))
                 self.told_cache = True
             sequences = model.generate(
                 **({} if cache is None else {"past_key_values": cache}),

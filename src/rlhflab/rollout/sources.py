@@ -136,10 +136,11 @@ def _autocast_cache_class():
 
         def __init__(self, dtype: torch.dtype, **kwargs) -> None:
             super().__init__(**kwargs)
-            self.dtype = dtype
+            self.store_dtype = dtype  # not `dtype`: transformers' cache layers use that name for their own
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            return super().update(key_states.to(self.dtype), value_states.to(self.dtype), layer_idx, *args, **kwargs)
+            return super().update(key_states.to(self.store_dtype), value_states.to(self.store_dtype), layer_idx,
+                                  *args, **kwargs)
 
     return AutocastCache
 
