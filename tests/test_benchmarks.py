@@ -409,3 +409,31 @@ def test_step_flops_times_and_counts_every_part_a_ppo_step_runs(tmp_path):
     for part in ("update: first forward", "update: the rest (forwards, backward, step)"):
         assert joint["flops"][part] == pytest.approx(lora["flops"][part] / 2, rel=0.1)
     assert "| J-Hydra-PPO, 16 prompts |" in (tmp_path / "out.md").read_text()
+
+
+def test_attention_train_compares_bf16_sdpa_and_eager_attention_and_the_two_model_attentions(tmp_path):
+    """benchmarks/attention_train.py: both tables, on a tiny model; table 1's ratio is its two times', and each
+    product's and query gradient's error a bf16 rounding's; the model table names transformers' sdpa and rlhflab's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sft = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4)).save_pretrained(sft)
+    out_md = tmp_path / "attention.md"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_train.py"), "--lengths", "8,16",
+                          "--tokens", "32", "--rows", "2", "--length", "12", "--rounds", "1", "--sft", str(sft),
+                          "--out", str(out_md)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    table = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith(("| 8 ", "| 16 "))]
+    assert [row[1] for row in table] == ["4", "2"]  # rows = tokens / keys
+    for row in table:
+        bf16_ms, ours_ms, ratio = float(row[2]), float(row[3]), float(row[4].rstrip("x"))
+        assert (bf16_ms - 0.05) / (ours_ms + 0.05) - 0.005 <= ratio <= (bf16_ms + 0.05) / (ours_ms - 0.05) + 0.005
+        errors = [float(x) for x in (*row[6:9], row[9].rstrip(" |"))]  # bf16 products: a rounding's, not 0, not more
+        assert len(errors) == 4 and all(1e-5 < e < 5e-2 for e in errors), row
+    models = [line for line in out.stdout.splitlines() if line.startswith("| sdpa")]
+    assert [m.split(" (")[0] for m in models] == ["| sdpa", "| sdpa_trains_eager"], out.stdout
+    assert out_md.read_text().count("forward and backward") == 2
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_train.py"), "--lengths", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--lengths '2': each at least 4" in bad.stderr

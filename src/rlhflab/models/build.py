@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from rlhflab.errors import ConfigError
+from rlhflab.models.attention import use_for_training
 from rlhflab.models.cache import Saved, cached, config_key
 from rlhflab.rng import fixed_seed
 
@@ -250,14 +251,15 @@ def pad_token_for(tokenizer, rows: int) -> str | None:
 def load_causal_lm(name_or_path, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype])
+    return use_for_training(AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype]))
 
 
 def load_reward_model(name_or_path, dtype: str = "float32", pad_token_id: int | None = None):
     """A sequence classifier with one output; a causal-LM checkpoint gets a fresh score head."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, dtype=DTYPES[dtype])
+    model = use_for_training(AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1,
+                                                                                dtype=DTYPES[dtype]))
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model
@@ -384,7 +386,8 @@ def load_value_model(name_or_path, dtype: str = "float32", pad_token_id: int | N
     """A per-token scalar head on a backbone: V at every position (dropout off, see without_dropout)."""
     from transformers import AutoModelForTokenClassification
 
-    model = AutoModelForTokenClassification.from_pretrained(name_or_path, num_labels=1, dtype=DTYPES[dtype])
+    model = use_for_training(AutoModelForTokenClassification.from_pretrained(name_or_path, num_labels=1,
+                                                                             dtype=DTYPES[dtype]))
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return without_dropout(model)

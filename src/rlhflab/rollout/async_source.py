@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from rlhflab import distributed
 from rlhflab.errors import ConfigError, DivergedWeights
 from rlhflab.interrupts import STOP
+from rlhflab.models import attention
 from rlhflab.models.sharding import full, is_sharded
 from rlhflab.rollout.batch import Rollout
 from rlhflab.rollout.sources import SyncSource, autocast_as, seeded
@@ -309,6 +310,7 @@ def _generator_main(generator, model, batches, train_prompts, algo_needs, seed, 
     ignore_stop_signals()
     die_with_parent(parent)
     torch.set_num_threads(threads)
+    attention.register()  # a spawned process's model names rlhflab's attention, which a fresh process must know
     samples_per_prompt, greedy = algo_needs
     version = start_version  # the weights the process started with
     try:  # from the move to its device on (a GPU out of memory there was 'died without a traceback'): said to the learner

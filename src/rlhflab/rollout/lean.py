@@ -33,6 +33,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from rlhflab.models.attention import is_sdpa
+
 # Rotary types whose inverse frequencies are fixed when the model is built (transformers' "dynamic" and
 # "longrope" rescale them with the sequence length at each forward).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -45,7 +47,7 @@ def _structure_unsupported(model) -> str | None:
 
     if type(model) is not llama.LlamaForCausalLM:
         return f"the policy is a {type(model).__name__}, not a plain LlamaForCausalLM"
-    if model.config._attn_implementation != "sdpa":
+    if not is_sdpa(model.config):
         return f"attn_implementation={model.config._attn_implementation!r} (the lean loops reproduce sdpa's)"
     rope = model.model.rotary_emb.rope_type
     if rope not in STATIC_ROPE:
