@@ -154,3 +154,41 @@ def test_the_loaders_switch_and_a_saved_model_does_not_carry_the_name(tmp_path):
     assert attention.NAME not in (tmp_path / "config.json").read_text()  # loads anywhere, as sdpa
     for load in (load_causal_lm, load_reward_model, load_value_model):
         assert load(tmp_path).config._attn_implementation == attention.NAME
+
+
+def test_train_attention_sdpa_runs_sdpa_in_every_forward():
+    """`train_attention=sdpa` (the run's root config, set by train()) turns the eager path off: a forward that trains
+    under bf16 autocast is transformers' sdpa bit for bit; `eager` turns it back on."""
+    plain, ours = pair()
+    ids, mask = batch()
+    try:
+        attention.configure("sdpa")
+        logits, grad_q = forward(plain, ids, mask, autocast=True, grad=True)
+        logits2, grad_q2 = forward(ours, ids, mask, autocast=True, grad=True)
+        assert torch.equal(logits, logits2) and torch.equal(grad_q, grad_q2)
+    finally:
+        attention.configure("eager")
+    _, grad_q3 = forward(ours, ids, mask, autocast=True, grad=True)
+    assert not torch.equal(grad_q, grad_q3)
+
+
+def test_a_run_configures_its_train_attention(monkeypatch):
+    """train() hands `train_attention` to the attention module before any model loads (here it stops at the first
+    model load, after the setting is made)."""
+    from rlhflab import train as train_mod
+    from conftest import compose_cfg
+
+    seen = []
+    monkeypatch.setattr(attention, "configure", seen.append)
+
+    class Loaded(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(train_mod, "output_dir", stop)
+    with pytest.raises(Loaded):
+        train_mod.train(compose_cfg(["train_attention=sdpa"]))
+    assert seen == ["sdpa"]
+

@@ -133,6 +133,7 @@ def test_real_preset_loads_through_from_pretrained_names():
         ("generator.top_k=5", "generator.top_k"),
         ("generator=vllm generator.top_k=5", "generator.top_k"),
         ("generator.decode=fast", "generator.decode"),
+        ("train_attention=flash", "train_attention"),
         ("algo=online_dpo off_policy=tis", "off_policy=tis"),
         ("algo.loss_agg=token-sum", "algo.loss_agg"),
         ("algo=online_dpo algo.ties=drop", "algo.ties"),
@@ -576,14 +577,16 @@ def test_stage_cache_keys_name_the_trainer_settings_that_change_what_a_stage_lea
     def keys(*overrides):
         cfg = compose_cfg(list(overrides), shrink=False)
         stages = with_trainer_settings(OmegaConf.to_container(cfg.stages, resolve=True),
-                                       OmegaConf.to_container(cfg.trainer, resolve=True))
+                                       OmegaConf.to_container(cfg.trainer, resolve=True), cfg.train_attention)
         return [config_key(stages[name]) for name in ("sft", "rm")]
 
     plain = keys()
     assert keys("trainer.precision=32") == keys("trainer.enable_progress_bar=false") == keys("trainer.max_steps=7") == plain
     assert keys("trainer=ddp") == plain  # its ranks are in stages.<stage>.ranks (above)
+    assert keys("train_attention=sdpa") == plain  # float32 stages attend through sdpa either way
     bf16, accumulate = keys("trainer.precision=bf16-mixed"), keys("+trainer.accumulate_grad_batches=2")
-    assert all(len({a, b, c}) == 3 for a, b, c in zip(plain, bf16, accumulate))
+    bf16_sdpa = keys("trainer.precision=bf16-mixed", "train_attention=sdpa")  # a half forward's attention differs
+    assert all(len({a, b, c, d}) == 4 for a, b, c, d in zip(plain, bf16, accumulate, bf16_sdpa))
 
 
 @pytest.mark.parametrize("extra", [["experiment=reverse"], ["task=tldr"], ["task=prompts", "task.path=data.jsonl"], []])

@@ -120,6 +120,7 @@ class Train:
     seed: int = setting(ge=0)
     cache_dir: str = setting(path=True)
     torch_threads: Optional[int] = setting(ge=1)
+    train_attention: str = setting(choices=("eager", "sdpa"))
     optimized_metric: str = MISSING
     kl_budget: Optional[float] = setting(None, ge=0, example=3.0, inf_ok=True)  # sweep_optuna: nats of eval KL before the penalty
     kl_penalty: float = setting(0.1, ge=0, example=0.1)  # sweep_optuna: gold reward off per nat above the budget

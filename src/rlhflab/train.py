@@ -35,6 +35,7 @@ from rlhflab.lit import checkpoint as ckpt
 from rlhflab.lit.progress import StageProgressBar
 from rlhflab.lit.reference import WORKERS
 from rlhflab.lit.rl_module import RLHFModule
+from rlhflab.models import attention
 from rlhflab.models.build import check_arch, check_vocabulary, ensure_base_model, load_tokenizer
 from rlhflab.models.checks import check_hub, check_hub_dataset
 from rlhflab.naming import ERROR_TAG, MAX_TAG, RUN_RECORD, STOP_TAG, absolute_uri, redact
@@ -153,6 +154,7 @@ def train(cfg: DictConfig) -> Result:
     warn_unused_arch(cfg.model, hydra_overrides())
     if cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))
+    attention.configure(cfg.train_attention)  # before any model loads: the stages' forwards too
     torch.manual_seed(cfg.seed)
     if not distributed.is_main():  # one rank speaks: rank 0
         for name in ("", "rlhflab", "lightning", "lightning.pytorch", "lightning.fabric"):
@@ -561,11 +563,14 @@ def idle_cores_hint(cfg: DictConfig, source, policy: torch.nn.Module, cores: int
             "113M preset's PPO: README, Memory strategies)")
 
 
-def with_trainer_settings(stages: dict, trainer: dict) -> dict:
+def with_trainer_settings(stages: dict, trainer: dict, train_attention: str = "eager") -> dict:
     """The trainer settings that change what stages sft and rm learn (trainer.precision other than 32-true; a
     `+trainer.accumulate_grad_batches`) in their settings, so in their cache keys: a bf16-mixed run's SFT and reward
-    models were read by a later 32-true run as its own. Where there are none, the keys are as before."""
+    models were read by a later 32-true run as its own. Under such a precision `train_attention` too (it changes
+    only a half-precision forward's attention: models.attention). Where there are none, the keys are as before."""
     math = {k: v for k, v in trainer.items() if k not in NOT_IN_STAGE_KEYS and not (k == "precision" and str(v) in ("32-true", "32"))}
+    if "precision" in math:
+        math["train_attention"] = train_attention
     return in_sft_and_rm(stages, **({"trainer": math} if math else {}))
 
 
@@ -575,8 +580,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     shares = batch_threads(cfg)
     stages = with_batch_threads(per_rank_stages(with_trainer_settings(
-        OmegaConf.to_container(cfg.stages, resolve=True), OmegaConf.to_container(cfg.trainer, resolve=True)),
-        ranks(cfg.trainer)), shares)
+        OmegaConf.to_container(cfg.stages, resolve=True), OmegaConf.to_container(cfg.trainer, resolve=True),
+        cfg.train_attention), ranks(cfg.trainer)), shares)
     logger = tracker.lightning_logger()
     tracker.window_steps = cfg.trainer.log_every_n_steps  # the RL stage's step metrics (stages sft and rm: Lightning's)
     task = plan.task

@@ -17,7 +17,8 @@ x 44 tokens): 1.24x (2.36 against 2.92 s), its gradient as far from float32's as
 bf16, 6 bytes a score (4.5 MB a layer there).
 
 Forwards without grad (generation, the reference's and the old log-probs' forwards) run sdpa unchanged, so their
-numbers are as before bit for bit, and so is every float32 run. The choice is per call and per thread (grad mode and
+numbers are as before bit for bit, and so is every float32 run. `train_attention=sdpa` (the root config) runs sdpa in
+every forward. The choice is per call and per thread (grad mode and
 autocast are thread-local), so a reference forward in a thread beside the learner's keeps sdpa.
 """
 
@@ -33,11 +34,18 @@ NAME = "sdpa_trains_eager"
 SHORT_KEYS = 96  # the longest key length attended eagerly (see the module docstring)
 HALF = (torch.bfloat16, torch.float16)
 _said: list = []  # the one-time log line, once said in this process
+_mode = ["eager"]  # the run's `train_attention` (configure): "sdpa" turns the eager path off
+
+
+def configure(mode: str) -> None:
+    """The run's `train_attention`: "eager" (the default) or "sdpa" (transformers' sdpa in every forward)."""
+    _mode[0] = mode
 
 
 def trains_eager(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether this attention call runs eagerly: grad on, CPU, half precision, keys at most SHORT_KEYS."""
-    if not torch.is_grad_enabled() or query.device.type != "cpu" or key.shape[-2] > SHORT_KEYS:
+    """Whether this attention call runs eagerly: `train_attention=eager`, grad on, CPU, half precision, keys at most
+    SHORT_KEYS."""
+    if _mode[0] != "eager" or not torch.is_grad_enabled() or query.device.type != "cpu" or key.shape[-2] > SHORT_KEYS:
         return False
     return query.dtype in HALF or (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") in HALF)
 
