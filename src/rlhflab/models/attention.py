@@ -51,7 +51,7 @@ def trains_eager(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 
 def sdpa_trains_eager(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     if not trains_eager(query, key) or kwargs.get("dropout", 0.0) or set(kwargs) & ODD_KWARGS:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -61,9 +61,8 @@ def sdpa_trains_eager(module, query, key, value, attention_mask, **kwargs):
         log.info("attention: forwards that train in %s on the CPU attend eagerly over keys of up to %d tokens "
                  "(sdpa's backward is ~3x slower there; transformers' sdpa everywhere else)",
                  str(half).removeprefix("torch."), SHORT_KEYS)
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:  # as transformers' sdpa with a mask: the key/value heads repeated
-        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    groups = getattr(module, "num_key_value_groups", 1)  # transformers' own repeat, as its sdpa and eager do
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     is_causal = kwargs.get("is_causal")
     is_causal = query.shape[2] > 1 and attention_mask is None and (
         is_causal if is_causal is not None else getattr(module, "is_causal", True))
