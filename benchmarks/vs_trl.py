@@ -62,6 +62,11 @@ How it is measured
   rlhflab's before/after evaluation excluded). The end of a step is the time rlhflab logs its step metrics (the
   MLflow metric timestamp, taken in the step after its optimizer update) and TRL's `on_step_end` callback (after its
   optimizer update).
+- completion tokens = the mean completion length over the same timed steps, in tokens up to and including the
+  first EOS (both frameworks' masks): rlhflab's `train/response_len`, TRL's `completion_ids` as its reward function
+  gets them. completions/s compares the frameworks' speed only where these match: a policy that has learned to stop
+  early is cheaper to sample and to train on. At lr 1e-3 on llama100m TRL's RLOO policy fell to 1-4 token
+  completions within 15 steps (its steps 7.1 -> 1.3 s) while rlhflab's async one still wrote 30-32.
 - final reward = the mean batch reward (mean gold score of the step's completions, before any KL term) over the
   last 10 steps: rlhflab's `train/reward` (each logged value the mean over its steps), TRL's reward function's mean
   on each call (once per step). On the async
@@ -375,10 +380,19 @@ def read_rlhflab(db: Path, run_id: str) -> dict:
     with sqlite3.connect(db) as c:
         rows = c.execute("select step, value, timestamp from metrics where run_uuid=? and key='train/reward' order by step",
                          (run_id,)).fetchall()
+        lengths = dict(c.execute("select step, value from metrics where run_uuid=? and key='train/response_len'",
+                                 (run_id,)).fetchall())
         own = c.execute("select value from metrics where run_uuid=? and key='perf/mean_samples_per_s'", (run_id,)).fetchone()
         params = dict(c.execute("select key, value from params where run_uuid=?", (run_id,)).fetchall())
     return {"steps": [r[0] for r in rows], "rewards": [r[1] for r in rows], "step_end": [r[2] / 1000 for r in rows],
+            "lengths": [lengths[r[0]] for r in rows],
             "own_samples_per_s": own[0] if own else None, "policy_start": params.get("rlhflab.policy_start")}
+
+
+def completion_length(ids: list[int], eos: int) -> int:
+    """A TRL completion's length as rlhflab's `train/response_len` counts it (rlhflab.rollout.batch.
+    response_mask_from_eos): up to and including the first EOS, else all of it (TRL's online DPO passes padded rows)."""
+    return ids.index(eos) + 1 if eos in ids else len(ids)
 
 
 def trl_child(a) -> None:
@@ -399,14 +413,18 @@ def trl_child(a) -> None:
     model = AutoModelForCausalLM.from_pretrained(a.sft, dtype=torch.float32)
     eos = tok.eos_token_id
     rewards: list[float] = []
+    lengths: list[float] = []
 
-    def gold(prompts, completions, completion_ids=None, **kwargs):
-        """The task's gold rule (rlhflab reward=rule); the EOS penalty, if any, replaces the score as rlhflab's does."""
+    def gold(prompts, completions, completion_ids, **kwargs):
+        """The task's gold rule (rlhflab reward=rule); the EOS penalty, if any, replaces the score as rlhflab's does.
+        Records the batch's mean reward and mean completion length (up to and including the first EOS)."""
         r = task.gold_reward(list(prompts), list(completions))
+        ids = [list(row) for row in completion_ids]
         if a.eos_penalty is not None:
-            no_eos = torch.tensor([eos not in list(ids) for ids in completion_ids])
+            no_eos = torch.tensor([eos not in row for row in ids])
             r[no_eos] = a.eos_penalty
         rewards.append(float(r.mean()))
+        lengths.append(sum(completion_length(row, eos) for row in ids) / len(ids))
         return r.tolist()
 
     ends: list[float] = []
@@ -434,7 +452,7 @@ def trl_child(a) -> None:
     t_ready = time.perf_counter()
     trainer.train()
     trainer.save_model(str(Path(a.json).parent / "policy"))  # after the timed steps: for the policy reward
-    Path(a.json).write_text(json.dumps({"step_end": ends, "rewards": rewards, "startup_s": t_ready - t_start,
+    Path(a.json).write_text(json.dumps({"step_end": ends, "rewards": rewards, "lengths": lengths, "startup_s": t_ready - t_start,
                                         "settings": {k: v for k, v in cfg.to_dict().items() if k in settings or k in
                                                      ("per_device_train_batch_size", "num_generations", "max_completion_length",
                                                       "max_new_tokens", "optim")}}))
@@ -487,21 +505,28 @@ def eval_child(argv: list[str]) -> None:
 # The parent
 # ---------------------------------------------------------------------------------------------------------
 
-def summarize(steps: list[int], step_end: list[float], rewards: list[float], per_step: int, first: int) -> dict:
-    """Completions/s over the steps after `first` (from the end of step `first` to the end of the last step) and
-    the final reward, the mean batch reward over the last LAST steps, of a run whose `rewards` were recorded at
-    `steps`, each the mean over the steps since the one recorded before (TRL's: one a step)."""
+def summarize(steps: list[int], step_end: list[float], rewards: list[float], lengths: list[float], per_step: int,
+              first: int) -> dict:
+    """Completions/s over the steps after `first` (from the end of step `first` to the end of the last step), the
+    mean completion length over those steps and the final reward, the mean batch reward over the last LAST steps, of
+    a run whose `rewards` and `lengths` were recorded at `steps`, each the mean over the steps since the one recorded
+    before (TRL's: one a step)."""
     timed = [(step, end) for step, end in zip(steps, step_end) if step >= first]
     if len(timed) < 2 or timed[0][0] != first:
         raise RuntimeError(f"steps {steps[:3]}..{steps[-1:]} recorded: the end of step {first} and a later one are "
                            f"needed to time steps {first + 1}..N")
     (s0, t0), (s1, t1) = timed[0], timed[-1]
+    if len(lengths) != len(steps):
+        raise RuntimeError(f"{len(lengths)} completion lengths recorded for {len(steps)} steps")
+    later = [(step, length) for step, length in zip(steps, lengths) if step > s0]  # each the mean since the one before
+    since = [s0] + [step for step, _ in later[:-1]]
     total = weight = before = 0
     for step, reward in zip(steps, rewards):  # each value weighted by its steps among the last LAST
         covered = max(0, step - max(before, steps[-1] - LAST))
         total, weight, before = total + covered * reward, weight + covered, step
     return {"completions_per_s": (s1 - s0) * per_step / (t1 - t0), "rl_s": t1 - t0, "first": s0, "steps": s1,
-            "final_reward": total / weight, "rewards": rewards}
+            "completion_tokens": sum((step - p) * length for p, (step, length) in zip(since, later)) / (s1 - s0),
+            "final_reward": total / weight, "rewards": rewards, "lengths": lengths}
 
 
 def child_failed(what: str, code: int, wall: float, log: Path, timeout: float) -> SystemExit:
@@ -598,7 +623,7 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
             raise child_failed(f"rlhflab {algo} ({side}) rep {rep}", code, wall, d / "log.txt", a.timeout)
         run_id = json.loads((d / "run" / "mlflow_run.json").read_text())["run_id"]
         raw = read_rlhflab(db, run_id)
-        res = summarize(raw["steps"], raw["step_end"], raw["rewards"], per_step, a.log_every) | {"own_samples_per_s": raw["own_samples_per_s"]}
+        res = summarize(raw["steps"], raw["step_end"], raw["rewards"], raw["lengths"], per_step, a.log_every) | {"own_samples_per_s": raw["own_samples_per_s"]}
     else:
         js = d / "trl.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "_trl", "--algo", algo, "--sft", sft, "--json", str(js),
@@ -616,13 +641,13 @@ def one_run(a, side: str, algo: str, rep: int, sft: str, work: Path, env: dict) 
             raise child_failed(f"TRL {algo} ({side}) rep {rep}", code, wall, d / "log.txt", a.timeout)
         raw = json.loads(js.read_text())
         steps = list(range(1, len(raw["step_end"]) + 1))
-        res = summarize(steps, raw["step_end"], raw["rewards"], per_step, a.log_every) | {"startup_s": raw["startup_s"], "settings": raw["settings"]}
+        res = summarize(steps, raw["step_end"], raw["rewards"], raw["lengths"], per_step, a.log_every) | {"startup_s": raw["startup_s"], "settings": raw["settings"]}
     res |= {"peak_rss_mb": rss, "peak_pss_mb": pss, "wall_s": wall}
     if a.eval_prompts:
         res |= judge_policy(a, d / "run" / "policy" if side in SIDE_MODE else d / "policy", d, env)
     judged = f", policy reward {res['policy_reward']:+.3f}" if a.eval_prompts else ""
     print(f"  rep {rep} {algo:10s} {side:13s}: {res['completions_per_s']:7.1f} completions/s over steps {res['first'] + 1}..{res['steps']}, "
-          f"RL {res['rl_s']:.1f} s, peak RSS {rss:.0f} MB, tree PSS {pss:.0f} MB, reward(last {min(LAST, res['steps'])}) "
+          f"{res['completion_tokens']:.1f} tokens each, RL {res['rl_s']:.1f} s, peak RSS {rss:.0f} MB, tree PSS {pss:.0f} MB, reward(last {min(LAST, res['steps'])}) "
           f"{res['final_reward']:+.3f}{judged}, wall {wall:.0f} s", flush=True)
     return res
 
@@ -686,26 +711,30 @@ def table(a, results: dict) -> str:
         "",
         "| algo | " + " | ".join(f"{label} completions/s" for label in labels)
         + "".join(f" | {SIDE_LABEL[side]} / {base}" for side in ours if trls)
+        + " | completion tokens " + " / ".join(labels)
         + " | peak RSS MB " + " / ".join(labels) + " | peak tree PSS MB " + " / ".join(labels)
         + " | final reward " + " / ".join(labels) + " |" + (" policy reward " + " / ".join(labels) + " |" if judged else ""),
-        "|---" * (1 + len(sides) + (len(ours) if trls else 0) + 3 + judged) + "|",
+        "|---" * (1 + len(sides) + (len(ours) if trls else 0) + 4 + judged) + "|",
     ]
     for algo in a.algos:
         runs = {side: results[algo][side] for side in sides}
         if not all(runs.values()):
             continue
         keys = ("completions_per_s", "peak_rss_mb", "peak_pss_mb", "final_reward") + (("policy_reward",) if judged else ())
-        m = {side: {key: med(x[key] for x in rs) for key in keys} for side, rs in runs.items()}
+        m = {side: {key: med(x[key] for x in rs) for key in keys + ("completion_tokens",)} for side, rs in runs.items()}
         cells = [num(m[side]["completions_per_s"]) for side in sides]
         if trls:
             best = max(m[side]["completions_per_s"] for side in trls)
             cells += [f"{m[side]['completions_per_s'] / best:.2f}x" for side in ours]
+        cells.append(" / ".join(f"{m[side]['completion_tokens']:.1f}" for side in sides))
         cells += [" / ".join(f"{m[side][key]:.0f}" for side in sides) for key in ("peak_rss_mb", "peak_pss_mb")]
         cells += [" / ".join(f"{m[side][key]:.3f}" for side in sides) for key in keys[3:]]
         lines.append(f"| {LABEL[algo]} | " + " | ".join(cells) + " |")
     lines += ["", f"completions/s: completions of steps {a.log_every + 1}..N over the wall time from the end of step "
               f"{a.log_every} to the end of step N; both sides log each metric's mean once per {a.log_every} step(s) "
               "(TRL logging_steps, rlhflab trainer.log_every_n_steps), except rlhflab_log1: every step; "
+              + "completion tokens: the mean completion length over the same steps, up to and including the first EOS "
+              "(completions/s compares the frameworks' speed where these match); "
               f"final reward: mean batch gold reward over the last {min(LAST, a.steps)} steps; "
               + (f"policy reward: the final policy's mean gold reward on {a.eval_prompts} held-out prompts x {a.eval_samples} "
                  "samples, judged by one piece of code for every side; " if judged else "")

@@ -63,10 +63,12 @@ def test_tree_pss_counts_the_grandchild_and_shared_pages_once():
 def test_table_takes_ratios_against_the_fastest_trl_side():
     vs_trl = load_vs_trl()
     a = vs_trl.parse(["--algos", "rloo", "--sides", "rlhflab_2threads,trl,trl_2threads"])
-    run = lambda cps: {"completions_per_s": cps, "peak_rss_mb": 1.0, "peak_pss_mb": 1.0, "final_reward": 0.5}  # noqa: E731
-    results = {"rloo": {"rlhflab_2threads": [run(30.0)], "trl": [run(10.0)], "trl_2threads": [run(20.0)]}}
+    run = lambda cps, tokens=9.0: {"completions_per_s": cps, "completion_tokens": tokens, "peak_rss_mb": 1.0,  # noqa: E731
+                                   "peak_pss_mb": 1.0, "final_reward": 0.5}
+    results = {"rloo": {"rlhflab_2threads": [run(30.0)], "trl": [run(10.0, 3.25)], "trl_2threads": [run(20.0)]}}
     row = next(line for line in vs_trl.table(a, results).splitlines() if line.startswith("| RLOO"))
     assert "| 1.50x |" in row  # 30 / max(10, 20), not 30 / 10
+    assert "| 9.0 / 3.2 / 9.0 |" in row  # each side's completion length beside its speed
     assert "rlhflab sync 2 threads / best TRL" in vs_trl.table(a, results)
     assert "TRL 2 threads: 2" in vs_trl.table(a, results)
 
@@ -82,17 +84,44 @@ def test_vs_trl_times_the_same_steps_of_both_sides_whatever_their_logging():
     log1 = vs_trl.rlhflab_cmd(a, "rloo", None, 30, ROOT, [], "rlhflab_log1")
     assert [arg for arg in log1 if arg.startswith("trainer.log_every_n_steps=")] == ["trainer.log_every_n_steps=1"]
     rewards = [float(step) for step in range(1, 31)]
+    lengths = [40.0 - step for step in range(1, 31)]  # the timed steps 11..30: 29..10 tokens, 19.5 on average
     ends = [0.5 * step for step in range(1, 31)]  # 2 steps a second, 8 completions a step: 16 completions/s
-    each = vs_trl.summarize(list(range(1, 31)), ends, rewards, 8, a.log_every)
-    windows = vs_trl.summarize([10, 20, 30], ends[9::10], [5.5, 15.5, 25.5], 8, a.log_every)
+    each = vs_trl.summarize(list(range(1, 31)), ends, rewards, lengths, 8, a.log_every)
+    windows = vs_trl.summarize([10, 20, 30], ends[9::10], [5.5, 15.5, 25.5], [34.5, 24.5, 14.5], 8, a.log_every)
     for res in (each, windows):
         assert (res["first"], res["steps"], res["rl_s"]) == (10, 30, 10.0)
         assert res["completions_per_s"] == pytest.approx(16.0) and res["final_reward"] == pytest.approx(25.5)
-    assert vs_trl.summarize([1, 2, 3], [1.0, 2.0, 4.0], [0.0, 1.0, 2.0], 8, 1)["completions_per_s"] == pytest.approx(16 / 3)
+        assert res["completion_tokens"] == pytest.approx(19.5)
+    three = vs_trl.summarize([1, 2, 3], [1.0, 2.0, 4.0], [0.0, 1.0, 2.0], [9.0, 5.0, 2.0], 8, 1)
+    assert three["completions_per_s"] == pytest.approx(16 / 3) and three["completion_tokens"] == pytest.approx(3.5)
     with pytest.raises(RuntimeError, match="the end of step 10 and a later one are needed"):
-        vs_trl.summarize([10], [5.0], [5.5], 8, 10)
+        vs_trl.summarize([10], [5.0], [5.5], [9.0], 8, 10)
+    with pytest.raises(RuntimeError, match="2 completion lengths recorded for 3 steps"):
+        vs_trl.summarize([1, 2, 3], [1.0, 2.0, 4.0], [0.0, 1.0, 2.0], [9.0, 5.0], 8, 1)
     with pytest.raises(SystemExit):
         vs_trl.parse(["--steps", "15", "--log-every", "10"])
+
+
+def test_trl_completion_lengths_count_as_rlhflab_s_response_len():
+    """TRL's side measures a completion's length from the ids its reward function gets (masked after the first EOS
+    for RLOO and GRPO, padded rows for online DPO); rlhflab logs response_mask_from_eos's sum. Same numbers."""
+    import torch
+
+    from rlhflab.rollout.batch import response_mask_from_eos
+
+    vs_trl = load_vs_trl()
+    eos, pad = 2, 0
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(3, 40, (64, 12), generator=g)
+    stops = torch.randint(0, 16, (64,), generator=g)  # >= 12: no EOS, the row runs to the end
+    for i, stop in enumerate(stops.tolist()):
+        if stop < 12:
+            rows[i, stop] = eos
+            rows[i, stop + 1:] = pad
+    want = response_mask_from_eos(rows, eos).sum(1).tolist()
+    padded = [vs_trl.completion_length(row, eos) for row in rows.tolist()]
+    masked = [vs_trl.completion_length(row[: row.index(eos) + 1] if eos in row else row, eos) for row in rows.tolist()]
+    assert padded == masked == want and min(want) == 1 and max(want) == 12 and 1 < sum(w == 12 for w in want) < 64
 
 
 def test_the_results_json_keeps_the_arguments_as_json_values(tmp_path):
