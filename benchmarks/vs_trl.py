@@ -3,8 +3,9 @@
     pip install -e ".[bench]"          # TRL (never a runtime dependency of rlhflab)
     nice -n 19 python benchmarks/vs_trl.py                      # 60 steps, 3 reps, RLOO / GRPO / online DPO, sync + async
     python benchmarks/vs_trl.py --steps 5 --reps 1 --algos rloo  # a smoke run
-    # a second setting, with each framework's best thread count (2 intra-op threads pay on a 113M model):
-    python benchmarks/vs_trl.py --model llama100m --max-new-tokens 32 --prompts-per-step 8 --steps 5 --reps 1 --sides rlhflab,rlhflab_2threads,rlhflab_async,trl,trl_2threads
+    # a second setting, with each framework's best thread count (2 intra-op threads pay on a 113M model), at a rate
+    # where no side's policy learns to stop early within the steps (at lr 1e-3 TRL's did: see completion tokens):
+    python benchmarks/vs_trl.py --model llama100m --max-new-tokens 32 --prompts-per-step 8 --steps 15 --lr 1e-4 --reps 1 --sides rlhflab,rlhflab_2threads,rlhflab_async,trl,trl_2threads
 
 What is compared
 - The policy: the SFT policy of rlhflab's default run (stage `sft` of `python src/train.py`, in batches of 64 at lr
