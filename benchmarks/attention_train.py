@@ -148,7 +148,9 @@ def main() -> None:
     if any(n < 4 for n in lengths):
         parser.error(f"--lengths {a.lengths!r}: each at least 4 (three padded positions and one more)")
     torch.set_num_threads(a.threads)
-    text = [f"torch {torch.__version__}, {a.threads} thread(s), medians of {a.rounds} interleaved rounds.", "",
+    from autocast_generation import host  # (benchmarks/, this script's folder, is first on sys.path)
+
+    text = [f"torch {torch.__version__}, {a.threads} thread(s), medians of {a.rounds} interleaved rounds; {host()}.", "",
             "Attention alone, forward and backward:", "", *attention_table(lengths, a.tokens, a.rounds), "",
             "The model, forward and backward under bf16 autocast:", "",
             *model_table(a.sft, a.rows, a.length, a.rounds)]
@@ -156,7 +158,8 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             f.write("# " + __doc__.split("\n\n")[0] + "\n\n`python benchmarks/attention_train.py"
-                    + (f" --threads {a.threads}" if a.threads != 1 else "") + "`\n\n" + "\n".join(text) + "\n")
+                    + (f" --threads {a.threads}" if a.threads != 1 else "") + (f" --sft {a.sft}" if a.sft else "")
+                    + "`\n\n" + "\n".join(text) + "\n")
 
 
 if __name__ == "__main__":

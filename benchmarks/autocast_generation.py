@@ -13,7 +13,10 @@ Times Hugging Face `generate()` of one policy, 1 torch thread, three ways, inter
   plugin runs each training step (and so rlhflab's sync generation until `rollout.sources.casts_once`): every
   weight cast at every use;
 - `cache off, rlhflab's generator`: the same context, through rlhflab's `HFGenerator`, which casts each trainable
-  weight once per call (`casts_once`); it also records the behaviour log-probs, as it does in every run.
+  weight once per call (`casts_once`); it also records the behaviour log-probs, as it does in every run;
+- with --options, the same generator with `generator.prepack=false` (autocast's own products, not weights laid
+  out for oneDNN once per call), and with `generator.autocast_cache=false` (generate()'s own float32 key cache):
+  what each of the two CPU bf16 options, measured on an AMX CPU first, gives on the host at hand.
 
 Every kind samples from the same prompts with the same seeds, up to --max-new-tokens tokens (a call stops when every
 row has ended); the table gives the median number of decoding steps beside each time (the 113M SFT policy's
@@ -21,15 +24,34 @@ completions run to the budget).
 
     SFT=~/.cache/rlhflab/vs_trl/stages/sft-96def2b71151   # the llama100m SFT policy vs_trl.py made (its first line says where)
     python benchmarks/autocast_generation.py --sft $SFT
+    python benchmarks/autocast_generation.py --sft $SFT --options --out benchmarks/autocast_generation_epyc.md
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+
+def host() -> str:
+    """This CPU's model name, its CPU count and whether torch sees AMX tiles on it (oneDNN's bf16 kernels use them
+    where it does; the CPU bf16 choices were measured on an AMX CPU first)."""
+    try:
+        amx = "yes" if torch.cpu._is_amx_tile_supported() else "no"
+    except AttributeError:
+        amx = "unknown (this torch cannot say)"
+    name = platform.processor() or "unknown CPU"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    return f"{name}, {os.cpu_count()} CPUs, AMX tiles: {amx}"
 
 
 def main() -> None:
@@ -39,6 +61,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--calls", type=int, default=5, help="timed calls of each kind (medians)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--options", action="store_true",
+                        help="also rlhflab's generator with generator.prepack=false, and with generator.autocast_cache=false")
+    parser.add_argument("--out", default=None, help="also write the table here (markdown)")
     a = parser.parse_args()
     for flag in ("rows", "max_new_tokens", "calls", "threads"):
         if getattr(a, flag) < 1:
@@ -88,31 +113,50 @@ def main() -> None:
     generator = HFGenerator(temperature=1.0, max_new_tokens=a.max_new_tokens)
     generator.setup(tok, a.max_new_tokens)
 
-    def cache_off_rlhflab(seed):
-        torch.manual_seed(seed)
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-            rollout = generator.generate(model, query["input_ids"], prompts, 1, 0)
-        return torch.cat([query["input_ids"], rollout.response], 1)
+    def through(gen):
+        def sample(seed):
+            torch.manual_seed(seed)
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                rollout = gen.generate(model, query["input_ids"], prompts, 1, 0)
+            return torch.cat([query["input_ids"], rollout.response], 1)
+        return sample
 
     kinds = {"float32": float32, "bf16 autocast around the call": around_the_call,
              "bf16 autocast around each forward (TRL bf16=True)": around_each_forward,
-             "bf16, cache off (Lightning's step)": cache_off, "bf16, cache off, rlhflab's generator": cache_off_rlhflab}
+             "bf16, cache off (Lightning's step)": cache_off, "bf16, cache off, rlhflab's generator": through(generator)}
+    if a.options:  # the generator's two CPU bf16 options, each turned off alone
+        for option in ("prepack", "autocast_cache"):
+            other = HFGenerator(temperature=1.0, max_new_tokens=a.max_new_tokens, **{option: False})
+            other.setup(tok, a.max_new_tokens)
+            kinds[f"bf16, cache off, rlhflab's generator, generator.{option}=false"] = through(other)
     times = {name: [] for name in kinds}
     steps = {name: [] for name in kinds}
     for name, fn in kinds.items():  # warm-up
         fn(0)
+    ours = "bf16, cache off, rlhflab's generator"
+    same = {name: 0 for name in kinds if name.startswith(ours + ",")}  # calls whose tokens are the generator's own
     for call in range(a.calls):
+        drawn = {}
         for name, fn in (list(kinds.items()) if call % 2 == 0 else list(kinds.items())[::-1]):
             t0 = time.perf_counter()
-            out = fn(call)
+            out = drawn[name] = fn(call)
             times[name].append(time.perf_counter() - t0)
             steps[name].append(out.shape[1] - query["input_ids"].shape[1])
+        for name in same:
+            same[name] += drawn[name].shape == drawn[ours].shape and bool(torch.equal(drawn[name], drawn[ours]))
     base = statistics.median(times["float32"])
-    print(f"| generate(), {a.rows} rows, up to {a.max_new_tokens} tokens, {a.threads} thread(s) | median s ({a.calls} "
-          "interleaved calls) | speed vs float32 | decoding steps (median) |\n|---|---|---|---|")
+    lines = [f"| generate(), {a.rows} rows, up to {a.max_new_tokens} tokens, {a.threads} thread(s) | median s ({a.calls} "
+             "interleaved calls) | speed vs float32 | decoding steps (median) |", "|---|---|---|---|"]
     for name, ts in times.items():
-        print(f"| {name} | {statistics.median(ts):.2f} | {base / statistics.median(ts):.2f}x | "
-              f"{statistics.median(steps[name]):.0f} |")
+        lines.append(f"| {name} | {statistics.median(ts):.2f} | {base / statistics.median(ts):.2f}x | "
+                     f"{statistics.median(steps[name]):.0f} |")
+    lines += [""] + [f"{name.split(', ')[-1]}: the same tokens as the generator as it runs in {n} of {a.calls} calls"
+                     for name, n in same.items()]
+    print("\n".join(lines))
+    if a.out:
+        head = [f"# benchmarks/autocast_generation.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+                "", f"`python {' '.join(sys.argv)}`", "", f"torch {torch.__version__}, {host()}", ""]
+        Path(a.out).write_text("\n".join(head + lines) + "\n")
 
 
 if __name__ == "__main__":

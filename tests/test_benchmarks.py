@@ -463,6 +463,35 @@ def test_attention_train_compares_bf16_sdpa_and_eager_attention_and_the_two_mode
     models = [line for line in out.stdout.splitlines() if line.startswith("| sdpa")]
     assert [m.split(" (")[0] for m in models] == ["| sdpa", "| sdpa_trains_eager"], out.stdout
     assert out_md.read_text().count("forward and backward") == 2
+    assert "AMX tiles: " in out_md.read_text()  # which CPU it ran on: the bf16 choices were measured on AMX first
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_train.py"), "--lengths", "2"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--lengths '2': each at least 4" in bad.stderr
+
+
+def test_autocast_generation_times_the_generators_two_cpu_bf16_options_each_turned_off(tmp_path):
+    """benchmarks/autocast_generation.py --options: rlhflab's generator as it runs, and with generator.prepack=false
+    and generator.autocast_cache=false, each drawing as many tokens from the same seeds (the options change how the
+    products run, not what is sampled); --out names the CPU, for the options were measured on an AMX CPU first."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhflab.tasks.sentiment import SentimentTask
+
+    words = SentimentTask().build_tokenizer()
+    sft = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, pad_token_id=words.pad_token_id,
+                                 eos_token_id=words.eos_token_id)).save_pretrained(sft)
+    words.save_pretrained(sft)
+    out_md = tmp_path / "gen.md"
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "autocast_generation.py"), "--sft", str(sft),
+                          "--rows", "4", "--max-new-tokens", "6", "--calls", "1", "--options", "--out", str(out_md)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in out.stdout.splitlines() if line.startswith("| bf16, cache off, rlhflab")}
+    assert list(rows) == ["bf16, cache off, rlhflab's generator", "bf16, cache off, rlhflab's generator, generator.prepack=false",
+                          "bf16, cache off, rlhflab's generator, generator.autocast_cache=false"], out.stdout
+    for option in ("prepack", "autocast_cache"):  # the same tokens from the same seeds: the same numbers, computed otherwise
+        assert f"generator.{option}=false: the same tokens as the generator as it runs in 1 of 1 calls" in out.stdout
+    text = out_md.read_text()
+    assert "AMX tiles: " in text and "generator.prepack=false" in text and "--options" in text
