@@ -13,7 +13,9 @@ at 128, 0.50x at 192, hence the bound. The product is farther from float64's tha
 against 1.6e-3 at 44 keys: the scores rounded to bf16, as transformers' eager attention rounds them), the query's
 gradient about as far (3.7e-3 against 3.2e-3). Through the 113M model's forward and backward under bf16 autocast (32
 x 44 tokens): 1.24x (2.36 against 2.92 s), its gradient as far from float32's as sdpa's (1.46e-2 both;
-`benchmarks/attention_train.md`). What it keeps for the backward beyond sdpa: the softmax's weights in float32 and
+`benchmarks/attention_train.md`). On an AMD EPYC without AMX (AVX-512's bf16 dot products) the same: 3.55x at 44 keys,
+1.27x at 96, 1.32x at 128, 0.79x at 192, and 1.10x the 113M SFT policy's forward and backward (5.44 against 5.97 s;
+`benchmarks/attention_train_epyc.md`). What it keeps for the backward beyond sdpa: the softmax's weights in float32 and
 bf16, 6 bytes a score (4.5 MB a layer there).
 
 Forwards without grad (generation, the reference's and the old log-probs' forwards) run sdpa unchanged, so their

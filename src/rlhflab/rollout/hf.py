@@ -126,11 +126,12 @@ class HFGenerator:
       Hugging Face generate().
     prepack: under CPU bf16 autocast (`trainer.precision=bf16-mixed`), where generate() runs, lay each linear
       layer's bf16 weight out for oneDNN once per call rather than at every token (`rollout.sources.packs_once`:
-      1.11-1.14x the 113M model's generation on an AMX CPU, the same numbers); false: autocast's own products.
+      1.11-1.14x the 113M model's generation on an Intel Xeon with AMX, 1.19x on an AMD EPYC without it, the same
+      numbers); false: autocast's own products.
     autocast_cache: under CPU half-precision autocast, where generate() runs, keep its key/value cache in autocast's
       dtype, the keys attention reads, rather than float32 keys cast again at every token
-      (`rollout.sources.autocast_cache`: 1.16-1.19x the 113M model's generation, the same numbers); false:
-      generate()'s own cache.
+      (`rollout.sources.autocast_cache`: 1.16-1.19x the 113M model's generation on the Xeon, 1.08x on the EPYC, the
+      same numbers); false: generate()'s own cache.
     """
 
     needs_spawn = False  # the generator process may be forked
