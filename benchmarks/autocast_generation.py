@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -47,11 +46,9 @@ def host() -> str:
         amx = "yes" if torch.cpu._is_amx_tile_supported() else "no"
     except AttributeError:
         amx = "unknown (this torch cannot say)"
-    name = platform.processor() or "unknown CPU"
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    return f"{name}, {os.cpu_count()} CPUs, AMX tiles: {amx}"
+    from step_flops import cpu_name  # (benchmarks/, this script's folder, is first on sys.path)
+
+    return f"{cpu_name()}, {os.cpu_count()} CPUs, AMX tiles: {amx}"
 
 
 def main() -> None:
@@ -121,19 +118,19 @@ def main() -> None:
             return torch.cat([query["input_ids"], rollout.response], 1)
         return sample
 
+    ours = "bf16, cache off, rlhflab's generator"
     kinds = {"float32": float32, "bf16 autocast around the call": around_the_call,
              "bf16 autocast around each forward (TRL bf16=True)": around_each_forward,
-             "bf16, cache off (Lightning's step)": cache_off, "bf16, cache off, rlhflab's generator": through(generator)}
+             "bf16, cache off (Lightning's step)": cache_off, ours: through(generator)}
     if a.options:  # the generator's two CPU bf16 options, each turned off alone
         for option in ("prepack", "autocast_cache"):
             other = HFGenerator(temperature=1.0, max_new_tokens=a.max_new_tokens, **{option: False})
             other.setup(tok, a.max_new_tokens)
-            kinds[f"bf16, cache off, rlhflab's generator, generator.{option}=false"] = through(other)
+            kinds[f"{ours}, generator.{option}=false"] = through(other)
     times = {name: [] for name in kinds}
     steps = {name: [] for name in kinds}
     for name, fn in kinds.items():  # warm-up
         fn(0)
-    ours = "bf16, cache off, rlhflab's generator"
     same = {name: 0 for name in kinds if name.startswith(ours + ",")}  # calls whose tokens are the generator's own
     for call in range(a.calls):
         drawn = {}

@@ -471,8 +471,9 @@ def test_attention_train_compares_bf16_sdpa_and_eager_attention_and_the_two_mode
 
 def test_autocast_generation_times_the_generators_two_cpu_bf16_options_each_turned_off(tmp_path):
     """benchmarks/autocast_generation.py --options: rlhflab's generator as it runs, and with generator.prepack=false
-    and generator.autocast_cache=false, each drawing as many tokens from the same seeds (the options change how the
-    products run, not what is sampled); --out names the CPU, for the options were measured on an AMX CPU first."""
+    and generator.autocast_cache=false, each drawing from the same seeds (the options change how the
+    products run, not what is sampled: the same tokens); --out names the CPU, for the options were measured on an AMX
+    CPU first."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhflab.tasks.sentiment import SentimentTask
@@ -488,8 +489,8 @@ def test_autocast_generation_times_the_generators_two_cpu_bf16_options_each_turn
                           "--rows", "4", "--max-new-tokens", "6", "--calls", "1", "--options", "--out", str(out_md)],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in out.stdout.splitlines() if line.startswith("| bf16, cache off, rlhflab")}
-    assert list(rows) == ["bf16, cache off, rlhflab's generator", "bf16, cache off, rlhflab's generator, generator.prepack=false",
+    rows = [line.split(" | ")[0][2:] for line in out.stdout.splitlines() if line.startswith("| bf16, cache off, rlhflab")]
+    assert rows == ["bf16, cache off, rlhflab's generator", "bf16, cache off, rlhflab's generator, generator.prepack=false",
                           "bf16, cache off, rlhflab's generator, generator.autocast_cache=false"], out.stdout
     for option in ("prepack", "autocast_cache"):  # the same tokens from the same seeds: the same numbers, computed otherwise
         assert f"generator.{option}=false: the same tokens as the generator as it runs in 1 of 1 calls" in out.stdout
