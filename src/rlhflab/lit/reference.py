@@ -57,7 +57,12 @@ class ReferenceThread:
 
     def __init__(self, reference: Callable[..., torch.Tensor], policy=None) -> None:  # policy: the process's only
         self.reference = reference
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhflab-reference")
+        # Autocast's cast cache is one for all threads, and a thread leaving its outermost autocast empties it: the
+        # worker's calls, each under autocast, would empty it under the learner's policy forward, whose length groups
+        # share their casts of the trainable weights (rl_module._by_length). One level of nesting that the worker
+        # never leaves keeps its calls from being the outermost.
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhflab-reference",
+                                       initializer=torch.autocast_increment_nesting)
 
     def submit(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> Result:
         # Autocast and grad mode are per thread: run under the caller's, as the learner's own call would. (Without

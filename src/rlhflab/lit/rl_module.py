@@ -25,7 +25,7 @@ from rlhflab.lit.reference import WORKERS
 from rlhflab.models.sharding import full
 from rlhflab.rng import fixed_seed, rng_state, set_rng_state
 from rlhflab.rollout.batch import Rollout, by_length, length_buckets, trim_left
-from rlhflab.rollout.sources import current_autocast
+from rlhflab.rollout.sources import casts_once, current_autocast
 
 log = logging.getLogger(__name__)
 
@@ -379,15 +379,25 @@ class RLHFModule(L.LightningModule):
                         "the policy may have collapsed; lower rl.lr", float(scores[0]), FLAT_STEPS_WARNING, float(metrics["train/kl"]))
 
     def _by_length(self, forward, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor,
-                   split: bool = True, rows: slice | None = None) -> torch.Tensor:
+                   split: bool = True, rows: slice | None = None, trainable: bool = False) -> torch.Tensor:
         """forward(query, response) -> (n, R), 0 on padding, over groups of rows of similar completion length
         (rl.length_buckets), each padded to its own longest row: one run-on completion no longer pads them all.
         One forward when sharded (trainer=fsdp): every rank must run the same forwards, and their lengths differ.
-        rows: only those rows, each in the group the whole batch puts it in (`by_length`)."""
+        rows: only those rows, each in the group the whole batch puts it in (`by_length`).
+        trainable: the forward reads trainable weights (the policy's, the critic's), whose casts the groups share."""
         buckets = None
         if split and not self.sharded:
             buckets = length_buckets(mask, query.shape[1], self.cfg.length_buckets)
-        return by_length(forward, query, response, mask, buckets, self.memory.pad_token_id, rows)
+        # Under bf16 autocast, Lightning's cast cache is off (an optimizer step inside the region would leave stale
+        # casts), so each group's forward would cast every trainable weight again, and a forward with grad keeps its
+        # casts for the backward: another bf16 copy of the policy per extra group (226 MB on the 113M model). The
+        # groups share one cast of each weight instead, dropped from the cache as they end (the graph keeps what it
+        # needs): the 113M bf16 sync online DPO side's peak RSS 3,348-3,352 MB against 3,407-3,429 (one group:
+        # 3,272-3,284); the groups' gradients of a weight then meet in bf16 at its cast, as one forward's do. Not
+        # for the frozen reference: autocast caches no frozen weight, and its cache is one for all threads, which a
+        # reference thread's (mode.reference=thread) would empty under the policy's forward.
+        with casts_once(enabled=trainable and buckets is not None):
+            return by_length(forward, query, response, mask, buckets, self.memory.pad_token_id, rows)
 
     def _reference_logprobs(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor,
                             rows: slice | None = None) -> torch.Tensor:
@@ -400,17 +410,19 @@ class RLHFModule(L.LightningModule):
 
     def _policy_logprobs(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(n, R) the current policy's log-probs (with grad when enabled), 0 on padding."""
-        return self._by_length(lambda q, r: self.memory.policy_logprobs(q, r, self.temperature), query, response, mask)
+        return self._by_length(lambda q, r: self.memory.policy_logprobs(q, r, self.temperature), query, response, mask,
+                               trainable=True)
 
     def _values(self, query: torch.Tensor, response: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(n, R) value estimates (with grad when enabled), 0 on padding (GAE and the value loss read masked positions only)."""
-        return self._by_length(self.memory.values, query, response, mask)
+        return self._by_length(self.memory.values, query, response, mask, trainable=True)
 
     def _policy_logprobs_and_values(self, query: torch.Tensor, response: torch.Tensor,
                                     mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(_policy_logprobs, _values) of the same rows, from the memory strategy's joint call (memory=hydra
         actor_critic=joint: one trunk forward serves both)."""
-        return self._by_length(lambda q, r: self.memory.policy_logprobs_and_values(q, r, self.temperature), query, response, mask)
+        return self._by_length(lambda q, r: self.memory.policy_logprobs_and_values(q, r, self.temperature), query, response,
+                               mask, trainable=True)
 
     def _logprobs(self, rollout: Rollout) -> torch.Tensor:
         """(n, R) the current policy's log-probs of the rollout's responses, 0 on padding."""
@@ -509,6 +521,7 @@ class RLHFModule(L.LightningModule):
                     return None
                 opt.zero_grad(set_to_none=True)
                 self.manual_backward(loss)  # under 16-mixed: the loss times the scaler's scale, and so the gradients
+                torch.clear_autocast_cache()  # casts a checkpointed layer's recompute left there (`_by_length`)
                 self.activations.reset()
                 # The norm before clipping (as TRL's and verl's grad_norm): finite exactly when the clipped one is.
                 params = [p for g in opt.optimizer.param_groups for p in g["params"] if p.grad is not None]

@@ -56,6 +56,10 @@ def casts_once(enabled: bool = True):
     if not state or not enabled:
         yield
         return
+    # Emptied on the way in too: a checkpointed layer recomputed in a backward (memory.gradient_checkpointing)
+    # re-enters the autocast its forward ran in, this one, and its casts stay cached after it, until an optimizer
+    # step makes them stale.
+    torch.clear_autocast_cache()
     with autocast_as(state, cache_enabled=True):
         try:
             yield
