@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhflab.rollout.batch import by_length, completion_lengths, join, length_buckets, response_mask_from_eos, token_logprobs
@@ -85,6 +86,19 @@ def _mask(lengths: list[int], width: int) -> torch.Tensor:
     return (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).float()
 
 
+class WeightCasts(TorchDispatchMode):
+    """Counts the casts autocast makes of the given weights (by their storage)."""
+
+    def __init__(self, weights: set[int]) -> None:
+        super().__init__()
+        self.weights, self.n = weights, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.weights:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_length_buckets_cut_where_padding_is_saved():
     """One run-on completion among short ones gets a forward of its own; equal lengths, a cut that saves
     little, or rl.length_buckets=1 keep one forward over the batch."""
@@ -157,11 +171,9 @@ def test_by_length_gives_one_forwards_numbers_and_gradients():
 def test_a_batchs_length_groups_share_one_bf16_cast_of_each_weight(make_cfg, tmp_path, monkeypatch):
     """Under bf16 autocast with Lightning's cast cache off, each length group's forward (rl.length_buckets) cast
     every trainable weight again and kept its casts for the backward: a policy-sized bf16 copy per extra group
-    (+130-150 MB of the 113M sync online DPO side's peak RSS). The learner's groups share one cast of each weight:
+    (226 MB on the 113M model, whose sync online DPO side peaked 60-80 MB higher). The groups share one cast of each weight:
     the same log-probs bit for bit, and the same gradients to bf16's rounding (the groups' gradients of a weight
     now meet in bf16, at its cast, as a single forward's do)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import rlhflab.lit.rl_module as rl_module
     from rlhflab.train import train
 
@@ -178,23 +190,15 @@ def test_a_batchs_length_groups_share_one_bf16_cast_of_each_weight(make_cfg, tmp
     groups = length_buckets(mask, P, module.cfg.length_buckets)
     assert groups is not None and len(groups) >= 2
 
-    class WeightCasts(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in linears:
-                WeightCasts.n += 1
-            return func(*args, **(kwargs or {}))
-
     def update_forward():
-        WeightCasts.n = 0
+        casts = WeightCasts(linears)
         policy.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):  # as Lightning's bf16-mixed enters it
-            with WeightCasts():
+            with casts:
                 logprobs = module._policy_logprobs(query, response, mask)
             assert not torch.is_autocast_cache_enabled()
             logprobs.sum().backward()
-        return logprobs.detach(), [w.grad.float() for w in weights], WeightCasts.n
+        return logprobs.detach(), [w.grad.float() for w in weights], casts.n
 
     shared, shared_grads, shared_casts = update_forward()
     monkeypatch.setattr(rl_module, "casts_once", lambda enabled=True: contextlib.nullcontext())
@@ -375,8 +379,6 @@ def test_generation_under_lightnings_autocast_casts_each_trainable_weight_once_p
     CPU). HFGenerator casts each trainable weight once per call (not a sharded model's), draws what the cached
     autocast draws, leaves no cast behind (an in-place update after it is read by the next call) and puts the cache
     setting back."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from rlhflab.lit.data import encode_prompts
     from rlhflab.rollout.hf import HFGenerator
     from rlhflab.tasks.sentiment import SentimentTask
@@ -393,22 +395,13 @@ def test_generation_under_lightnings_autocast_casts_each_trainable_weight_once_p
     gen.setup(tok, 8)
     linears = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
 
-    class WeightCasts(TorchDispatchMode):
-        """Counts the casts autocast makes of the linear layers' weights."""
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in linears:
-                WeightCasts.n += 1
-            return func(*args, **(kwargs or {}))
-
     def sample(cache_enabled: bool):
-        WeightCasts.n = 0
+        casts = WeightCasts(linears)
         torch.manual_seed(1)
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache_enabled), WeightCasts():
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache_enabled), casts:
             rollout = gen.generate(model, query, prompts, samples_per_prompt=2, version=0)
             assert torch.is_autocast_cache_enabled() == cache_enabled
-        return rollout, WeightCasts.n
+        return rollout, casts.n
 
     lightning, casts = sample(cache_enabled=False)  # as Lightning's MixedPrecision plugin enters it
     assert lightning.response.shape[1] > 2  # several forwards, each of which re-cast every weight before
@@ -417,12 +410,12 @@ def test_generation_under_lightnings_autocast_casts_each_trainable_weight_once_p
     # are freed after each layer, and a cast kept for the call would hold the whole policy on every rank.
     from rlhflab.rollout.sources import casts_once
 
-    WeightCasts.n = 0
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), WeightCasts():
+    casts = WeightCasts(linears)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), casts:
         with casts_once(enabled=False):
             model(query)
             model(query)
-    assert WeightCasts.n == 2 * len(linears)
+    assert casts.n == 2 * len(linears)
     cached, _ = sample(cache_enabled=True)
     assert torch.equal(lightning.response, cached.response)
     torch.testing.assert_close(lightning.logprobs, cached.logprobs, atol=0, rtol=0)
@@ -444,8 +437,6 @@ def test_prepacked_bf16_weights_sample_what_autocasts_own_products_sample(width,
     layer calls its base and adapter Linears) too. Every Linear runs packed while it samples and none after (its
     forward put back, so an in-place update is read by the next call); nothing is packed in float32 or with grad
     on."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from rlhflab.lit.data import encode_prompts
     from rlhflab.rollout.hf import HFGenerator
     from rlhflab.rollout.sources import packs_once
