@@ -171,9 +171,9 @@ def test_by_length_gives_one_forwards_numbers_and_gradients():
 def test_a_batchs_length_groups_share_one_bf16_cast_of_each_weight(make_cfg, tmp_path, monkeypatch):
     """Under bf16 autocast with Lightning's cast cache off, each length group's forward (rl.length_buckets) cast
     every trainable weight again and kept its casts for the backward: a policy-sized bf16 copy per extra group
-    (226 MB on the 113M model, whose sync online DPO side peaked 60-80 MB higher). The groups share one cast of each weight:
-    the same log-probs bit for bit, and the same gradients to bf16's rounding (the groups' gradients of a weight
-    now meet in bf16, at its cast, as a single forward's do)."""
+    (226 MB on the 113M model, whose sync online DPO side peaked 60-80 MB higher). The groups share one cast of
+    each weight: the same log-probs bit for bit, and the same gradients to bf16's rounding (the groups' gradients
+    of a weight now meet in bf16, at its cast, as a single forward's do)."""
     import rlhflab.lit.rl_module as rl_module
     from rlhflab.train import train
 

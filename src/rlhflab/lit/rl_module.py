@@ -392,10 +392,10 @@ class RLHFModule(L.LightningModule):
         # casts), so each group's forward would cast every trainable weight again, and a forward with grad keeps its
         # casts for the backward: another bf16 copy of the policy per extra group (226 MB on the 113M model). The
         # groups share one cast of each weight instead, dropped from the cache as they end (the graph keeps what it
-        # needs): the 113M bf16 sync online DPO side's peak RSS 3,348-3,352 MB against 3,407-3,429 (one group:
-        # 3,272-3,284); the groups' gradients of a weight then meet in bf16 at its cast, as one forward's do. Not
-        # for the frozen reference: autocast caches no frozen weight, and its cache is one for all threads, which a
-        # reference thread's (mode.reference=thread) would empty under the policy's forward.
+        # needs): the 113M bf16 sync online DPO side's peak RSS 3,330-3,333 MB against 3,404 side by side, as low as
+        # one group's (docs/MEASUREMENTS.md); the groups' gradients of a weight then meet in bf16 at its cast, as one
+        # forward's do. Not for the frozen reference: autocast caches no frozen weight, and its cache is one for all
+        # threads, which a reference thread's (mode.reference=thread) would empty under the policy's forward.
         with casts_once(enabled=trainable and buckets is not None):
             return by_length(forward, query, response, mask, buckets, self.memory.pad_token_id, rows)
 
