@@ -148,7 +148,7 @@ def main() -> None:
     if any(n < 4 for n in lengths):
         parser.error(f"--lengths {a.lengths!r}: each at least 4 (three padded positions and one more)")
     torch.set_num_threads(a.threads)
-    from autocast_generation import host  # (benchmarks/, this script's folder, is first on sys.path)
+    from step_flops import host  # (benchmarks/, this script's folder, is first on sys.path)
 
     text = [f"torch {torch.__version__}, {a.threads} thread(s), medians of {a.rounds} interleaved rounds; {host()}.", "",
             "Attention alone, forward and backward:", "", *attention_table(lengths, a.tokens, a.rounds), "",

@@ -30,25 +30,12 @@ completions run to the budget).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-
-
-def host() -> str:
-    """This CPU's model name, its CPU count and whether torch sees AMX tiles on it (oneDNN's bf16 kernels use them
-    where it does; the CPU bf16 choices were measured on an AMX CPU first)."""
-    try:
-        amx = "yes" if torch.cpu._is_amx_tile_supported() else "no"
-    except AttributeError:
-        amx = "unknown (this torch cannot say)"
-    from step_flops import cpu_name  # (benchmarks/, this script's folder, is first on sys.path)
-
-    return f"{cpu_name()}, {os.cpu_count()} CPUs, AMX tiles: {amx}"
 
 
 def main() -> None:
@@ -151,6 +138,8 @@ def main() -> None:
                      for name, n in same.items()]
     print("\n".join(lines))
     if a.out:
+        from step_flops import host  # (benchmarks/, this script's folder, is first on sys.path)
+
         head = [f"# benchmarks/autocast_generation.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
                 "", f"`python {' '.join(sys.argv)}`", "", f"torch {torch.__version__}, {host()}", ""]
         Path(a.out).write_text("\n".join(head + lines) + "\n")

@@ -133,6 +133,19 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+def host() -> str:
+    """This CPU's model name, its CPU count and whether torch sees AMX tiles on it (oneDNN's bf16 kernels use them
+    where it does; the CPU bf16 choices were measured on an AMX CPU first): the line a benchmark's table names its
+    host with."""
+    import torch
+
+    try:
+        amx = "yes" if torch.cpu._is_amx_tile_supported() else "no"
+    except AttributeError:
+        amx = "unknown (this torch cannot say)"
+    return f"{cpu_name()}, {os.cpu_count()} CPUs, AMX tiles: {amx}"
+
+
 def matmul_peak(rows: int, threads: int, reps: int = 5, calls: int = 4) -> float:
     """GFLOP/s of the forward's widest matmul ((rows x 768) @ (768 x 3072), float32) on `threads` threads, the best of
     `reps` means of `calls` calls: the rate the model's largest matmuls reach when nothing else runs. (At 20 calls a
