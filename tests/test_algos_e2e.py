@@ -99,7 +99,8 @@ def test_reference_in_a_thread_or_a_process_gives_the_learners_numbers(make_cfg,
     """mode=sync mode.reference=thread / process runs the reference forward beside the update's policy forward
     (in a second thread / a forked process, which also samples half of each batch from step 2 on:
     mode.split_generation): the same losses, KLs and weights as computing it first (bit for bit: the same forwards,
-    the same order, the same draws), under autocast too (per thread: the thread must be handed it)."""
+    the same order, the same draws), under autocast too (per thread: the thread must be handed it). Under bf16-mixed
+    every sampling, the evaluations' too, is generate()'s under autocast, which no process splits."""
     results = {}
     for where in ("learner", "thread", "process"):
         caplog.clear()
@@ -107,7 +108,7 @@ def test_reference_in_a_thread_or_a_process_gives_the_learners_numbers(make_cfg,
             results[where] = train(make_cfg(f"algo={algo}", "trainer.max_steps=3", f"mode.reference={where}",
                                             f"trainer.precision={precision}", f"output.dir={tmp_path / where}"))
         split = "the reference's process samples the second half of each batch's rows" in caplog.text
-        assert split == (where == "process"), where
+        assert split == (where == "process" and precision == "32-true"), where
     assert not results["learner"].module.reference_beside_update
     assert results["thread"].module.reference_beside_update and results["process"].module.reference_beside_update
     learner = results["learner"].module.memory

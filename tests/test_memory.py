@@ -353,3 +353,68 @@ def test_a_sharded_value_model_gets_one_processs_gradients_and_no_view_warning(t
         for rank, (grads, _) in enumerate(got):
             torch.testing.assert_close(torch.tensor(grads[name]), p.grad, msg=f"rank {rank}: {name}")
     assert not [w for _, seen in got for w in seen if "returned a view tensor" in w], got[0][1]
+
+
+def _tiny_llama(tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, max_position_embeddings=32, tie_word_embeddings=tie)).eval()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_lowered_linears_give_autocasts_log_probs_bit_for_bit(tie):
+    """lower_linears stores each linear of a frozen model in bf16: under bf16 autocast, which casts a float32 weight
+    at each call, the same log-probs bit for bit, at half the linears' bytes; embeddings and norms stay float32, and so
+    does an LM head tied to the embeddings (a bf16 embedding would make the whole residual stream bf16)."""
+    from torch import nn
+
+    from rlhflab.models.build import freeze, lower_linears
+
+    model = freeze(_tiny_llama(tie))
+    query, response = torch.randint(3, 24, (4, 5)), torch.randint(3, 24, (4, 6))
+    memory = FullMemory()
+    memory.pad_token_id = 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = memory._logprobs(model, query, response, 1.0)
+    linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
+    lowered = {n for n, m in linears.items() if not (tie and n == "lm_head")}
+    freed = lower_linears(model, torch.bfloat16)
+    assert freed == sum(linears[n].weight.numel() * 2 for n in lowered)
+    assert {n for n, m in linears.items() if m.weight.dtype == torch.bfloat16} == lowered
+    kept = {n: p.dtype for n, p in model.named_parameters() if n.removesuffix(".weight") not in lowered}
+    assert "model.embed_tokens.weight" in kept and set(kept.values()) == {torch.float32}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(memory._logprobs(model, query, response, 1.0), before)
+    assert lower_linears(model, torch.bfloat16) == 0  # once
+
+
+def test_under_bf16_mixed_the_full_reference_is_kept_in_bf16_and_evaluated_under_autocast(make_cfg, caplog):
+    """trainer.precision=bf16-mixed: memory=full's reference keeps its linears in bf16 from the fit's start (its
+    log-probs under the steps' autocast those of the float32 starting weights, bit for bit), and every evaluation runs
+    under that autocast, those at the start and end as those between steps: a new evaluation of the last policy, from
+    outside any autocast, gives the run's last one."""
+    with caplog.at_level("INFO", logger="rlhflab.lit.rl_module"):
+        result = train(make_cfg("trainer.precision=bf16-mixed", "trainer.max_steps=2", "rl.eval_every=1"))
+    module, memory = result.module, result.module.memory
+    assert "reference: its linear layers kept in bfloat16, the dtype autocast computes them in" in caplog.text
+    assert memory.reference.lm_head.weight.dtype == torch.bfloat16
+    assert memory.policy.lm_head.weight.dtype == torch.float32
+    plain = load_causal_lm(sft_weights_path(memory)).eval()
+    rollout = eval_rollout(module)
+    q, r, t = rollout.query, rollout.response, module.temperature
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(memory.reference_logprobs(q, r, t), memory._logprobs(plain, q, r, t))
+    assert param_bytes([memory.reference]) < 0.6 * param_bytes([plain])
+    assert [v for v, _, _ in module.eval_history] == [0, 1, 2]
+    again = module.evaluate()
+    assert (again["eval/gold_reward"], again["eval/kl"]) == module.eval_history[-1][1:]
+
+
+def test_at_full_precision_the_reference_stays_float32(make_cfg, caplog):
+    """trainer.precision=32-true (the default): no autocast, the reference's weights as loaded."""
+    with caplog.at_level("INFO", logger="rlhflab.lit.rl_module"):
+        result = train(make_cfg("trainer.max_steps=1"))
+    assert {p.dtype for p in result.module.memory.reference.parameters()} == {torch.float32}
+    assert "reference: its linear layers kept in" not in caplog.text

@@ -190,6 +190,10 @@ class MemoryStrategy(Protocol):
     def reference_logprobs(self, query: torch.Tensor, response: torch.Tensor, temperature: float) -> torch.Tensor:
         """(n, R) response log-probs under the frozen reference policy."""
 
+    def lower_reference(self, dtype: torch.dtype) -> int:
+        """Under half-precision autocast, keep a frozen reference's own weights in `dtype` where that computes the
+        same numbers (memory=full); -> the bytes freed (0 where the reference shares the policy's weights)."""
+
     def values(self, query: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
         """(n, R) value estimates, with grad (algorithms with a critic)."""
 

@@ -83,8 +83,8 @@ class ReferenceThread:
 def _generate_rows(policy, query, state, offset: int, batch_rows: int, *settings) -> tuple:
     """Rows offset.. of a batch of batch_rows sampled by `lean_generate`'s loop from the learner's generator state
     (lean_generate_split's other half) -> (response, log-probs or None) as numpy arrays. Outside autocast, as the
-    lean loop runs only there: this process was forked inside a training step, under bf16-mixed's autocast, which
-    the learner's evaluation samples outside of (it got other tokens there before this)."""
+    lean loop runs only there: the learner asks for rows only where it samples outside autocast itself (a 32-true
+    run), and this process, forked inside a training step, would otherwise keep whatever autocast that step had."""
     torch.set_rng_state(torch.from_numpy(state))
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         response, logprobs = _sample(policy, torch.from_numpy(query), *settings, offset=offset, batch_rows=batch_rows)

@@ -43,6 +43,10 @@ class MemoryStrategy(nn.Module):
         the generation model's whole state, gathered, when its parameters are sharded (trainer=fsdp)."""
         raise NotImplementedError
 
+    def lower_reference(self, dtype: torch.dtype) -> int:
+        """Nothing to lower: the reference is the policy's own weights (adapters off, a shared trunk)."""
+        return 0
+
     def shard(self, mesh) -> None:
         """FSDP2 over the data-parallel `mesh`: every model this strategy holds, each on its own."""
         for model in self.model_modules():

@@ -13,7 +13,7 @@ from torch import nn
 
 from rlhflab.memory.base import MemoryStrategy
 from rlhflab.models.build import (
-    foreign_tokenizer, freeze, load_causal_lm, load_reward_model, load_value_model, read_reward_norm, text_scores, without_dropout,
+    foreign_tokenizer, freeze, load_causal_lm, lower_linears, load_reward_model, load_value_model, read_reward_norm, text_scores, without_dropout,
 )
 
 
@@ -68,6 +68,11 @@ class FullMemory(MemoryStrategy):
     def reference_logprobs(self, query, response, temperature: float) -> torch.Tensor:
         """(n, R) log-probs under the frozen reference policy."""
         return self._logprobs(self.reference, query, response, temperature)
+
+    def lower_reference(self, dtype: torch.dtype) -> int:
+        """The reference's linear layers stored in autocast's `dtype` (models.build.lower_linears): the same
+        log-probs under that autocast, half their bytes (226 MB on the 113M model)."""
+        return lower_linears(self.reference, dtype)
 
     def values(self, query, response) -> torch.Tensor:
         """(n, R) value estimates (with grad)."""

@@ -19,6 +19,7 @@ from torch import nn
 from pathlib import Path
 
 from rlhflab.errors import ConfigError
+from rlhflab.memory.base import MemoryStrategy
 from rlhflab.memory.full import FullMemory
 from rlhflab.models.build import foreign_tokenizer, freeze, load_causal_lm, load_reward_model, load_value_model, read_reward_norm
 from rlhflab.models.heads import last_token_index
@@ -111,6 +112,7 @@ class LoraMemory(LoraSettings, FullMemory):
     """
 
     name = "lora"
+    lower_reference = MemoryStrategy.lower_reference  # nothing of its own: the reference is the policy, adapter off
 
     def build(self, policy_path, reward_path, need_values: bool, tokenizer, dtype: str = "float32") -> "LoraMemory":
         """Load the models this run needs. reward_path None: no reward model (rule reward)."""

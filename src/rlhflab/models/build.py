@@ -370,6 +370,29 @@ def freeze(model):
     return model.eval()
 
 
+def lower_linears(model, dtype) -> int:
+    """Store each plain nn.Linear of a frozen `model` in `dtype`, the half dtype autocast computes it in
+    (trainer.precision=bf16-mixed: the reference of memory=full); -> the bytes freed.
+
+    Under autocast a linear casts its float32 weight and bias to `dtype` at every call (autocast caches casts of
+    trainable weights only), so one stored cast gives the same products bit for bit, without the float32 copy or the
+    cast. Every other module (embeddings, norms: autocast runs them in float32) and a linear whose weight another
+    module shares (tied embeddings) keep their dtype. The model can then run only under that autocast."""
+    from collections import Counter
+
+    from torch import nn
+
+    owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    freed = 0
+    for m in model.modules():
+        params = list(m.parameters(recurse=False))
+        if type(m) is nn.Linear and all(owners[id(p)] == 1 and p.dtype == torch.float32 for p in params):
+            before = sum(p.numel() * p.element_size() for p in params)
+            m.to(dtype)
+            freed += before - sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return freed
+
+
 def without_dropout(model):
     """Zero the model's own dropout (e.g. the 0.1 a token classifier gets by default): the rollout pass
     and the update pass must compute the same log-probs and values. Call before adding adapters,
