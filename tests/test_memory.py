@@ -10,7 +10,7 @@ from rlhflab.lit.stage_modules import lm_loss
 from rlhflab.memory.full import FullMemory
 from rlhflab.memory.hydra_rlhf import HydraRLHFMemory
 from rlhflab.memory.lora import LoraMemory
-from rlhflab.models.build import load_causal_lm
+from rlhflab.models.build import load_causal_lm, load_reward_model
 from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
 from rlhflab.perf import model_state_bytes
 from rlhflab.train import train
@@ -390,22 +390,25 @@ def test_lowered_linears_give_autocasts_log_probs_bit_for_bit(tie):
     assert lower_linears(model, torch.bfloat16) == 0  # once
 
 
-def test_under_bf16_mixed_the_full_reference_is_kept_in_bf16_and_evaluated_under_autocast(make_cfg, caplog):
-    """trainer.precision=bf16-mixed: memory=full's reference keeps its linears in bf16 from the fit's start (its
-    log-probs under the steps' autocast those of the float32 starting weights, bit for bit), and every evaluation runs
-    under that autocast, those at the start and end as those between steps: a new evaluation of the last policy, from
-    outside any autocast, gives the run's last one."""
+def test_under_bf16_mixed_the_frozen_models_are_kept_in_bf16_and_evaluated_under_autocast(make_cfg, caplog):
+    """trainer.precision=bf16-mixed: memory=full's reference and reward model keep their linears in bf16 from the fit's
+    start (their log-probs and scores under the steps' autocast those of the float32 weights loaded, bit for bit), and
+    every evaluation runs under that autocast, those at the start and end as those between steps: a new evaluation of
+    the last policy, from outside any autocast, gives the run's last one."""
     with caplog.at_level("INFO", logger="rlhflab.lit.rl_module"):
         result = train(make_cfg("trainer.precision=bf16-mixed", "trainer.max_steps=2", "rl.eval_every=1"))
     module, memory = result.module, result.module.memory
-    assert "reference: its linear layers kept in bfloat16, the dtype autocast computes them in" in caplog.text
-    assert memory.reference.lm_head.weight.dtype == torch.bfloat16
+    assert ("frozen models (LlamaForCausalLM, LlamaForSequenceClassification): their linear layers kept in bfloat16, the "
+            "dtype autocast computes them in") in caplog.text
+    assert memory.reference.lm_head.weight.dtype == memory.reward_model.score.weight.dtype == torch.bfloat16
     assert memory.policy.lm_head.weight.dtype == torch.float32
     plain = load_causal_lm(sft_weights_path(memory)).eval()
+    plain_reward = load_reward_model(memory.reward_model.name_or_path, pad_token_id=memory.pad_token_id).eval()
     rollout = eval_rollout(module)
     q, r, t = rollout.query, rollout.response, module.temperature
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(memory.reference_logprobs(q, r, t), memory._logprobs(plain, q, r, t))
+        assert torch.equal(memory.scores(q, r), memory._scores(plain_reward, q, r))
     assert param_bytes([memory.reference]) < 0.6 * param_bytes([plain])
     assert [v for v, _, _ in module.eval_history] == [0, 1, 2]
     again = module.evaluate()
@@ -417,4 +420,4 @@ def test_at_full_precision_the_reference_stays_float32(make_cfg, caplog):
     with caplog.at_level("INFO", logger="rlhflab.lit.rl_module"):
         result = train(make_cfg("trainer.max_steps=1"))
     assert {p.dtype for p in result.module.memory.reference.parameters()} == {torch.float32}
-    assert "reference: its linear layers kept in" not in caplog.text
+    assert "their linear layers kept in" not in caplog.text

@@ -190,9 +190,12 @@ class MemoryStrategy(Protocol):
     def reference_logprobs(self, query: torch.Tensor, response: torch.Tensor, temperature: float) -> torch.Tensor:
         """(n, R) response log-probs under the frozen reference policy."""
 
-    def lower_reference(self, dtype: torch.dtype) -> int:
-        """Under half-precision autocast, keep a frozen reference's own weights in `dtype` where that computes the
-        same numbers (memory=full); -> the bytes freed (0 where the reference shares the policy's weights)."""
+    def frozen_models(self) -> list[nn.Module]:
+        """The wholly frozen models held apart from the trained ones (memory=full's reference, a reward model)."""
+
+    def lower_frozen(self, dtype: torch.dtype) -> int:
+        """Under half-precision autocast, keep the frozen models of their own (memory=full's reference, a reward
+        model) in `dtype` where that computes the same numbers; -> the bytes freed (0 where none is held apart)."""
 
     def values(self, query: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
         """(n, R) value estimates, with grad (algorithms with a critic)."""

@@ -144,7 +144,7 @@ class RLHFModule(L.LightningModule):
         else:
             torch.manual_seed(self.seed)  # the mini-batch orders: from the seed, whatever ran before in the process
         self.run_autocast = self._autocast()
-        self._lower_reference()  # before the generator's or the reference's process forks
+        self._lower_frozen()  # before the generator's or the reference's process forks
         # The generator continues after the batches a checkpoint kept, with the weights of this version.
         first = self.policy_version + len(self.source.pending)
         self.source.start(self.memory.generation_model, self.prompt_batches(first), self.train_prompts, self.algo, self.seed,
@@ -156,18 +156,20 @@ class RLHFModule(L.LightningModule):
         with self.trainer.precision_plugin.forward_context():
             return current_autocast()
 
-    def _lower_reference(self) -> None:
-        """Under half-precision autocast (trainer.precision=bf16-mixed), a reference of its own (memory=full) keeps its
-        linear layers in autocast's dtype: every forward of it runs under that autocast (the steps, the reference's
-        thread or process, the async generator, the evaluations), which cast its float32 weights at each call to the
-        same numbers. 226 MB less on the 113M model. Not with trainer=fsdp (its shards are float32 DTensors)."""
+    def _lower_frozen(self) -> None:
+        """Under half-precision autocast (trainer.precision=bf16-mixed), the frozen models of their own (memory=full's
+        reference, a reward model) keep their linear layers in autocast's dtype: every forward of them runs under that
+        autocast (the steps, the reference's thread or process, the async generator, the evaluations), which cast
+        their float32 weights at each call to the same numbers. 226 MB less for the 113M model's reference. Not with
+        trainer=fsdp (its shards are float32 DTensors)."""
         dtype = self.run_autocast.get(self.device.type)
         if dtype is None or self.sharded:
             return
-        freed = self.memory.lower_reference(dtype)
+        freed = self.memory.lower_frozen(dtype)
         if freed:
-            log.info("reference: its linear layers kept in %s, the dtype autocast computes them in (%.0f MB less)",
-                     str(dtype).removeprefix("torch."), freed / 2**20)
+            log.info("frozen models (%s): their linear layers kept in %s, the dtype autocast computes them in (%.0f MB less)",
+                     ", ".join(type(m).__name__ for m in self.memory.frozen_models()), str(dtype).removeprefix("torch."),
+                     freed / 2**20)
 
     # ---- checkpoints ---------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
-from rlhflab.models.build import without_dropout
+from rlhflab.models.build import lower_linears, without_dropout
 from rlhflab.models.sharding import shard, warm_up
 from rlhflab.rollout.batch import join, token_logprobs
 from rlhflab.rollout.lean import lean_forward, lean_unsupported
@@ -43,9 +43,15 @@ class MemoryStrategy(nn.Module):
         the generation model's whole state, gathered, when its parameters are sharded (trainer=fsdp)."""
         raise NotImplementedError
 
-    def lower_reference(self, dtype: torch.dtype) -> int:
-        """Nothing to lower: the reference is the policy's own weights (adapters off, a shared trunk)."""
-        return 0
+    def frozen_models(self) -> list[nn.Module]:
+        """The wholly frozen models held apart from the trained ones: none here (the reference is the policy's own
+        weights, adapters off, and the reward a head on a shared trunk)."""
+        return []
+
+    def lower_frozen(self, dtype: torch.dtype) -> int:
+        """Each frozen model's linear layers stored in autocast's `dtype` (models.build.lower_linears): the same
+        numbers under that autocast, half their bytes (226 MB for a 113M reference); -> the bytes freed."""
+        return sum(lower_linears(m, dtype) for m in self.frozen_models())
 
     def shard(self, mesh) -> None:
         """FSDP2 over the data-parallel `mesh`: every model this strategy holds, each on its own."""

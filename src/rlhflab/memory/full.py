@@ -13,7 +13,7 @@ from torch import nn
 
 from rlhflab.memory.base import MemoryStrategy
 from rlhflab.models.build import (
-    foreign_tokenizer, freeze, load_causal_lm, lower_linears, load_reward_model, load_value_model, read_reward_norm, text_scores, without_dropout,
+    foreign_tokenizer, freeze, load_causal_lm, load_reward_model, load_value_model, read_reward_norm, text_scores, without_dropout,
 )
 
 
@@ -69,10 +69,9 @@ class FullMemory(MemoryStrategy):
         """(n, R) log-probs under the frozen reference policy."""
         return self._logprobs(self.reference, query, response, temperature)
 
-    def lower_reference(self, dtype: torch.dtype) -> int:
-        """The reference's linear layers stored in autocast's `dtype` (models.build.lower_linears): the same
-        log-probs under that autocast, half their bytes (226 MB on the 113M model)."""
-        return lower_linears(self.reference, dtype)
+    def frozen_models(self) -> list[nn.Module]:
+        """The reference and a reward model."""
+        return [m for m in (self.reference, self.reward_model) if m is not None]
 
     def values(self, query, response) -> torch.Tensor:
         """(n, R) value estimates (with grad)."""

@@ -19,7 +19,6 @@ from torch import nn
 from pathlib import Path
 
 from rlhflab.errors import ConfigError
-from rlhflab.memory.base import MemoryStrategy
 from rlhflab.memory.full import FullMemory
 from rlhflab.models.build import foreign_tokenizer, freeze, load_causal_lm, load_reward_model, load_value_model, read_reward_norm
 from rlhflab.models.heads import last_token_index
@@ -112,7 +111,6 @@ class LoraMemory(LoraSettings, FullMemory):
     """
 
     name = "lora"
-    lower_reference = MemoryStrategy.lower_reference  # nothing of its own: the reference is the policy, adapter off
 
     def build(self, policy_path, reward_path, need_values: bool, tokenizer, dtype: str = "float32") -> "LoraMemory":
         """Load the models this run needs. reward_path None: no reward model (rule reward)."""
@@ -171,6 +169,10 @@ class LoraMemory(LoraSettings, FullMemory):
         """(n, R) log-probs under the starting policy: the same weights with the adapter switched off."""
         with self.policy.disable_adapter():
             return self._logprobs(self.policy, query, response, temperature)
+
+    def frozen_models(self) -> list[nn.Module]:
+        """A reward model of its own (not one whose backbone is the critic's): the reference is the policy, adapter off."""
+        return [m for m in (self.reward_model,) if m is not None]
 
     def model_modules(self) -> list[nn.Module]:
         """Every model this strategy holds (for memory accounting); there is no reference model to list."""

@@ -386,7 +386,8 @@ def lower_linears(model, dtype) -> int:
     freed = 0
     for m in model.modules():
         params = list(m.parameters(recurse=False))
-        if type(m) is nn.Linear and all(owners[id(p)] == 1 and p.dtype == torch.float32 for p in params):
+        lowerable = all(owners[id(p)] == 1 and p.dtype == torch.float32 and not p.requires_grad for p in params)
+        if type(m) is nn.Linear and lowerable:
             before = sum(p.numel() * p.element_size() for p in params)
             m.to(dtype)
             freed += before - sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
