@@ -1002,19 +1002,23 @@ def test_resume_into_a_store_without_the_run_is_one_line_and_the_fix_it_gives_wo
         train(make_cfg("trainer.max_steps=4", "resume=auto", f"output.dir={out}"))
 
 
-def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(make_cfg, tmp_path, capfd):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_resume_of_a_finished_budget_keeps_the_checkpoint_policy_and_history(make_cfg, tmp_path, capfd, precision):
     """A checkpoint at the step budget (a run killed after its last checkpoint, or rerun with resume=auto):
     nothing is trained, and the policy saved and the closing numbers are the checkpoint's. Not on a terminal, the
     resume's log says nothing of MLflow fetching the run's generations table to append to it (its tqdm bar
     printed 'Downloading artifacts:   0%|          | 0/1 ...' three times into the log). The generations logged
-    are the run's, each once."""
-    first = train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={tmp_path}/run"))
+    are the run's, each once. The final evaluation, which the checkpoint predates, is made again as the fit made it:
+    under bf16-mixed, under the steps' autocast, with no fit to give it."""
+    first = train(make_cfg("trainer.max_steps=2", "checkpoint.every_n_steps=2", f"output.dir={tmp_path}/run",
+                           f"trainer.precision={precision}"))
     saved = {k: v.clone() for k, v in first.module.memory.policy.state_dict().items()}
     capfd.readouterr()
-    again = train(make_cfg("trainer.max_steps=2", "resume=auto", f"output.dir={tmp_path}/run"))
+    again = train(make_cfg("trainer.max_steps=2", "resume=auto", f"output.dir={tmp_path}/run", f"trainer.precision={precision}"))
     assert "Downloading artifacts" not in capfd.readouterr().err
     assert again.module.updates == 2
     assert again.metrics["eval/gold_reward"] == first.metrics["eval/gold_reward"]
+    assert again.metrics["eval/kl"] == first.metrics["eval/kl"]
     assert again.metrics["eval/gold_reward_before"] == first.metrics["eval/gold_reward_before"]
     now = again.module.memory.policy.state_dict()
     assert all(torch.equal(saved[k], now[k]) for k in saved)

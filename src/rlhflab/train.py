@@ -34,7 +34,7 @@ from rlhflab.interrupts import STOP, as_interrupt
 from rlhflab.lit import checkpoint as ckpt
 from rlhflab.lit.progress import StageProgressBar
 from rlhflab.lit.reference import WORKERS
-from rlhflab.lit.rl_module import RLHFModule
+from rlhflab.lit.rl_module import RLHFModule, trainer_autocast
 from rlhflab.models import attention
 from rlhflab.models.build import check_arch, check_vocabulary, ensure_base_model, load_tokenizer
 from rlhflab.models.checks import check_hub, check_hub_dataset
@@ -664,6 +664,8 @@ def _run(cfg: DictConfig, plan: Plan, tracker: MlflowTracker, out: Path, resume:
         tracker.rl_ended()  # (after a fit, the module's on_train_end says it)
         module.restore(resume, training=False)
         if module.eval_history[-1][0] != module.policy_version:  # killed after its last checkpoint, before the final eval
+            # under the autocast a fit's evaluations run in (trainer.precision=bf16-mixed), with no fit to give it
+            module.run_autocast = trainer_autocast(_make_trainer(cfg, logger, "rl"))
             logger.log_metrics(module.evaluate(), step=module.updates)
     # a resumed run's: its processes' up to the checkpoint, and this one's
     t_rl, before = module.elapsed()["rl_s"], module.elapsed_before["rl_s"]

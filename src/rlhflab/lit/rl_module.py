@@ -39,6 +39,13 @@ def saved_step_times(rows: list) -> list[tuple]:
     return [tuple(t) if len(t) == 5 else (t[0], t[1], t[1], t[2], t[3]) for t in rows]
 
 
+def trainer_autocast(trainer: L.Trainer) -> dict:
+    """{device type: dtype} autocast runs a trainer's steps in (trainer.precision=bf16-mixed: {"cpu": bfloat16} on
+    CPU); empty at full precision."""
+    with trainer.precision_plugin.forward_context():
+        return current_autocast()
+
+
 def all_finite(value: torch.Tensor) -> bool:
     """Every element finite on every rank (a collective: every rank decides the same)."""
     return distributed.all_true(bool(torch.isfinite(value).all()))
@@ -151,10 +158,7 @@ class RLHFModule(L.LightningModule):
                           self.policy_version, reference=self._reference_logprobs, autocast=self.run_autocast)
 
     def _autocast(self) -> dict:
-        """{device type: dtype} autocast runs in the learner's steps (trainer.precision=bf16-mixed: {"cpu": bfloat16}
-        on CPU); empty at full precision."""
-        with self.trainer.precision_plugin.forward_context():
-            return current_autocast()
+        return trainer_autocast(self.trainer)
 
     def _lower_frozen(self) -> None:
         """Under half-precision autocast (trainer.precision=bf16-mixed), the frozen models of their own (memory=full's
