@@ -372,7 +372,7 @@ def freeze(model):
 
 def lower_linears(model, dtype) -> int:
     """Store each plain nn.Linear of a frozen `model` in `dtype`, the half dtype autocast computes it in
-    (trainer.precision=bf16-mixed: the reference of memory=full); -> the bytes freed.
+    (trainer.precision=bf16-mixed: MemoryStrategy.frozen_models, such as memory=full's reference); -> the bytes freed.
 
     Under autocast a linear casts its float32 weight and bias to `dtype` at every call (autocast caches casts of
     trainable weights only), so one stored cast gives the same products bit for bit, without the float32 copy or the
