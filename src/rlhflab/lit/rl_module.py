@@ -150,15 +150,12 @@ class RLHFModule(L.LightningModule):
             self.restore(self.resume)
         else:
             torch.manual_seed(self.seed)  # the mini-batch orders: from the seed, whatever ran before in the process
-        self.run_autocast = self._autocast()
+        self.run_autocast = trainer_autocast(self.trainer)
         self._lower_frozen()  # before the generator's or the reference's process forks
         # The generator continues after the batches a checkpoint kept, with the weights of this version.
         first = self.policy_version + len(self.source.pending)
         self.source.start(self.memory.generation_model, self.prompt_batches(first), self.train_prompts, self.algo, self.seed,
                           self.policy_version, reference=self._reference_logprobs, autocast=self.run_autocast)
-
-    def _autocast(self) -> dict:
-        return trainer_autocast(self.trainer)
 
     def _lower_frozen(self) -> None:
         """Under half-precision autocast (trainer.precision=bf16-mixed), the frozen models of their own (memory=full's
@@ -416,8 +413,9 @@ class RLHFModule(L.LightningModule):
         # groups share one cast of each weight instead, dropped from the cache as they end (the graph keeps what it
         # needs): the 113M bf16 sync online DPO side's peak RSS 3,330-3,333 MB against 3,404 side by side, as low as
         # one group's (docs/MEASUREMENTS.md); the groups' gradients of a weight then meet in bf16 at its cast, as one
-        # forward's do. Not for the frozen reference: autocast caches no frozen weight, and its cache is one for all
-        # threads, which a reference thread's (mode.reference=thread) would empty under the policy's forward.
+        # forward's do. Not for the frozen reference: autocast caches no frozen weight (its linears are stored in bf16
+        # instead, _lower_frozen), and its cache is one for all threads, which a reference thread's
+        # (mode.reference=thread) would empty under the policy's forward.
         with casts_once(enabled=trainable and buckets is not None):
             return by_length(forward, query, response, mask, buckets, self.memory.pad_token_id, rows)
 
