@@ -110,12 +110,14 @@ def test_each_prompts_prefill_runs_once_and_gives_every_sample_the_batchs_number
 
 
 @ARCHS
-def test_a_batch_split_with_the_reference_process_samples_the_whole_batchs_tokens(arch, caplog):
+def test_a_batch_split_with_the_reference_process_samples_the_whole_batchs_tokens(arch, caplog, one_thread):
     """mode.split_generation: the reference's forked process samples the second half of the rows from the learner's
     generator state, the learner the first: generate()'s tokens and log-probs, bit for bit (log-probs where the
     response mask keeps them), and the generator as many draws on, for even and odd batches, sampled at two
     temperatures and greedy; after the policy's weights change in place (an update making EOS likely, so the
-    halves end at different tokens), the process samples from the new ones (they are in shared memory)."""
+    halves end at different tokens), the process samples from the new ones (they are in shared memory).
+    On one thread, as a run with the process has it (a core left free, config.resolve_reference) and the process
+    always is: with the interpreter's 2 threads the learner's half's log-probs were ~1e-7 off the process's."""
     from rlhflab.lit.reference import ReferenceProcess
     from rlhflab.rollout.batch import response_mask_from_eos
 
