@@ -37,6 +37,9 @@ Sides (--sides; the default is the first five)
 - `rlhflab async`: mode=async staleness=1 mode.reference=generator: a forked generator process (1 torch thread)
   makes batch i with the weights after update i-1, and its reference log-probs, while the learner (1 torch
   thread) trains on batch i-1. Two processes, so both of the machine's 2 cores; batches are one update stale.
+- `rlhflab sync, every row's prompt run` and `rlhflab async, every row's prompt run` (not default sides): the same as
+  `rlhflab sync` and `rlhflab async` with rl.prompt_once=false, the learner's log-prob forwards over every row's
+  prompt as before 2026-12-06: what running each prompt's positions once for its k samples gives, side by side.
 - `TRL`: one process, 1 torch thread. TRL has no way to put a second CPU core to work but intra-op threads.
 - `TRL 2 threads` and `rlhflab sync 2 threads` (mode.reference=learner, torch_threads=2): each framework's use of
   both cores through intra-op threads. Which thread count is a framework's best depends on the model, so the
@@ -166,6 +169,11 @@ SIDE_MODE = {
     "rlhflab_async_noprepack": ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1",
                                 "mode.learner_threads=1", "torch_threads=1", "generator.prepack=false"],
     "rlhflab_2threads_noprepack": ["mode=sync", "mode.reference=learner", "torch_threads=2", "generator.prepack=false"],
+    # The default sync side and the async side with one forward over every row in the learner's log-prob forwards
+    # (rl.prompt_once=false, as before it): what running each prompt's positions once gives, side by side.
+    "rlhflab_whole_prompts": ["mode=sync", "mode.reference=auto", "torch_threads=1", "rl.prompt_once=false"],
+    "rlhflab_async_whole_prompts": ["mode=async", "staleness=1", "mode.reference=generator", "mode.generator_threads=1",
+                                    "mode.learner_threads=1", "torch_threads=1", "rl.prompt_once=false"],
 }
 # TRL's sides: torch.set_num_threads in its one process, and its tracker (report_to): none, or MLflow into a
 # SQLite store in the run's directory as rlhflab's (TRL's MLflowCallback, logging every step as logging_steps=1).
@@ -176,7 +184,9 @@ DEFAULT_SIDES = ("rlhflab", "rlhflab_process", "rlhflab_1thread", "rlhflab_async
 SIDE_LABEL = {"rlhflab": "rlhflab sync", "rlhflab_thread": "rlhflab sync thread", "rlhflab_log1": "rlhflab sync logging every step", "rlhflab_process": "rlhflab sync process", "rlhflab_process_whole": "rlhflab sync process, the learner sampling every row", "rlhflab_1thread": "rlhflab sync 1 thread", "rlhflab_2threads": "rlhflab sync 2 threads",
               "rlhflab_async": "rlhflab async", "rlhflab_async_balance": "rlhflab async balance",
               "rlhflab_async_noprepack": "rlhflab async without prepack",
-              "rlhflab_2threads_noprepack": "rlhflab sync 2 threads without prepack", "trl": "TRL",
+              "rlhflab_2threads_noprepack": "rlhflab sync 2 threads without prepack",
+              "rlhflab_whole_prompts": "rlhflab sync, every row's prompt run",
+              "rlhflab_async_whole_prompts": "rlhflab async, every row's prompt run", "trl": "TRL",
               "trl_2threads": "TRL 2 threads",
               "trl_mlflow": "TRL + MLflow"}
 

@@ -11,7 +11,9 @@ from rlhflab.errors import ConfigError
 from rlhflab.lit.data import encode_prompts
 from rlhflab.rollout.hf import HFGenerator
 from rlhflab.rollout.batch import join
-from rlhflab.rollout.lean import lean_forward, lean_unsupported
+from rlhflab.models import attention
+from rlhflab.rollout import lean
+from rlhflab.rollout.lean import lean_forward, lean_unsupported, prompt_once_logits
 from rlhflab.tasks.sentiment import SentimentTask
 
 TASK = SentimentTask(response_words=8, seed=0)
@@ -239,6 +241,75 @@ def test_the_lean_forward_computes_the_hf_forwards_logits_and_gradients_bit_for_
                 got.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
             assert torch.equal(got[0][0], got[1][0]), (arch, keep)
             assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1])), (arch, keep)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference relative to the larger tensor's largest magnitude."""
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@ARCHS
+def test_each_prompts_positions_run_once_in_the_learners_forward(arch, monkeypatch):
+    """rl.prompt_once: the logits that predict the response (the last R + 1), each distinct prompt's positions run
+    once for all of its rows, its rows neighbours (repeat_prompts) or apart (rl.length_buckets' groups), with left
+    padding (a boolean mask) and without. In float32 within 2e-6 of the lean forward over every row (its floats are
+    HF's: the test above), and so are the gradients of every parameter. None where no two rows share a prompt, and
+    without grad where the products saved are fewer than NO_GRAD_MIN_WORK's (this tiny model's always are)."""
+    model = llama(**arch).train()
+    torch.manual_seed(1)
+    response = torch.randint(3, len(TOK), (16, 9))
+    for prompts in (PROMPTS, [p for p in TASK.prompts("train")[:8]]):
+        distinct = encode_prompts(TOK, prompts)
+        for query in (distinct.repeat_interleave(2, dim=0), distinct.repeat(2, 1)):
+            ids, mask, positions = join(query, response, TOK.pad_token_id)
+            assert bool(mask.all()) == (prompts is not PROMPTS)
+            got = []
+            for once in (True, False):
+                model.zero_grad()
+                if once:
+                    logits = prompt_once_logits(model, query, response, TOK.pad_token_id)
+                else:
+                    logits = lean_forward(model, ids, mask, positions, logits_to_keep=response.shape[1] + 1)
+                (logits.log_softmax(-1)[..., 3] * torch.linspace(-1, 1, logits.shape[1])).sum().backward()
+                got.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+            assert got[0][0].shape == got[1][0].shape
+            assert _close(got[0][0], got[1][0]) < 2e-6, arch
+            assert max(_close(a, b) for a, b in zip(got[0][1], got[1][1])) < 2e-6, arch
+            with torch.no_grad():
+                assert prompt_once_logits(model, query, response, TOK.pad_token_id) is None
+                monkeypatch.setattr(lean, "NO_GRAD_MIN_WORK", 0)
+                assert _close(prompt_once_logits(model, query, response, TOK.pad_token_id), got[1][0]) < 2e-6
+                monkeypatch.undo()
+        assert prompt_once_logits(model, distinct, response[:8], TOK.pad_token_id) is None
+
+
+def test_prompt_once_under_bf16_autocast_trains_with_the_models_own_attention():
+    """Under bf16 autocast (trainer.precision=bf16-mixed) the forward runs as transformers runs it there, attention
+    included (sdpa_trains_eager: eager with grad): its logits and gradients are HF's up to bf16's rounding, as near to
+    float32's as HF's own."""
+    model = attention.use_for_training(llama(hidden_size=64, intermediate_size=128).train())
+    torch.manual_seed(1)
+    response = torch.randint(3, len(TOK), (16, 9))
+    query = encode_prompts(TOK, PROMPTS).repeat_interleave(2, dim=0)
+    ids, mask, positions = join(query, response, TOK.pad_token_id)
+    weight = model.model.layers[0].self_attn.q_proj.weight
+
+    def run(once: bool):
+        if once:
+            logits = prompt_once_logits(model, query, response, TOK.pad_token_id)
+        else:
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                           logits_to_keep=response.shape[1] + 1).logits
+        return logits.float(), torch.autograd.grad(logits.float().log_softmax(-1)[..., 3].sum(), weight)[0]
+
+    exact = run(False)
+    with torch.autocast("cpu", torch.bfloat16):
+        hf, once = run(False), run(True)
+    assert hf[0].dtype == once[0].dtype == torch.float32
+    assert _close(once[0], hf[0]) < 2e-2 and _close(once[1], hf[1]) < 5e-2
+    for mine, theirs, e in zip(once, hf, exact):  # as far from float32's numbers as HF's, within a factor
+        assert _close(mine, e) < 3 * _close(theirs, e) + 1e-3
 
 
 def test_the_lean_loops_leave_checkpointed_or_hooked_models_to_hf():

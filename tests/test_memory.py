@@ -60,6 +60,9 @@ def test_strategy_trains_the_policy_and_keeps_the_reference_exact(make_cfg, stra
     plain = load_causal_lm(sft_weights_path(memory)).eval()
     with torch.no_grad():
         ref = memory.reference_logprobs(q, r, t)
+        # lora's and hydra's reference is the adapted model's forward, adapters off (Hugging Face's; rl.prompt_once
+        # runs plain Llamas only): the plain load's through the same
+        memory.prompt_once = strategy == "full"
         assert torch.equal(ref, memory._logprobs(plain, q, r, t))
         assert not torch.allclose(memory.policy_logprobs(q, r, t), ref)
     trained = memory.policy_parameters() + memory.value_parameters()

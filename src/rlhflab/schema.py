@@ -87,6 +87,7 @@ class RL:
     log_generations: int = setting(ge=0)
     on_nonfinite: str = setting(choices=("stop", "skip_batch"))
     length_buckets: int = setting(ge=1)
+    prompt_once: bool = MISSING
 
 
 @dataclass

@@ -71,6 +71,7 @@ class RLHFModule(L.LightningModule):
                  train_prompts: list[str], eval_prompts: list[str], rl_cfg, seed: int, resume: Checkpoint | None = None) -> None:
         super().__init__()
         self.memory = memory
+        memory.prompt_once = bool(rl_cfg.prompt_once)
         self.algo = algo
         self.reward = reward
         self.source = source

@@ -16,7 +16,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from rlhflab.models.build import lower_linears, without_dropout
 from rlhflab.models.sharding import shard, warm_up
 from rlhflab.rollout.batch import join, token_logprobs
-from rlhflab.rollout.lean import lean_forward, lean_unsupported
+from rlhflab.rollout.lean import lean_forward, lean_unsupported, prompt_once_logits
 
 
 class MemoryStrategy(nn.Module):
@@ -25,6 +25,7 @@ class MemoryStrategy(nn.Module):
     name = "base"
     pad_token_id: int
     reward_norm: tuple[float, float]
+    prompt_once = False  # rl.prompt_once (the RL module sets it): log-probs with each prompt's positions run once
 
     def __init__(self, gradient_checkpointing: bool = False) -> None:
         super().__init__()
@@ -89,7 +90,11 @@ class MemoryStrategy(nn.Module):
     def _logprobs(self, model, query, response, temperature: float) -> torch.Tensor:
         # The logit at position t predicts token t+1: those predicting the response are the last R+1 but one.
         # logits_to_keep: the LM head (and its (n, T, V) output) covers those positions only, not the prompt.
-        logits = self._forward(model, query, response, logits_to_keep=response.shape[1] + 1).logits
+        logits = None
+        if self.prompt_once and lean_unsupported(model, autocast_ok=True) is None:
+            logits = prompt_once_logits(model, query, response, self.pad_token_id)  # None: no prompt repeats
+        if logits is None:
+            logits = self._forward(model, query, response, logits_to_keep=response.shape[1] + 1).logits
         return token_logprobs(logits[:, :-1], response, temperature)
 
     def _values(self, model, query, response) -> torch.Tensor:

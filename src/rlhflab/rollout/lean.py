@@ -67,10 +67,11 @@ def _structure_unsupported(model) -> str | None:
     return None
 
 
-def lean_unsupported(model) -> str | None:
+def lean_unsupported(model, autocast_ok: bool = False) -> str | None:
     """Why the lean loops cannot reproduce Hugging Face on this model now (None when they can). The model's
     structure is judged once (again if its modules change, e.g. wrapped by LoRA); the device, autocast,
-    checkpointing and hooks at each call."""
+    checkpointing and hooks at each call. autocast_ok: a forward that runs under autocast too (`prompt_once_logits`:
+    its ops are those transformers runs, each cast as autocast casts it)."""
     modules = tuple(model.modules())
     ids = tuple(map(id, modules))
     known = _VERDICT.get(model)
@@ -82,7 +83,7 @@ def lean_unsupported(model) -> str | None:
     device = model.lm_head.weight.device
     if device.type != "cpu":
         return f"the model is on {device} (the lean loops are measured and tested on the CPU only)"
-    if torch.is_autocast_enabled("cpu"):
+    if torch.is_autocast_enabled("cpu") and not autocast_ok:
         return "autocast is on (measured through HF only; its generate() casts each weight once per call there)"
     if any(getattr(layer, "gradient_checkpointing", False) for layer in model.model.layers):
         return "activation checkpointing is on (HF's decoder layers apply it)"
@@ -215,6 +216,95 @@ def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     if logits_to_keep:
         x = x[:, -logits_to_keep:]
     return F.linear(x, model.lm_head.weight, model.lm_head.bias)
+
+
+# prompt_once_logits without grad: at least this many multiply-adds saved (prompt positions not run x the layers'
+# weights), or one forward over every row. On vs_trl's tiny policy (2 layers of width 64) the shared forward's extra
+# ops (two attentions a layer, the prompts' keys gathered to each row) cost ~0.3 ms against products of ~17M
+# multiply-adds saved, so its no-grad forward took 1.07x the time at k = 2 (0.99x at k = 4; with grad 0.92x / 0.76x);
+# on the 113M preset, 32 tokens, bf16, 0.93x / 0.90x without grad (~5G saved at k = 2) and 0.91x / 0.84x with.
+NO_GRAD_MIN_WORK = 10**9
+
+
+def _layer_weights(config) -> int:
+    """The decoder layers' linear weights (a Llama's projections and MLP), from its config."""
+    hidden = config.hidden_size
+    head = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    attention = 2 * hidden * head * (config.num_attention_heads + config.num_key_value_heads)  # q, o; k, v
+    return config.num_hidden_layers * (attention + 3 * hidden * config.intermediate_size)
+
+
+def prompt_once_logits(model, query: torch.Tensor, response: torch.Tensor, pad: int) -> torch.Tensor | None:
+    """The logits that predict each response token (n, R + 1, V: the prompt's last position's, then each response
+    position's; `_forward(..., logits_to_keep=R + 1)`'s), with each distinct prompt's positions run once for all
+    of its rows (`rl.prompt_once`): a prompt's k samples share its keys and values, as `_prefill` shares them in
+    sampling, and the gradients of its k samples meet there. None when no two rows share a prompt.
+
+    The same positions, masks, rotary angles and ops as `lean_forward` over `join`'s rows, attention as the model's
+    own (`sdpa_trains_eager`: eager in half precision with grad, sdpa elsewhere), so the same function; not its
+    floats bit for bit, for the products run over other shapes (within ~2e-6 of them in float32:
+    tests/test_lean_decode.py). Fewer FLOPs where the prompt is a real share of a row: at k = 4, P prompt
+    positions of n rows become P of n / 4."""
+    from rlhflab.models.attention import NAME, eager_half, trains_eager
+
+    # a prompt's k samples are neighbours (repeat_prompts) unless rl.length_buckets put them apart: sorting finds
+    # them then (torch.unique; unique_consecutive's ~200 us a call is more than comparing neighbours on a small policy)
+    starts = torch.ones(len(query), dtype=torch.bool, device=query.device)
+    starts[1:] = (query[1:] != query[:-1]).any(1)
+    inverse = starts.cumsum(0) - 1
+    prompts = query[starts]
+    if len(prompts) == len(query):
+        prompts, inverse = torch.unique(query, dim=0, return_inverse=True)
+        if len(prompts) == len(query):
+            return None
+    core = model.model
+    if not torch.is_grad_enabled() and (len(query) - len(prompts)) * query.shape[1] * _layer_weights(model.config) < NO_GRAD_MIN_WORK:
+        return None  # a small policy's forward without grad: its extra ops cost more than the products they save
+    (u, width), (n, length) = prompts.shape, response.shape
+    head_dim = core.layers[0].self_attn.head_dim
+    keep = prompts != pad
+    # join()'s positions: counted from a row's first real token, its left padding at 0
+    positions = (keep.long().cumsum(1) - 1).clamp(min=0)
+    after = keep.sum(1, keepdim=True)[inverse] + torch.arange(length, device=query.device)
+    x = _embed(core.embed_tokens, torch.cat([prompts.reshape(-1), response.reshape(-1)]))
+    # every packed row's angles (rows, 1, head): the rotary embedding applied before the rows split into heads
+    cos, sin = (t.squeeze(1).reshape(-1, 1, head_dim) for t in _angles(
+        core.rotary_emb, torch.cat([positions.reshape(1, -1), after.reshape(1, -1)], 1), x.dtype))
+    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
+    mask_p = None if bool(keep.all()) else causal[None, None] & keep[:, None, None, :]
+    # a response position attends to its prompt's real tokens and to the response up to itself
+    mask_r = torch.cat([keep[inverse][:, None, None, :].expand(n, 1, length, width),
+                        torch.ones(length, length, dtype=torch.bool, device=query.device).tril().expand(n, 1, -1, -1)], -1)
+    eager = model.config._attn_implementation == NAME
+    split = u * width
+
+    def attend(attn, q, k, v, mask):
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+        if eager and trains_eager(q, k):
+            half = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.get_autocast_dtype("cpu")
+            return eager_half(q, k, v, mask, mask is None, attn.scaling, half)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=attn.scaling)
+
+    def heads(t, rows, positions):
+        return t.view(rows, positions, -1, head_dim).transpose(1, 2)
+
+    for layer in core.layers:
+        attn = layer.self_attn
+        h = _norm(layer.input_layernorm, x)
+        q, k, v = (F.linear(h, p.weight, p.bias).view(len(h), -1, head_dim) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q_p, k_p, v_p = (heads(t[:split], u, width) for t in (q, k, v))
+        q_r, k_r, v_r = (heads(t[split:], n, length) for t in (q, k, v))
+        o_p = attend(attn, q_p, k_p, v_p, mask_p)
+        o_r = attend(attn, q_r, torch.cat([k_p[inverse], k_r], 2), torch.cat([v_p[inverse], v_r], 2), mask_r)
+        o = torch.cat([o_p.transpose(1, 2).reshape(split, -1), o_r.transpose(1, 2).reshape(n * length, -1)])
+        x = x + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
+        x = x + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, x))
+    last = x[:split].view(u, width, -1)[:, -1][inverse]
+    x = torch.cat([last[:, None], x[split:].view(n, length, -1)], 1)
+    return F.linear(_norm(core.norm, x), model.lm_head.weight, model.lm_head.bias)
 
 
 def lean_generate(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens: int, temperature: float | None):
