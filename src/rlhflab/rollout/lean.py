@@ -17,6 +17,9 @@ as one roll against a sin with its first half negated), so they compute the same
 - `lean_forward` is the learner's forward over prompt + response (`MemoryStrategy._forward`: the policy's, with
   grad, and the reference's): HF's logits and gradients bit for bit, without ~0.8 ms of overhead a call on the tiny
   policy, which in sync mode also holds the GIL the reference's thread needs.
+- `prompt_once_logits` is its log-prob forward with each distinct prompt's positions run once for its k samples
+  (rl.prompt_once, the default): fewer products, not HF's floats bit for bit (within 2e-6 in float32), and under
+  autocast too.
 tests/test_lean_decode.py checks both against Hugging Face.
 
 They run only what they reproduce (`lean_unsupported` says why not): a `LlamaForCausalLM` whose projections are plain
@@ -220,7 +223,7 @@ def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
 
 # prompt_once_logits without grad: at least this many multiply-adds saved (prompt positions not run x the layers'
 # weights), or one forward over every row. On vs_trl's tiny policy (2 layers of width 64) the shared forward's extra
-# ops (two attentions a layer, the prompts' keys gathered to each row) cost ~0.3 ms against products of ~17M
+# ops (two attentions a layer, the prompts' keys gathered to each row) cost ~0.3 ms against products of ~16M
 # multiply-adds saved, so its no-grad forward took 1.07x the time at k = 2 (0.99x at k = 4; with grad 0.92x / 0.76x);
 # on the 113M preset, 32 tokens, bf16, 0.93x / 0.90x without grad (~5G saved at k = 2) and 0.91x / 0.84x with.
 NO_GRAD_MIN_WORK = 10**9
@@ -245,7 +248,7 @@ def prompt_once_logits(model, query: torch.Tensor, response: torch.Tensor, pad: 
     floats bit for bit, for the products run over other shapes (within ~2e-6 of them in float32:
     tests/test_lean_decode.py). Fewer FLOPs where the prompt is a real share of a row: at k = 4, P prompt
     positions of n rows become P of n / 4."""
-    from rlhflab.models.attention import NAME, eager_half, trains_eager
+    from rlhflab.models.attention import HALF, NAME, eager_half, trains_eager
 
     # a prompt's k samples are neighbours (repeat_prompts) unless rl.length_buckets put them apart: sorting finds
     # them then (torch.unique; unique_consecutive's ~200 us a call is more than comparing neighbours on a small policy)
@@ -258,7 +261,8 @@ def prompt_once_logits(model, query: torch.Tensor, response: torch.Tensor, pad: 
         if len(prompts) == len(query):
             return None
     core = model.model
-    if not torch.is_grad_enabled() and (len(query) - len(prompts)) * query.shape[1] * _layer_weights(model.config) < NO_GRAD_MIN_WORK:
+    saved = (len(query) - len(prompts)) * query.shape[1] * _layer_weights(model.config)  # multiply-adds not run
+    if not torch.is_grad_enabled() and saved < NO_GRAD_MIN_WORK:
         return None  # a small policy's forward without grad: its extra ops cost more than the products they save
     (u, width), (n, length) = prompts.shape, response.shape
     head_dim = core.layers[0].self_attn.head_dim
@@ -283,7 +287,7 @@ def prompt_once_logits(model, query: torch.Tensor, response: torch.Tensor, pad: 
         if groups > 1:
             k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
         if eager and trains_eager(q, k):
-            half = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.get_autocast_dtype("cpu")
+            half = q.dtype if q.dtype in HALF else torch.get_autocast_dtype("cpu")  # as sdpa_trains_eager's
             return eager_half(q, k, v, mask, mask is None, attn.scaling, half)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=attn.scaling)
 
