@@ -250,6 +250,9 @@ def prompt_once_logits(model, query: torch.Tensor, response: torch.Tensor, pad: 
     positions of n rows become P of n / 4."""
     from rlhflab.models.attention import HALF, NAME, eager_half, trains_eager
 
+    per_row = query.shape[1] * _layer_weights(model.config)  # multiply-adds of one row's prompt positions
+    if not torch.is_grad_enabled() and (len(query) - 1) * per_row < NO_GRAD_MIN_WORK:
+        return None  # under the threshold even if every row shared one prompt: no need to find the prompts
     # a prompt's k samples are neighbours (repeat_prompts) unless rl.length_buckets put them apart: sorting finds
     # them then (torch.unique; unique_consecutive's ~200 us a call is more than comparing neighbours on a small policy)
     starts = torch.ones(len(query), dtype=torch.bool, device=query.device)
@@ -261,8 +264,7 @@ def prompt_once_logits(model, query: torch.Tensor, response: torch.Tensor, pad: 
         if len(prompts) == len(query):
             return None
     core = model.model
-    saved = (len(query) - len(prompts)) * query.shape[1] * _layer_weights(model.config)  # multiply-adds not run
-    if not torch.is_grad_enabled() and saved < NO_GRAD_MIN_WORK:
+    if not torch.is_grad_enabled() and (len(query) - len(prompts)) * per_row < NO_GRAD_MIN_WORK:
         return None  # a small policy's forward without grad: its extra ops cost more than the products they save
     (u, width), (n, length) = prompts.shape, response.shape
     head_dim = core.layers[0].self_attn.head_dim
