@@ -366,6 +366,36 @@ def _tiny_llama(tie: bool):
                                         num_attention_heads=2, max_position_embeddings=32, tie_word_embeddings=tie)).eval()
 
 
+@pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.parametrize("prompt_once", [True, False])
+def test_log_prob_and_value_forwards_leave_out_the_last_response_token(width, prompt_once):
+    """The log-probs and values of a response are read at the positions before each of its tokens, so its last token
+    is not run (`read_before`): the same numbers as the whole sequence's forward sliced as TRL slices it, over one
+    position fewer (the embedding sees P + R - 1 tokens), also for a one-token response."""
+    from rlhflab.rollout.batch import join, token_logprobs
+
+    model, critic = _tiny_llama(False), _value_model().eval()
+    query = torch.randint(3, 24, (3, 5)).repeat_interleave(2, 0)  # 3 prompts, k = 2, two of them left-padded
+    query[2:4, :2] = 0
+    query[4:, :1] = 0
+    response = torch.randint(3, 24, (6, width))
+    response[0, 1:] = 0  # a completion that ended early: pads after it
+    memory = FullMemory()
+    memory.pad_token_id, memory.prompt_once = 0, prompt_once
+    ids, mask, positions = join(query, response, 0)
+    with torch.no_grad():
+        whole = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, query.shape[1] - 1 : -1]
+        want_values = critic(input_ids=ids, attention_mask=mask, position_ids=positions).logits.squeeze(-1)[:, 4:-1]
+        torch.testing.assert_close(memory._logprobs(model, query, response, 1.0), token_logprobs(whole, response, 1.0))
+        torch.testing.assert_close(memory._values(critic, query, response), want_values)
+        seen = []
+        for m in (model, critic):  # a hook sends the forward through Hugging Face's, whose embedding it reads
+            m.model.embed_tokens.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
+        memory._logprobs(model, query, response, 1.0)
+        memory._values(critic, query, response)
+    assert seen == [query.shape[1] + width - 1] * 2
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_lowered_linears_give_autocasts_log_probs_bit_for_bit(tie):
     """lower_linears stores each linear of a frozen model in bf16: under bf16 autocast, which casts a float32 weight

@@ -15,7 +15,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from rlhflab.models.build import lower_linears, without_dropout
 from rlhflab.models.sharding import shard, warm_up
-from rlhflab.rollout.batch import join, token_logprobs
+from rlhflab.rollout.batch import join, read_before, token_logprobs
 from rlhflab.rollout.lean import lean_forward, lean_unsupported, prompt_once_logits
 
 
@@ -88,19 +88,22 @@ class MemoryStrategy(nn.Module):
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs)
 
     def _logprobs(self, model, query, response, temperature: float) -> torch.Tensor:
-        # The logit at position t predicts token t+1: those predicting the response are the last R+1 but one.
+        # The logit at position t predicts token t+1: those predicting the response are the prompt's last position's
+        # and each response position's but the last. The last response token is not run (`read_before`).
         # logits_to_keep: the LM head (and its (n, T, V) output) covers those positions only, not the prompt.
+        inputs = read_before(response)
         logits = None
         if self.prompt_once and lean_unsupported(model, autocast_ok=True) is None:
-            logits = prompt_once_logits(model, query, response, self.pad_token_id)  # None: no prompt repeats
+            logits = prompt_once_logits(model, query, inputs, self.pad_token_id)  # None: no prompt repeats
         if logits is None:
-            logits = self._forward(model, query, response, logits_to_keep=response.shape[1] + 1).logits
-        return token_logprobs(logits[:, :-1], response, temperature)
+            logits = self._forward(model, query, inputs, logits_to_keep=response.shape[1]).logits
+        return token_logprobs(logits, response, temperature)
 
     def _values(self, model, query, response) -> torch.Tensor:
-        """V at response token t is read where token t-1 is the last input (the state before t)."""
-        out = self._forward(model, query, response).logits
-        return out.squeeze(-1)[:, query.shape[1] - 1 : -1].float()
+        """V at response token t is read where token t-1 is the last input (the state before t): the last response
+        token is not run (`read_before`)."""
+        out = self._forward(model, query, read_before(response)).logits
+        return out.squeeze(-1)[:, query.shape[1] - 1 :].float()
 
     def _scores(self, model, query, response) -> torch.Tensor:
         raw = self._forward(model, query, response).logits

@@ -88,6 +88,14 @@ def join(query: torch.Tensor, response: torch.Tensor, pad_token_id: int):
     return input_ids, attention_mask, position_ids
 
 
+def read_before(response: torch.Tensor) -> torch.Tensor:
+    """The response tokens a log-prob or value forward runs: every one but the last. What is read of response token
+    t is the output at the position before it (the prompt's last for t = 0), and in a causal model no earlier
+    position attends to a later one, so the last token's position changes nothing that is read; running it cost
+    1 / (R + 1) of the response positions' products, and of the LM head's (TRL runs it and drops its logits)."""
+    return response[:, :-1]
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log pi(token) under logits / temperature: (n, R, V), (n, R) -> (n, R).
 

@@ -238,10 +238,11 @@ def _layer_weights(config) -> int:
 
 
 def prompt_once_logits(model, query: torch.Tensor, response: torch.Tensor, pad: int) -> torch.Tensor | None:
-    """The logits that predict each response token (n, R + 1, V: the prompt's last position's, then each response
-    position's; `_forward(..., logits_to_keep=R + 1)`'s), with each distinct prompt's positions run once for all
-    of its rows (`rl.prompt_once`): a prompt's k samples share its keys and values, as `_prefill` shares them in
-    sampling, and the gradients of its k samples meet there. None when no two rows share a prompt.
+    """The logits at the prompt's last position and at each of `response`'s (n, R + 1, V; `_forward(...,
+    logits_to_keep=R + 1)`'s), with each distinct prompt's positions run once for all of its rows
+    (`rl.prompt_once`): a prompt's k samples share its keys and values, as `_prefill` shares them in sampling, and
+    the gradients of its k samples meet there. None when no two rows share a prompt, or `response` is empty (a
+    one-token completion: `MemoryStrategy._logprobs` passes every response token but the last, `read_before`).
 
     The same positions, masks, rotary angles and ops as `lean_forward` over `join`'s rows, attention as the model's
     own (`sdpa_trains_eager`: eager in half precision with grad, sdpa elsewhere), so the same function; not its
@@ -250,6 +251,8 @@ def prompt_once_logits(model, query: torch.Tensor, response: torch.Tensor, pad: 
     positions of n rows become P of n / 4."""
     from rlhflab.models.attention import HALF, NAME, eager_half, trains_eager
 
+    if response.shape[1] == 0:
+        return None
     per_row = query.shape[1] * _layer_weights(model.config)  # multiply-adds of one row's prompt positions
     if not torch.is_grad_enabled() and (len(query) - 1) * per_row < NO_GRAD_MIN_WORK:
         return None  # under the threshold even if every row shared one prompt: no need to find the prompts
