@@ -284,6 +284,29 @@ def test_each_prompts_positions_run_once_in_the_learners_forward(arch, monkeypat
         assert prompt_once_logits(model, distinct, response[:8], TOK.pad_token_id) is None
 
 
+@pytest.mark.parametrize("block", [8, 16])
+def test_sdpas_keys_padded_to_whole_vector_blocks_give_the_same_attention(block, monkeypatch):
+    """prompt_once_logits pads sdpa's keys with masked-out zero columns to whole blocks of the CPU's vector lanes
+    (`padded_keys`; its flash kernel runs the keys past the last whole block one by one): logits and every gradient
+    within 2e-6 of the unpadded call's, the prompts' attention (6 keys) and the response rows' (6 + 9) both padded,
+    with left padding and without."""
+    model = llama().train()
+    torch.manual_seed(1)
+    response = torch.randint(3, len(TOK), (16, 9))
+    for prompts in (PROMPTS, TASK.prompts("train")[:8]):
+        query = encode_prompts(TOK, prompts).repeat_interleave(2, dim=0)
+        got = []
+        for pad in (True, False):
+            monkeypatch.setattr(lean, "kv_block", lambda: block if pad else 1)
+            assert all(bool(lean.padded_keys(keys)) == pad for keys in (query.shape[1], query.shape[1] + 9))
+            model.zero_grad()
+            logits = prompt_once_logits(model, query, response, TOK.pad_token_id)
+            (logits.log_softmax(-1)[..., 3] * torch.linspace(-1, 1, logits.shape[1])).sum().backward()
+            got.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+        assert _close(got[0][0], got[1][0]) < 2e-6
+        assert max(_close(a, b) for a, b in zip(got[0][1], got[1][1])) < 2e-6
+
+
 def test_prompt_once_under_bf16_autocast_trains_with_the_models_own_attention():
     """Under bf16 autocast (trainer.precision=bf16-mixed) the forward runs as transformers runs it there, attention
     included (sdpa_trains_eager: eager with grad): its logits and gradients are HF's up to bf16's rounding, as near to
