@@ -155,12 +155,13 @@ def test_joint_hydra_ppo_reads_values_off_the_policy_adapters_trunk_in_one_forwa
     rollout = eval_rollout(module)
     q, r, t = rollout.query, rollout.response, module.temperature
     for memory, forwards in ((joint, 1), (separate, 2)):
-        calls = []
-        hook = memory.causal_lm.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+        calls = []  # each trunk forward's width: the last response token is not run (read_before)
+        hook = memory.causal_lm.get_decoder().register_forward_pre_hook(
+            lambda _, args, kwargs: calls.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
         with torch.no_grad():
             logprobs, values = memory.policy_logprobs_and_values(q, r, t)
         hook.remove()
-        assert len(calls) == forwards
+        assert calls == [q.shape[1] + r.shape[1] - 1] * forwards
         with torch.no_grad():
             assert torch.equal(logprobs, memory.policy_logprobs(q, r, t)) and torch.equal(values, memory.values(q, r))
     with torch.no_grad():

@@ -36,7 +36,7 @@ from rlhflab.memory.base import MemoryStrategy
 from rlhflab.memory.lora import DEFAULT_TARGETS, LoraSettings, adapt, lora_config, trainable_parameters
 from rlhflab.models.build import DTYPES, freeze, load_causal_lm, module_name, read_reward_norm
 from rlhflab.models.heads import ScalarHead, has_reward_head, sequence_scores, trunk
-from rlhflab.rollout.batch import join, token_logprobs
+from rlhflab.rollout.batch import join, read_before, token_logprobs
 from rlhflab.rollout.weights import save_policy_checkpoint
 
 POLICY, VALUE = "policy", "value"  # adapter names
@@ -173,9 +173,12 @@ class HydraRLHFMemory(LoraSettings, MemoryStrategy):
         return trunk(self.causal_lm, input_ids, attention_mask, position_ids)
 
     def _response_logprobs(self, hidden, query, response, temperature: float) -> torch.Tensor:
+        """`hidden`: the trunk over prompt + response, or over prompt + every response token but the last (`read_before`:
+        the policy's and the critic's forwards; the frozen trunk runs the whole response, which the scores read)."""
         # The whole sequence through the LM head, as the model's own forward does, so the reference is bit-exact.
         logits = self.causal_lm.get_output_embeddings()(hidden)
-        return token_logprobs(logits[:, query.shape[1] - 1 : -1], response, temperature)
+        start = query.shape[1] - 1
+        return token_logprobs(logits[:, start : start + response.shape[1]], response, temperature)
 
     def _frozen_hidden(self, query, response) -> torch.Tensor:
         """Trunk output with the adapters off, which scores and reference log-probs of a batch share.
@@ -205,7 +208,7 @@ class HydraRLHFMemory(LoraSettings, MemoryStrategy):
     def policy_logprobs(self, query, response, temperature: float) -> torch.Tensor:
         """(n, P), (n, R) -> (n, R) log-probs of the response under the policy adapter (with grad)."""
         with self._using(POLICY):
-            return self._response_logprobs(self._hidden(query, response), query, response, temperature)
+            return self._response_logprobs(self._hidden(query, read_before(response)), query, response, temperature)
 
     @torch.no_grad()
     def reference_logprobs(self, query, response, temperature: float) -> torch.Tensor:
@@ -220,19 +223,20 @@ class HydraRLHFMemory(LoraSettings, MemoryStrategy):
         return POLICY if self.joint else VALUE
 
     def _read_values(self, hidden, query) -> torch.Tensor:
-        return self.value_head(hidden).squeeze(-1)[:, query.shape[1] - 1 : -1].float()
+        """`hidden` over prompt + every response token but the last (`read_before`)."""
+        return self.value_head(hidden).squeeze(-1)[:, query.shape[1] - 1 :].float()
 
     def values(self, query, response) -> torch.Tensor:
         """(n, R) value estimates from the critic's trunk and the value head (with grad)."""
         with self._using(self._critic):
-            return self._read_values(self._hidden(query, response), query)
+            return self._read_values(self._hidden(query, read_before(response)), query)
 
     def policy_logprobs_and_values(self, query, response, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """policy_logprobs and values of the same rows; with actor_critic=joint from one trunk forward."""
         if not self.joint:
             return super().policy_logprobs_and_values(query, response, temperature)
         with self._using(POLICY):
-            hidden = self._hidden(query, response)
+            hidden = self._hidden(query, read_before(response))
             return self._response_logprobs(hidden, query, response, temperature), self._read_values(hidden, query)
 
     @torch.no_grad()
