@@ -22,6 +22,7 @@ import argparse
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -124,11 +125,9 @@ def main() -> None:
     lines += ["", f"Rows: {', '.join(f'{n}: {s[4]} prompts x k = {s[5]}, {s[6]} response tokens, {a.pairs or s[7]} pairs' for n, s in SETTINGS.items() if n in a.settings.split(','))}; "
               f"prompts of {a.prompt_tokens} tokens. `padded_keys` without grad runs the shared-prompt forward on "
               "the tiny model too (which rlhflab declines there, NO_GRAD_MIN_WORK)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
+    print("\n".join(lines))
     if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+        Path(a.out).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -496,3 +496,17 @@ def test_autocast_generation_times_the_generators_two_cpu_bf16_options_each_turn
         assert f"generator.{option}=false: the same tokens as the generator as it runs in 1 of 1 calls" in out.stdout
     text = out_md.read_text()
     assert "AMX tiles: " in text and "generator.prepack=false" in text and "--options" in text
+
+
+def test_logprob_forward_times_each_saving_against_the_same_numbers(tmp_path):
+    """benchmarks/logprob_forward.py on the tiny setting, 2 pairs: a row per saving (read_before, padded_keys) with
+    grad and without, each side's log-probs within 1e-5 of the other's, so each saving is timed against the same
+    numbers computed another way."""
+    out = tmp_path / "out.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "logprob_forward.py"), "--settings", "tiny",
+                           "--pairs", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| tiny |")]
+    assert [(r[1], r[2]) for r in rows] == [(s, g) for s in ("read_before", "padded_keys")
+                                           for g in ("forward + backward", "forward, no grad")]
+    assert all(float(r[6]) < 1e-5 and float(r[7].rstrip(" |")) < 1e-5 for r in rows), rows
