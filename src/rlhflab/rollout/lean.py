@@ -70,12 +70,21 @@ def _structure_unsupported(model) -> str | None:
     return None
 
 
+def _submodules(model) -> list:
+    """The modules of `model` (`model.modules()`'s, without the names it builds and the set it keeps: 17 of
+    lean_unsupported's 37 us a call on the tiny policy, which each log-prob forward and sampling call runs)."""
+    found = [model]
+    for module in found:  # grows as it is read: each module's children after it
+        found.extend(child for child in module._modules.values() if child is not None)
+    return found
+
+
 def lean_unsupported(model, autocast_ok: bool = False) -> str | None:
     """Why the lean loops cannot reproduce Hugging Face on this model now (None when they can). The model's
     structure is judged once (again if its modules change, e.g. wrapped by LoRA); the device, autocast,
     checkpointing and hooks at each call. autocast_ok: a forward that runs under autocast too (`prompt_once_logits`:
     its ops are those transformers runs, each cast as autocast casts it)."""
-    modules = tuple(model.modules())
+    modules = _submodules(model)
     ids = tuple(map(id, modules))
     known = _VERDICT.get(model)
     if known is None or known[0] != ids:
@@ -222,11 +231,12 @@ def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
 
 
 # prompt_once_logits without grad: at least this many multiply-adds saved (prompt positions not run x the layers'
-# weights), or one forward over every row. On vs_trl's tiny policy (2 layers of width 64) the shared forward's extra
-# ops (two attentions a layer, the prompts' keys gathered to each row) cost ~0.3 ms against products of ~16M
-# multiply-adds saved, so its no-grad forward took 1.07x the time at k = 2 (0.99x at k = 4; with grad 0.92x / 0.76x);
-# on the 113M preset, 32 tokens, bf16, 0.93x / 0.90x without grad (~5G saved at k = 2) and 0.91x / 0.84x with.
-NO_GRAD_MIN_WORK = 10**9
+# weights), or one forward over every row. Its extra ops (two attentions a layer, the prompts' keys gathered to each
+# row) cost ~0.3 ms; since its keys are padded to whole vector blocks (`padded_keys`) the forward over every row (whose
+# 14 keys are not) costs more too. On vs_trl's tiny policy (2 layers of width 64, 6-token prompts, 9 tokens, the AMD
+# EPYC host, medians of 400 interleaved pairs without grad): 32 prompts at k = 4 (47M multiply-adds saved) 0.77x the
+# time, at k = 2 (16M) 0.96x, 16 prompts at k = 2 (8M) 1.065x; on the 113M preset (~5G saved at k = 2) 0.93x in bf16.
+NO_GRAD_MIN_WORK = 10**7
 
 
 @cache
