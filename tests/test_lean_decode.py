@@ -187,6 +187,26 @@ def test_sampling_from_diverged_weights_says_so_in_one_line():
         process.close()
 
 
+def test_lean_unsupported_walks_every_module_once_and_sees_changes_after_a_verdict():
+    """lean_unsupported's own walk over the modules (`_submodules`, not named_modules): model.modules()'s modules, each
+    once, where a module is held twice or its children lead back to a parent; a hook added or a projection replaced
+    deep in the model after a first verdict is seen at the next call."""
+    model = llama()
+    assert lean_unsupported(model) is None
+    layer = model.model.layers[-1]
+    layer.self_attn.again = layer.mlp  # held twice
+    layer.mlp.back = model.model  # a cycle
+    walked = [id(m) for m in lean._submodules(model)]
+    assert len(walked) == len(set(walked)) and set(walked) == {id(m) for m in model.modules()}
+    assert lean_unsupported(model) is None
+    handle = layer.mlp.down_proj.register_forward_pre_hook(lambda *args: None)
+    assert "forward hooks" in lean_unsupported(model)
+    handle.remove()
+    assert lean_unsupported(model) is None
+    layer.mlp.down_proj = torch.nn.Sequential(layer.mlp.down_proj)
+    assert "a projection is a Sequential" in lean_unsupported(model)
+
+
 def test_auto_decoding_leaves_what_it_cannot_reproduce_to_generate_and_says_why(caplog):
     """A LoRA-wrapped policy (memory=lora), autocast (bf16-mixed) and eager attention go to generate() under
     decode=auto, logged once with the reason; decode=lean says in one line why it cannot run."""
