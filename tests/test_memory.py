@@ -305,6 +305,30 @@ def test_fsdp_units_are_each_models_own_decoder_layers():
     assert tied_head(tied) == (tied.transformer.wte, tied.lm_head)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_without_dropout_zeroes_the_attentions_own_rate_so_the_update_forward_is_samplings(arch):
+    """A Llama's attention dropout is a number its attention passes to sdpa in train mode (no nn.Dropout module):
+    left there, the update's forward (train mode) would drop attention weights that sampling (eval mode) kept."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from rlhflab.models.build import without_dropout
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, attention_dropout=0.5))
+    else:
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                                 num_attention_heads=2, attention_dropout=0.5, hidden_dropout=0.5))
+    ids = torch.randint(1, 32, (4, 6))
+    with torch.no_grad():
+        sampling = model.eval()(ids).logits
+        assert not torch.equal(model.train()(ids).logits, sampling)  # the rate is there to be zeroed
+        without_dropout(model)
+        assert torch.equal(model.train()(ids).logits, sampling)
+    assert model.config.attention_dropout == 0.5  # the saved config is the model's own
+
+
 def _value_model(seed: int = 0):
     from transformers import LlamaConfig, LlamaForTokenClassification
 

@@ -394,15 +394,27 @@ def lower_linears(model, dtype) -> int:
     return freed
 
 
+# The attributes transformers' attention classes pass to their attention function as its dropout rate in training
+# (`dropout=0.0 if not self.training else self.attention_dropout` in LlamaAttention and GPTNeoXAttention, and the
+# other names in the rest), where no nn.Dropout module holds it.
+ATTENTION_DROPOUT = ("attention_dropout", "dropout", "dropout_p", "dropout_prob", "attn_dropout", "attn_drop")
+
+
 def without_dropout(model):
     """Zero the model's own dropout (e.g. the 0.1 a token classifier gets by default): the rollout pass
-    and the update pass must compute the same log-probs and values. Call before adding adapters,
-    so that lora_dropout stays what the config says."""
+    and the update pass must compute the same log-probs and values. Both kinds: nn.Dropout modules and the
+    attention's rate held as a number (a Llama's `config.attention_dropout`, which its attention applies to the
+    update's forward, in train mode, and not to sampling's). Call before adding adapters, so that lora_dropout
+    stays what the config says."""
     from torch import nn
 
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
+        for name in ATTENTION_DROPOUT:
+            rate = m.__dict__.get(name)
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate:
+                setattr(m, name, 0.0)
     return model
 
 
