@@ -376,13 +376,15 @@ def test_importance_weighted_corrections_run_and_learn(make_cfg, correction):
 def test_reference_in_the_generator_matches_the_learners(make_cfg, memory, caplog):
     """mode.reference=generator moves the reference forward into the (forked) generator, and balance splits each
     batch's rows between the two, where the split follows timings: the same numbers, bit for bit (in float32, so
-    without bf16's warning)."""
+    without bf16's warning). Balance's reference runs every row's own forward (`split_reference`); the tiny policy's
+    reference takes no shared-prompt forward in the other places either (too little saved, lean.NO_GRAD_MIN_WORK)."""
     places = ("learner", "generator", "balance")
     runs = {where: make_cfg(f"memory={memory}", "mode=async", "staleness=1", "trainer.max_steps=4", f"mode.reference={where}")
             for where in places}
     with caplog.at_level(logging.WARNING, logger="rlhflab"):
         results = {where: train(cfg) for where, cfg in runs.items()}
     assert not [r for r in caplog.records if "not bit for bit" in r.getMessage()]
+    assert [results[where].module.memory.split_reference for where in places] == [False, False, True]
     for key in ("train/kl", "train/loss", "train/reward"):
         learner, *others = (history(runs[w], results[w].run_id, key) for w in places)
         for where, other in zip(places[1:], others):

@@ -313,6 +313,46 @@ def test_on_wide_layers_a_split_is_bit_for_bit_in_float32_on_one_thread_only():
         torch.set_num_threads(threads)
 
 
+def test_balances_reference_runs_each_rows_own_forward_which_a_split_cannot_move():
+    """rl.prompt_once's shared-prompt forward packs a batch's prompts and responses into its products, so a row's
+    floats depend on the rows beside it, and it runs without grad only where it saves enough (a group with few rows
+    of a prompt declines it): on 768-wide layers at k = 4, mode.reference=balance's splits of a batch moved the
+    reference's log-probs by up to ~1e-6. Under balance (`split_reference`) the reference runs every row's own
+    forward, and every split gets the whole batch's numbers, bit for bit."""
+    from rlhflab.memory.base import MemoryStrategy
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=768, intermediate_size=2048, num_hidden_layers=2,
+                                         num_attention_heads=12, max_position_embeddings=64, pad_token_id=PAD)).eval()
+    strategy = MemoryStrategy()
+    strategy.pad_token_id, strategy.prompt_once = PAD, True
+    g = torch.Generator().manual_seed(1)
+    n, k, P, R = 32, 4, 16, 24
+    prompts = torch.randint(3, 512, (n // k, P), generator=g)
+    for i, p in enumerate(torch.randint(4, P + 1, (n // k,), generator=g).tolist()):
+        prompts[i, : P - p] = PAD
+    query = prompts.repeat_interleave(k, 0)
+    mask = _mask(torch.randint(1, R + 1, (n,), generator=g).tolist(), R)
+    response = torch.randint(3, 512, (n, R), generator=g).masked_fill(mask == 0, PAD)
+    groups = length_buckets(mask, P, max_buckets=4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        moved = {}
+        for shared in (True, False):
+            def forward(q, r, shared=shared):
+                return strategy._logprobs(model, q, r, 1.0, shared_prompt=shared)
+
+            with torch.no_grad():
+                whole = by_length(forward, query, response, mask, groups, PAD)
+                moved[shared] = [m for m in range(0, n + 1, 3) if not torch.equal(whole, torch.cat([
+                    by_length(forward, query, response, mask, groups, PAD, rows=slice(0, m)),
+                    by_length(forward, query, response, mask, groups, PAD, rows=slice(m, n))]))]
+    finally:
+        torch.set_num_threads(threads)
+    assert moved[True] and not moved[False], moved
+
+
 def test_prompt_batches_are_as_wide_as_their_own_longest_prompt():
     """Prompts are padded once to the dataset's longest; each batch drops the columns that are padding in all of
     its rows, so one long prompt in the dataset does not widen every batch's generation and forwards."""

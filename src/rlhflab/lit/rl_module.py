@@ -73,6 +73,7 @@ class RLHFModule(L.LightningModule):
         super().__init__()
         self.memory = memory
         memory.prompt_once = bool(rl_cfg.prompt_once)
+        memory.split_reference = getattr(source, "reference", None) == "balance"
         self.algo = algo
         self.reward = reward
         self.source = source

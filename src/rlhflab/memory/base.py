@@ -26,6 +26,9 @@ class MemoryStrategy(nn.Module):
     pad_token_id: int
     reward_norm: tuple[float, float]
     prompt_once = False  # rl.prompt_once (the RL module sets it): log-probs with each prompt's positions run once
+    # mode.reference=balance (the RL module sets it): the reference's rows are computed in two parts, and each part
+    # must get a row the numbers of the whole batch's forward, which the shared-prompt forward does not (`_logprobs`)
+    split_reference = False
 
     def __init__(self, gradient_checkpointing: bool = False) -> None:
         super().__init__()
@@ -87,13 +90,17 @@ class MemoryStrategy(nn.Module):
         # use_cache=False: a scoring or training forward reads no past keys (HF would build a KV cache per call).
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs)
 
-    def _logprobs(self, model, query, response, temperature: float) -> torch.Tensor:
+    def _logprobs(self, model, query, response, temperature: float, shared_prompt: bool = True) -> torch.Tensor:
+        """shared_prompt: rl.prompt_once's forward may run (each distinct prompt's positions once). Its products run
+        over the rows' prompts and responses packed together, so a row's floats depend on the rows beside it (~1e-6
+        apart on 768-wide layers), where every row's own forward (`lean_forward`, HF's) gives a row the same numbers
+        whichever rows it runs with: what mode.reference=balance's split needs (tests/test_rollout.py)."""
         # The logit at position t predicts token t+1: those predicting the response are the prompt's last position's
         # and each response position's but the last. The last response token is not run (`read_before`).
         # logits_to_keep: the LM head (and its (n, T, V) output) covers those positions only, not the prompt.
         inputs = read_before(response)
         logits = None
-        if self.prompt_once and lean_unsupported(model, autocast_ok=True) is None:
+        if self.prompt_once and shared_prompt and lean_unsupported(model, autocast_ok=True) is None:
             logits = prompt_once_logits(model, query, inputs, self.pad_token_id)  # None: no prompt repeats
         if logits is None:
             logits = self._forward(model, query, inputs, logits_to_keep=response.shape[1]).logits

@@ -67,7 +67,7 @@ class FullMemory(MemoryStrategy):
     @torch.no_grad()
     def reference_logprobs(self, query, response, temperature: float) -> torch.Tensor:
         """(n, R) log-probs under the frozen reference policy."""
-        return self._logprobs(self.reference, query, response, temperature)
+        return self._logprobs(self.reference, query, response, temperature, shared_prompt=not self.split_reference)
 
     def frozen_models(self) -> list[nn.Module]:
         """The reference and a reward model."""

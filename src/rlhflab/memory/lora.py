@@ -168,7 +168,7 @@ class LoraMemory(LoraSettings, FullMemory):
     def reference_logprobs(self, query, response, temperature: float) -> torch.Tensor:
         """(n, R) log-probs under the starting policy: the same weights with the adapter switched off."""
         with self.policy.disable_adapter():
-            return self._logprobs(self.policy, query, response, temperature)
+            return self._logprobs(self.policy, query, response, temperature, shared_prompt=not self.split_reference)
 
     def frozen_models(self) -> list[nn.Module]:
         """A reward model of its own (not one whose backbone is the critic's): the reference is the policy, adapter off."""
