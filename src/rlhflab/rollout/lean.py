@@ -234,14 +234,16 @@ def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
 
 
 # prompt_once_logits without grad: at least this many multiply-adds saved (prompt positions not run x the layers'
-# weights), or one forward over every row. On vs_trl's tiny policy (2 layers of width 64) the shared forward's extra
-# ops (two attentions a layer, the prompts' keys gathered to each row) cost ~0.3 ms against products of ~16M
-# multiply-adds saved, so its no-grad forward took 1.07x the time at k = 2 (0.99x at k = 4; with grad 0.92x / 0.76x);
-# on the 113M preset, 32 tokens, bf16, 0.93x / 0.90x without grad (~5G saved at k = 2) and 0.91x / 0.84x with.
-# Since its keys are padded (`padded_keys`) the tiny policy's no-grad forward gains too (0.77x at k = 4, 0.96x at
-# k = 2), but a threshold low enough for it lets mode.reference=balance's parts (some rows of a group each) choose
-# otherwise than the whole group and move a row's log-probs by ~2e-7: docs/MEASUREMENTS.md, "1278552".
-NO_GRAD_MIN_WORK = 10**9
+# weights), or one forward over every row. Its extra ops (two attentions a layer, the prompts' keys gathered to each
+# row) cost ~0.3 ms; since its keys are padded to whole vector blocks (`padded_keys`) the forward over every row (whose
+# 14 keys are not) costs more too. On vs_trl's tiny policy (2 layers of width 64, 6-token prompts, 9 tokens, the AMD
+# EPYC host, medians of 400 interleaved pairs without grad): 32 prompts at k = 4 (47M multiply-adds saved) 0.77x the
+# time, at k = 2 (16M) 0.96x, 16 prompts at k = 2 (8M) 1.065x; on the 113M preset (~5G saved at k = 2) 0.93x in bf16.
+# Whether a forward takes it depends on its rows, and its rows' floats on the rows packed beside them: so
+# mode.reference=balance, which splits a batch's reference rows where timings say, runs every row's own forward
+# instead (`MemoryStrategy.split_reference`; at 10^7 before that its splits moved log-probs by ~2.4e-7, and this
+# threshold was 10^9 from e646367 to 6d4102d).
+NO_GRAD_MIN_WORK = 10**7
 
 
 @cache
