@@ -173,10 +173,11 @@ class ReferenceSplit:
     m = (L + n l - G) / (g + l), clamped to [0, n]. The generator measures G and g; L and l come with each
     weights push. Every estimate is smoothed (half the last, half the new one), and m is n / 2 until both
     sides have reported. The split follows timings, yet the numbers do not: each side computes its rows in the
-    groups and at the widths the whole batch's forwards give them (`by_length`'s rows), so a rerun, and
-    mode.reference=generator or learner, give the same numbers bit for bit (on the CPU in float32 at one thread a side,
-    where a row's numbers do not depend on the rows beside it in a forward; elsewhere they can: AsyncSource.start
-    warns).
+    groups and at the widths the whole batch's forwards give them (`by_length`'s rows), each row through its own
+    forward (`MemoryStrategy.split_reference`), so every split and a rerun give the same numbers bit for bit (on the
+    CPU in float32 at one thread a side, where a row's numbers do not depend on the rows beside it in such a forward;
+    elsewhere they can: AsyncSource.start warns); mode.reference=generator or learner, whose reference may share
+    prompts (rl.prompt_once), give them within float32's rounding.
     """
 
     SMOOTH = 0.5  # weight of the newest measurement
@@ -470,7 +471,7 @@ class AsyncSource(SyncSource):
             self._say_split_reaches_numbers(autocast)
 
     def _say_split_reaches_numbers(self, autocast: dict | None) -> None:
-        """balance's numbers equal generator's and learner's where a row's numbers in a forward do not depend on how
+        """balance's numbers do not depend on its split where a row's numbers in a forward do not depend on how
         many rows it holds: in float32 on one thread a side. bf16 autocast (oneDNN's kernels on an AMX CPU: ~8e-3 in
         the log-probs of 768-wide layers) and more threads (~1e-6 there at 2, where a forward was not even repeatable
         call to call) break that, so the timed split reaches the numbers (tests/test_rollout.py)."""
