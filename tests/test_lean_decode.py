@@ -396,3 +396,20 @@ def test_the_lean_loops_call_norms_and_activations_they_do_not_know():
         assert lean_unsupported(model) is None
         assert torch.equal(lean_forward(model, ids, mask, positions), hf)
     assert not torch.allclose(hf, plain)  # each replacement changed the numbers
+
+
+def test_generate_samples_a_training_policy_as_in_eval_mode_and_leaves_its_mode(monkeypatch):
+    """The learner's policy is in train mode. Hugging Face's generate() runs it in eval mode (its modules read the
+    mode: a Llama's attention applies its dropout rate in training), then gives the mode back; the lean loop reads no
+    mode, so it samples without switching it (each switch walks every module) and draws the same tokens."""
+    model = llama(attention_dropout=0.5)
+    evaluated = draw(model, "generate", False, 1.0, seed=0)
+    model.train()
+    switches = []
+    monkeypatch.setattr(type(model), "train", lambda self, mode=True: switches.append(mode) or
+                        torch.nn.Module.train(self, mode))
+    for decode in ("generate", "lean"):
+        switches.clear()
+        tokens, logprobs = draw(model, decode, False, 1.0, seed=0)
+        assert torch.equal(tokens, evaluated[0]) and torch.allclose(logprobs, evaluated[1], atol=1e-6), decode
+        assert model.training and switches == ([False, True] if decode == "generate" else []), decode

@@ -63,6 +63,20 @@ def _plain_configs(model) -> tuple[list, list[str]]:
 
 
 @contextmanager
+def eval_mode(model):
+    """model.eval() for Hugging Face's generate(), whose modules read the mode (dropout; activation checkpointing, which
+    they apply in training only), then the mode it had. Not around the lean loop, whose ops read no mode (it runs only
+    where no checkpointing is on, on policies whose dropout `without_dropout` zeroed): switching both ways walks every
+    module, 153 us a sampling call on vs_trl's tiny policy."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@contextmanager
 def plain_sampling(model):
     """generate() fills every setting it is not passed from the model's generation_config.json: a hub model's
     repetition_penalty (Qwen2.5-Instruct: 1.05), no_repeat_ngram_size, min_new_tokens, suppress_tokens or
@@ -194,7 +208,8 @@ class HFGenerator:
                 self.told_decode = True
         attention_mask = (query != self.tokenizer.pad_token_id).long()
         recorder = None if greedy else BehaviourLogprobs(self.temperature)
-        with diverged_as_nonfinite(), plain_sampling(model) as dropped, casts_once(enabled=not self.synced), \
+        with eval_mode(model), diverged_as_nonfinite(), plain_sampling(model) as dropped, \
+                casts_once(enabled=not self.synced), \
                 packs_once(model, len(query), enabled=self.prepack and not self.synced) as packed:
             if packed and not self.told_packed:
                 log.info("generator: bf16 products through %d linear layers' weights laid out for oneDNN once per "
@@ -235,28 +250,23 @@ class HFGenerator:
         self, model, query: torch.Tensor, prompts: list[str], samples_per_prompt: int, version: int, greedy_baseline: bool = False
     ) -> Rollout:
         """query: (b, P) left-padded prompts -> a Rollout of b * samples_per_prompt completions."""
-        was_training = model.training
-        model.eval()
-        try:
-            q, p = repeat_prompts(query, prompts, samples_per_prompt)
-            response, logprobs = self._generate(model, q, greedy=False)
-            mask = response_mask_from_eos(response, self.tokenizer.eos_token_id)
-            rollout = Rollout(
-                query=q,
-                response=response,
-                response_mask=mask,
-                logprobs=logprobs * mask,  # 0 after EOS (the recorder read the pad tokens generate() put there)
-                version=version,
-                prompts=p,
-                texts=self.decode(response),
-            )
-            if greedy_baseline:
-                baseline, _ = self._generate(model, query, greedy=True)
-                rollout.baseline_response = baseline
-                rollout.baseline_texts = self.decode(baseline)
-            return rollout
-        finally:
-            model.train(was_training)
+        q, p = repeat_prompts(query, prompts, samples_per_prompt)
+        response, logprobs = self._generate(model, q, greedy=False)
+        mask = response_mask_from_eos(response, self.tokenizer.eos_token_id)
+        rollout = Rollout(
+            query=q,
+            response=response,
+            response_mask=mask,
+            logprobs=logprobs * mask,  # 0 after EOS (the recorder read the pad tokens generate() put there)
+            version=version,
+            prompts=p,
+            texts=self.decode(response),
+        )
+        if greedy_baseline:
+            baseline, _ = self._generate(model, query, greedy=True)
+            rollout.baseline_response = baseline
+            rollout.baseline_texts = self.decode(baseline)
+        return rollout
 
     def decode(self, response: torch.Tensor) -> list[str]:
         return self.tokenizer.batch_decode(response, skip_special_tokens=True)
