@@ -85,7 +85,7 @@ class RLHFModule(L.LightningModule):
         self.eval_prompts = eval_prompts
         # rl's settings as the schema's RL dataclass: a step reads several, and each read of a DictConfig's key
         # costs ~10 us against 0.03 for a dataclass field
-        self.cfg = OmegaConf.to_object(rl_cfg) if OmegaConf.is_config(rl_cfg) else rl_cfg
+        self.cfg = OmegaConf.to_object(rl_cfg)
         self.seed = seed
         self.temperature = source.generator.temperature
         self.policy_version = 0  # rollout batches trained on so far
