@@ -580,21 +580,34 @@ def test_ctrl_c_in_a_sweep_whose_tracking_server_died_stops_at_once_and_leaves_t
 
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     env = {"RLHFLAB_CACHE": str(stage_cache), "OMP_WAIT_POLICY": "PASSIVE"}
-    lines: list[str] = []
-    port = free_port()
-    with running_mlflow_server(tmp_path, iter([port, free_port(), free_port()])) as url:
-        sweep = ["-m", "seed=0,1", *TINY, f"logger.tracking_uri={url}", "trainer.max_steps=100000", "rl.eval_every=1",
-                 "output.dir=runs/${hydra:job.num}"]
-        with cli_run(sweep, tmp_path, env) as proc:
-            reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
-            reader.start()
-            wait_for(lambda: any("eval after 2 RL steps" in line for line in lines), 300, "the first job's RL", proc)
-            kill_server(url)
-            wait_for(lambda: any(f"mlflow: {url} does not answer (" in line for line in lines), 120,
-                     "the run's word that MLflow retries", proc)
-            os.killpg(proc.pid, signal.SIGINT)
-            rc = proc.wait(timeout=120)  # (MLflow's retries alone take ~4 minutes)
-            reader.join(timeout=30)
+    # A kill that lands inside one of the run's requests (more likely on a loaded machine, whose server answers
+    # slowly) breaks that request instead: the run says the store did not take it and stops at its next step, with
+    # no retries to press Ctrl-C in (seen once, under load). That is not this test's case, so it starts again.
+    for attempt in range(3):
+        base = tmp_path / f"attempt-{attempt}"
+        base.mkdir()
+        lines: list[str] = []
+        port = free_port()
+        with running_mlflow_server(base, iter([port, free_port(), free_port()])) as url:
+            sweep = ["-m", "seed=0,1", *TINY, f"logger.tracking_uri={url}", "trainer.max_steps=100000", "rl.eval_every=1",
+                     "output.dir=runs/${hydra:job.num}"]
+            with cli_run(sweep, base, env) as proc:
+                reader = threading.Thread(target=lambda lines=lines: [lines.append(line) for line in proc.stdout],
+                                          daemon=True)  # this attempt's list
+                reader.start()
+                wait_for(lambda: any("eval after 2 RL steps" in line for line in lines), 300, "the first job's RL", proc)
+                kill_server(url)
+                retries, broken = f"mlflow: {url} does not answer (", f"mlflow: {url} did not take the run's"
+                wait_for(lambda: any(retries in line or broken in line for line in lines), 120,
+                         "the run's word that MLflow retries", proc)
+                if not any(retries in line for line in lines):
+                    continue
+                os.killpg(proc.pid, signal.SIGINT)
+                rc = proc.wait(timeout=120)  # (MLflow's retries alone take ~4 minutes)
+                reader.join(timeout=30)
+        break
+    else:
+        pytest.fail("the server's kill landed inside one of the run's requests 3 times in a row")
     output = "".join(lines)
     assert rc == 130 and "Traceback" not in output, output[-3000:]
     lost = rf"{re.escape(url)} stopped answering \([^;]+; SIGINT did not wait for MLflow's retries\)"
@@ -604,11 +617,11 @@ def test_ctrl_c_in_a_sweep_whose_tracking_server_died_stops_at_once_and_leaves_t
     said = re.search(rf"mlflow sweep: the sweep (\w+) is left RUNNING, as {lost}; the next run or sweep in its "
                      "experiment on this machine ends it KILLED", output)
     assert said, output[-3000:]
-    assert list((tmp_path / "runs" / "0" / "checkpoints").glob("step-*")) and not (tmp_path / "runs" / "1").exists()
-    with running_mlflow_server(tmp_path, iter([port, free_port(), free_port()])) as again:  # the server is back
+    assert list((base / "runs" / "0" / "checkpoints").glob("step-*")) and not (base / "runs" / "1").exists()
+    with running_mlflow_server(base, iter([port, free_port(), free_port()])) as again:  # the server is back
         out = subprocess.run([sys.executable, str(ROOT / "src" / "train.py"), "-m", "seed=2", *TINY,
                               f"logger.tracking_uri={again}", "trainer.max_steps=1", "output.dir=runs/again"],
-                             cwd=tmp_path, env=os.environ | env, capture_output=True, text=True, timeout=300)
+                             cwd=base, env=os.environ | env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout[-3000:]
         runs = {r.info.run_id: r for r in MlflowClient(again).search_runs(
             [MlflowClient(again).get_experiment_by_name("rlhflab").experiment_id])}
