@@ -27,11 +27,10 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from vs_trl import ROOT, child_env, run_child, stop_on_signals  # (benchmarks/, this script's directory, is on sys.path)
+from vs_trl import ROOT, child_env, run_child, stop_on_signals, work_directory  # (benchmarks/, this script's directory, is on sys.path)
 
 TIMEOUT_S = 3600  # per side: a 113M side takes about a minute here
 
@@ -172,6 +171,8 @@ def main() -> None:
                         help="RL steps: the first is left out, the last counted, the rest timed (default: %(default)s)")
     parser.add_argument("--overrides", default="", help="more overrides for every side, e.g. torch_threads=null")
     parser.add_argument("--out", default=None, help="also write the table here (and its data beside it, as .json)")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' work directory (logs, MLflow db, JSON); a "
+                        "failed benchmark keeps it always")
     parser.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.child:
@@ -188,26 +189,25 @@ def main() -> None:
     if unknown:
         sys.exit(f"--sides: unknown {', '.join(unknown)}; choose from {', '.join(SIDES)}")
     results = {}
-    work = Path(tempfile.mkdtemp(prefix="step_flops-"))
-    print(f"work directory: {work} (each side's log: <side>.log)", flush=True)
     env = child_env()
-    env.setdefault("RLHFLAB_CACHE", str(work / "cache"))
     peaks: dict[int, list[float]] = {}
 
     def measure_peaks():
         for t in sorted({r["threads"] for r in results.values()} or {1}):
             peaks.setdefault(t, []).append(matmul_peak(1536, t))
-    for s in sides:
-        out = work / f"{s}.json"
-        overrides = [f"model={a.model}", *COMMON, f"trainer.max_steps={a.steps}", *SIDES[s][2].split(),
-                     *a.overrides.split(), f"hydra.run.dir={work / s}", f"output.dir={work / s}",
-                     f"logger.tracking_uri=sqlite:///{work / 'mlflow.db'}"]
-        print(f"{time.strftime('%H:%M:%S')} {s}: python src/train.py {' '.join(overrides)}", flush=True)
-        rc, *_ = run_child([sys.executable, __file__, "--child", str(out), *overrides], work / f"{s}.log", TIMEOUT_S, env)
-        if rc:
-            sys.exit(f"{s} failed (exit {rc}); its output: {work / f'{s}.log'}")
-        results[s] = json.loads(out.read_text())
-        measure_peaks()
+    with work_directory("step_flops-", a.keep, " (each side's log: <side>.log)") as work:
+        env.setdefault("RLHFLAB_CACHE", str(work / "cache"))
+        for s in sides:
+            out = work / f"{s}.json"
+            overrides = [f"model={a.model}", *COMMON, f"trainer.max_steps={a.steps}", *SIDES[s][2].split(),
+                         *a.overrides.split(), f"hydra.run.dir={work / s}", f"output.dir={work / s}",
+                         f"logger.tracking_uri=sqlite:///{work / 'mlflow.db'}"]
+            print(f"{time.strftime('%H:%M:%S')} {s}: python src/train.py {' '.join(overrides)}", flush=True)
+            rc, *_ = run_child([sys.executable, __file__, "--child", str(out), *overrides], work / f"{s}.log", TIMEOUT_S, env)
+            if rc:
+                sys.exit(f"{s} failed (exit {rc}); its output: {work / f'{s}.log'}")
+            results[s] = json.loads(out.read_text())
+            measure_peaks()
     peak = {t: statistics.median(p) for t, p in peaks.items()}
 
     lines = [f"# A PPO step's parts per sample: time, GFLOP, rate (`python benchmarks/step_flops.py`)", "",

@@ -94,6 +94,7 @@ Unfairness that is not removed (see also the comments in TRL_COMMON / TRL_ALGO)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -881,6 +882,24 @@ def parse_child(argv):
     return p.parse_args(argv)
 
 
+@contextlib.contextmanager
+def work_directory(prefix: str, keep: bool, what: str = ""):
+    """A new directory under the system's temp for a benchmark's runs (logs, MLflow dbs, JSON). Removed when the
+    benchmark ends well, unless `keep`; a failed or stopped one keeps it, since its error line names a log in it.
+    (benchmarks/step_flops.py uses it too.)"""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    print(f"work directory: {work}{what}", flush=True)
+    done = False
+    try:
+        yield work
+        done = True
+    finally:
+        if keep or not done:
+            print(f"kept: {work}", file=sys.stdout if done else sys.stderr, flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def stop_on_signals(script: str = "vs_trl.py") -> None:
     """SIGTERM (`timeout`, `kill`, a scheduler) or SIGHUP ended the benchmark at once, without its `finally`s: the
     running child, in a session of its own, trained on alone (and with mode=async its generator), its work directory
@@ -911,10 +930,7 @@ def main(argv=None) -> None:
         for line in one_sided(a.rlhflab_override):
             print(line, file=sys.stderr)
     env = child_env()
-    work = Path(tempfile.mkdtemp(prefix="vs_trl-"))
-    print(f"work directory: {work}", flush=True)
-    done = False
-    try:
+    with work_directory("vs_trl-", a.keep) as work:
         sft = prepare(a, work, env)
         results = {algo: {side: [] for side in a.sides} for algo in a.algos}
         for rep in range(1, a.reps + 1):
@@ -926,12 +942,6 @@ def main(argv=None) -> None:
         print("\n" + text)
         if a.out:
             save(a, text, sft, results)
-        done = True
-    finally:
-        if a.keep or not done:  # a failed or stopped benchmark keeps its logs, which its error line names
-            print(f"kept: {work}", file=sys.stderr if not done else sys.stdout, flush=True)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

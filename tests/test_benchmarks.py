@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -263,6 +264,25 @@ def test_a_failed_child_is_said_with_its_error_line_and_a_kept_log(tmp_path):
     assert said.startswith("preparing the SFT policy failed (exit 1): FileNotFoundError: [Errno 2]")
 
 
+def test_a_benchmarks_work_directory_goes_when_it_ends_well_and_stays_when_it_fails_or_is_kept(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """benchmarks/step_flops.py left its work directory (1.6 MB: logs, an MLflow db, the policies) in /tmp after every
+    run, the test suite's too: 52 of them on this host in a day. It now shares vs_trl.py's rule."""
+    import tempfile
+    vs_trl = load_vs_trl()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with vs_trl.work_directory("bench-", keep=False) as work:
+        (work / "run.log").write_text("ok")
+    assert not work.exists() and "kept" not in capsys.readouterr().out
+    with vs_trl.work_directory("bench-", keep=True) as kept:
+        pass
+    assert kept.is_dir() and f"kept: {kept}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        with vs_trl.work_directory("bench-", keep=False) as failed:
+            sys.exit("a side failed; its output: <log>")
+    assert failed.is_dir() and f"kept: {failed}" in capsys.readouterr().err
+
+
 def test_vs_trl_refuses_an_out_path_it_could_not_write_before_any_run(tmp_path, capsys):
     """--out under a file was a FileExistsError after the whole benchmark, its JSON lost."""
     vs_trl = load_vs_trl()
@@ -426,6 +446,8 @@ def test_step_flops_times_and_counts_every_part_a_ppo_step_runs(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
                          env={**__import__("os").environ, "RLHFLAB_CACHE": str(tmp_path / "cache")})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    work = Path(re.search(r"^work directory: (\S+)", out.stdout, re.M).group(1))
+    assert not work.exists(), f"{work} left behind"
     results = json.loads(data.read_text())["results"]
     lora, joint = results["lora16"], results["joint16"]
     assert lora["samples"] == joint["samples"] == [32, 32, 32]
