@@ -40,10 +40,10 @@ def test_remax_takes_several_samples_per_prompt(make_cfg):
 
 
 def test_fastest_keeps_the_faster_of_thread_and_process_with_the_same_numbers():
-    """mode.reference=fastest times generation and the pair (policy forward + reference beside it) with a forked process for TRIAL + 1
-    steps, then with the thread for as many (each first step untimed), keeps the one whose median is lower (the
-    process only where it is over MARGIN faster: it holds more memory), and ends the other; every result is the
-    reference's own, whichever computed it."""
+    """mode.reference=fastest times generation and the pair (policy forward + reference beside it) with a forked process
+    and with the thread taking turns, TRIAL + 1 steps each (each first step untimed), keeps the one whose median is
+    lower (the process only where it is over MARGIN faster: it holds more memory), and ends the other; every result
+    is the reference's own, whichever computed it."""
     from rlhflab.lit.reference import ReferenceFastest
 
     def reference(query, response, mask):
@@ -58,6 +58,8 @@ def test_fastest_keeps_the_faster_of_thread_and_process_with_the_same_numbers():
         try:
             for step in range(steps):
                 rows = torch.full((2, 3), step), torch.arange(6).view(2, 3), torch.ones(2, 3)
+                if worker.chosen is None:  # turns: the process first (it forks at the first step), then the thread
+                    assert worker.worker.name == ("process", "thread")[step % 2], (kept, step)
                 assert torch.equal(worker.submit(*rows)(), reference(*rows)), (kept, step, worker.worker.name)
                 said.append(worker.observe(ms[worker.worker.name] / 1000))
         finally:

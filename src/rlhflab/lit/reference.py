@@ -10,8 +10,8 @@ the numbers are the learner's. They differ in what they share with the update's 
   memory as it was at the fork, copy on write; only the rows and the log-probs cross a pipe. Its own pages
   stayed at 50-90 MB on the 113M model (smaps Private_*, 5 GRPO steps), the whole tree within 30 MB of the
   thread's peak PSS.
-- fastest (what `auto` picks where these can run): the process, then the thread, each timed over the first
-  steps, the faster kept (the thread unless the process is over 5% faster: the process holds more memory).
+- fastest (what `auto` picks where these can run): the process and the thread taking turns over the first
+  steps, each timed, the faster kept (the thread unless the process is over 5% faster: the process holds more memory).
 
 With mode.split_generation (the default) the process also samples the second half of each batch's rows while the
 learner samples the first (rollout/lean.lean_generate_split: the same tokens and log-probs bit for bit), on the
@@ -198,11 +198,14 @@ class ReferenceFastest:
 
     Which is faster follows the host: on an Intel Xeon the process's sync online DPO pair took ~5 ms against the
     thread's ~9 (py-spy, 2026-12-04), on an AMD EPYC the two were level, and the thread was the faster there for
-    RLOO in one run. Both compute the same numbers, so the choice changes the speed only. The process runs the
-    steps up to TRIAL + 1, forked at the first as mode.reference=process forks it (a fork after a few steps held
-    ~30 MB more of the tree's PSS: the learner's pages written since); then the thread as many steps, the process
-    idle; each one's first step is not counted (the fork; warm-up). The medians of the rest decide, and the other
-    ends: the process only where its median is below (1 - MARGIN) of the thread's, since it holds more memory (its
+    RLOO in one run. Both compute the same numbers, so the choice changes the speed only. The two take turns over
+    the first 2 (TRIAL + 1) steps, the process first, forked at the first step as mode.reference=process forks it
+    (a fork after a few steps held ~30 MB more of the tree's PSS: the learner's pages written since); each one's
+    first step is not counted (the fork; warm-up). They take turns because the host's speed moves in plateaus
+    longer than a trial: in blocks (the process's 4 steps, then the thread's) a plateau's edge between them decided,
+    and sync online DPO at vs_trl's settings kept the thread in 3 of 4 runs (process medians 23.5-26.4 ms against
+    14.8 in the fourth) though the process is ~17% faster over a run (2,290 against 1,925 completions/s,
+    benchmarks/vs_trl_epyc_a6b4a12.md). The medians of the counted steps decide, and the other ends: the process only where its median is below (1 - MARGIN) of the thread's, since it holds more memory (its
     pages the learner writes after the fork: the tree's PSS 30-40 MB above the thread's on the tiny model, of
     which ~21 MB within the first steps after the fork); where they are level, the thread. A run too short to try
     both keeps the one it has.
@@ -237,13 +240,11 @@ class ReferenceFastest:
         it); returns the one kept, once it is chosen (at that step), else None."""
         if self.chosen is not None:
             return None
-        times = self.times[self.trying]
-        times.append(seconds)
-        if len(times) <= self.TRIAL:
-            return None
-        if self.trying == "process":
-            self.workers["thread"] = ReferenceThread(self.reference)
-            self.trying = "thread"
+        self.times[self.trying].append(seconds)
+        if min(len(t) for t in self.times.values()) <= self.TRIAL:
+            if "thread" not in self.workers:
+                self.workers["thread"] = ReferenceThread(self.reference)
+            self.trying = "thread" if self.trying == "process" else "process"  # take turns: both see the same host
             return None
         median = {name: statistics.median(t[1:]) for name, t in self.times.items()}
         self.chosen = "process" if median["process"] < (1 - self.MARGIN) * median["thread"] else "thread"
