@@ -91,7 +91,7 @@ def test_auto_runs_fastest_and_learns_the_learners_numbers(make_cfg, tmp_path, c
     kept = MlflowClient(make_cfg().logger.tracking_uri).get_run(fastest.run_id).data.params["rlhflab.reference_kept"]
     assert kept in ("thread", "process")
     assert f"a forked process (medians of {ReferenceFastest.TRIAL} steps each): the {kept} from here" in caplog.text
-    assert "the reference's process samples the second half of each batch's rows" in caplog.text
+    assert "the reference's process samples the last rows of each batch" in caplog.text
     assert not [c for c in multiprocessing.active_children() if c.name == "rlhflab-reference"]
 
 
@@ -109,7 +109,7 @@ def test_reference_in_a_thread_or_a_process_gives_the_learners_numbers(make_cfg,
         with caplog.at_level("INFO", logger="rlhflab.rollout.hf"):
             results[where] = train(make_cfg(f"algo={algo}", "trainer.max_steps=3", f"mode.reference={where}",
                                             f"trainer.precision={precision}", f"output.dir={tmp_path / where}"))
-        split = "the reference's process samples the second half of each batch's rows" in caplog.text
+        split = "the reference's process samples the last rows of each batch" in caplog.text
         assert split == (where == "process" and precision == "32-true"), where
     assert not results["learner"].module.reference_beside_update
     assert results["thread"].module.reference_beside_update and results["process"].module.reference_beside_update

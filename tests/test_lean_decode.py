@@ -13,7 +13,7 @@ from rlhflab.rollout.hf import HFGenerator
 from rlhflab.rollout.batch import join
 from rlhflab.models import attention
 from rlhflab.rollout import lean
-from rlhflab.rollout.lean import lean_forward, lean_unsupported, prompt_once_logits
+from rlhflab.rollout.lean import SPLIT_MIN_ROWS, lean_forward, lean_unsupported, prompt_once_logits
 from rlhflab.tasks.sentiment import SentimentTask
 
 TASK = SentimentTask(response_words=8, seed=0)
@@ -113,9 +113,10 @@ def test_each_prompts_prefill_runs_once_and_gives_every_sample_the_batchs_number
 
 @ARCHS
 def test_a_batch_split_with_the_reference_process_samples_the_whole_batchs_tokens(arch, caplog, one_thread):
-    """mode.split_generation: the reference's forked process samples the second half of the rows from the learner's
+    """mode.split_generation: the reference's forked process samples a batch's last rows from the learner's
     generator state, the learner the first: generate()'s tokens and log-probs, bit for bit (log-probs where the
-    response mask keeps them), and the generator as many draws on, for even and odd batches, sampled at two
+    response mask keeps them), and the generator as many draws on, for even and odd batches, cut at half and
+    SPLIT_MIN_ROWS from either end (SplitRows moves the cut), and a batch too small to split, sampled at two
     temperatures and greedy; after the policy's weights change in place (an update making EOS likely, so the
     halves end at different tokens), the process samples from the new ones (they are in shared memory).
     On one thread, as a run with the process has it (a core left free, config.resolve_reference) and the process
@@ -135,12 +136,14 @@ def test_a_batch_split_with_the_reference_process_samples_the_whole_batchs_token
                 with torch.no_grad():
                     h = model.model(query).last_hidden_state.mean((0, 1))
                     model.lm_head.weight[TOK.eos_token_id] = 4 * h / h.dot(h)
-            for rows in (query, query[:-1]):
+            for rows in (query, query[:-1], query[:6]):  # 6 rows: not split (a part of 3 samples other floats)
                 for seed, temperature in ((0, 1.0), (1, 0.7), (2, None)):
                     drawn = []
+                    cut = (len(rows) // 2, SPLIT_MIN_ROWS, len(rows) - SPLIT_MIN_ROWS)[(seed + update) % 3]
                     for split in (False, True):
                         gen.temperature = temperature or 1.0
                         gen.split_with = (lambda: process.generating) if split else None
+                        process.split.cuts[len(rows)] = cut
                         torch.manual_seed(seed)
                         with caplog.at_level(logging.INFO, logger="rlhflab.rollout.hf"):
                             response, logprobs = gen._generate(model, rows, greedy=temperature is None)
@@ -158,12 +161,42 @@ def test_a_batch_split_with_the_reference_process_samples_the_whole_batchs_token
                     # how many tokens each half's own loop ran (to its last row's EOS, or the budget)
                     length = torch.where((whole == TOK.eos_token_id).any(1),
                                          (whole == TOK.eos_token_id).int().argmax(1) + 1, whole.shape[1])
-                    cut = len(rows) // 2
-                    uneven += int(length[:cut].max() != length[cut:].max())
+                    if len(rows) >= 2 * SPLIT_MIN_ROWS:
+                        uneven += int(length[:cut].max() != length[cut:].max())
     finally:
         process.close()
     assert uneven > 0  # the halves' loops ended at different tokens: the generator's draws past the shorter one's
-    assert caplog.text.count("samples the second half of each batch's rows") == 1
+    assert caplog.text.count("samples the last rows of each batch") == 1
+
+
+def test_split_rows_moves_the_cut_toward_both_parts_ending_together():
+    """SplitRows starts at half; a process slower than the learner gets fewer rows at the next batch of that size, a
+    faster one more, by half the rows the times' difference is worth, at most an eighth of the batch a step, each
+    part keeping a quarter of the rows and SPLIT_MIN_ROWS; level times leave it; another batch size has its own
+    cut; a batch too small for two such parts stays at half."""
+    from rlhflab.lit.reference import SplitRows
+
+    split = SplitRows(lambda *args: None)
+    assert split.cut(64) == 32 and split.cut(7) == 3
+    split.took(64, 0.0077, 0.0136)  # the process's core 1.7x slower: 64 * 5.9 / 21.3 / 2 = 8.9 rows, capped at 8
+    assert split.cut(64) == 40 and split.cut(7) == 3
+    split.took(64, 0.0082, 0.0115)  # 64 * 3.3 / 19.7 / 2 = 5.4
+    assert split.cut(64) == 45
+    split.took(64, 0.0100, 0.0100)
+    assert split.cut(64) == 45
+    split.took(64, 0.0200, 0.0100)  # now the learner's core is the slow one
+    assert split.cut(64) == 37
+    for _ in range(20):
+        split.took(64, 0.0, 1.0)
+    assert split.cut(64) == 48
+    for _ in range(20):
+        split.took(64, 1.0, 0.0)
+    assert split.cut(64) == 16
+    for _ in range(20):
+        split.took(10, 1.0, 0.0)
+    assert split.cut(10) == SPLIT_MIN_ROWS
+    split.took(6, 1.0, 0.0)  # (rollout/hf.py splits no batch this small)
+    assert split.cut(6) == 3
 
 
 def test_sampling_from_diverged_weights_says_so_in_one_line():

@@ -13,8 +13,8 @@ the numbers are the learner's. They differ in what they share with the update's 
 - fastest (what `auto` picks where these can run): the process and the thread taking turns over the first
   steps, each timed, the faster kept (the thread unless the process is over 5% faster: the process holds more memory).
 
-With mode.split_generation (the default) the process also samples the second half of each batch's rows while the
-learner samples the first (rollout/lean.lean_generate_split: the same tokens and log-probs bit for bit), on the
+With mode.split_generation (the default) the process also samples the last rows of each batch (half at first, then
+as many as make both parts end together: SplitRows) while the learner samples the first (rollout/lean.lean_generate_split: the same tokens and log-probs bit for bit), on the
 policy's parameters, moved to shared memory before the fork so that it reads each update's weights. Sync online DPO
 on vs_trl's settings (2026-12-04, 300 steps, 3 interleaved pairs): 32.0-32.7 ms a step against 33.9-35.9 without,
 its generation 10.7-11.2 against 12.0-12.6 ms.
@@ -29,6 +29,7 @@ import atexit
 import logging
 import os
 import statistics
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -37,7 +38,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rlhflab.rollout.async_source import POLL_S, die_with_parent, end_child, ignore_stop_signals, stop_signals_held
-from rlhflab.rollout.lean import _sample
+from rlhflab.rollout.lean import SPLIT_MIN_ROWS, _sample
 from rlhflab.rollout.sources import autocast_as, current_autocast
 from rlhflab.shm import share_in_place
 
@@ -106,7 +107,8 @@ def _reference_main(reference, policy, conn, parent: int) -> None:
             kind, args = msg
             try:
                 if kind == "generate":
-                    out = _generate_rows(policy, *args)
+                    started = time.perf_counter()
+                    out = (*_generate_rows(policy, *args), time.perf_counter() - started)
                 else:
                     out = reference(*(torch.from_numpy(a) for a in args)).numpy()
             except Exception:
@@ -115,11 +117,45 @@ def _reference_main(reference, policy, conn, parent: int) -> None:
             conn.send(("ok", out))
 
 
+class SplitRows:
+    """How a batch's sampling is shared between the learner (its first rows) and the reference's process (the rest),
+    for rollout/lean.lean_generate_split: `cut(rows)` is where, `took(rows, learner_s, process_s)` moves it.
+
+    Half each at first; after each batch the cut moves toward both parts ending together, by half the rows the
+    parts' times differ by (as a share of their sum), at most an eighth of the batch a step, each part keeping a
+    quarter of the rows (and SPLIT_MIN_ROWS: a part of fewer rows samples other floats, lean_generate_split). A
+    core's speed moves in plateaus of seconds (docs/MEASUREMENTS.md, "fastest's turns"): with halves fixed,
+    the learner waited for a process whose core ran its half in 12.0-13.6 ms against the learner's 7.7-8.4 (sync
+    online DPO, vs_trl's settings). Any cut gives the whole batch's tokens bit for bit (lean_generate_split). Kept
+    per batch size: evaluation's batches are another size, and a part's time is mostly fixed cost on small models,
+    so the balancing share is not the same. A batch too small for two such parts (rollout/hf.py splits none) stays
+    at half.
+    """
+
+    def __init__(self, sample: Callable[..., Callable]) -> None:
+        self.sample = sample  # ReferenceProcess.generate
+        self.cuts: dict[int, int] = {}
+
+    def cut(self, rows: int) -> int:
+        return self.cuts.get(rows, rows // 2)
+
+    def __call__(self, *args) -> Callable:
+        return self.sample(*args)
+
+    def took(self, rows: int, learner_s: float, process_s: float) -> None:
+        least = max(SPLIT_MIN_ROWS, rows // 4)
+        if rows - least < least:
+            return
+        step = max(1, rows // 8)
+        move = round(rows * (process_s - learner_s) / max(learner_s + process_s, 1e-9) / 2)
+        self.cuts[rows] = min(max(self.cut(rows) + max(-step, min(step, move)), least), rows - least)
+
+
 class ReferenceProcess:
     """mode.reference=process: the reference's forward in a forked process (CPU).
 
     reference(query, response, mask) -> (n, R) log-probs runs there on the learner's memory as forked. With a
-    `policy` (mode.split_generation) it also samples the second half of each batch's rows (`generate`,
+    `policy` (mode.split_generation) it also samples the last rows of each batch (`generate`, SplitRows,
     rollout/lean.lean_generate_split): the policy's parameters are moved to shared memory before the fork (a memfd,
     shm.share_in_place: a container's small /dev/shm does not limit it), so it samples from the weights of each step's
     update, which writes them in place. A failure there reaches the learner at its result with the traceback, a death
@@ -130,6 +166,7 @@ class ReferenceProcess:
 
     def __init__(self, reference: Callable[..., torch.Tensor], policy=None) -> None:
         self.policy = policy
+        self.split = SplitRows(self.generate)
         if policy is not None:
             share_in_place(policy.parameters())  # into a memfd (shm.py): the parameter and its optimizer keep it
         ctx = mp.get_context("fork")
@@ -159,13 +196,13 @@ class ReferenceProcess:
         return lambda: torch.from_numpy(self._result())
 
     @property
-    def generating(self):
-        """`lean_generate_split`'s other half: the process samples rows there (None: it has no policy)."""
-        return self.generate if self.policy is not None else None
+    def generating(self) -> SplitRows | None:
+        """`lean_generate_split`'s other part: the process samples rows there (None: it has no policy)."""
+        return self.split if self.policy is not None else None
 
     def generate(self, query: torch.Tensor, state: torch.Tensor, offset: int, batch_rows: int, *settings) -> Callable:
         """Start sampling `query`, rows offset.. of a batch of batch_rows, from generator state `state`; returns
-        the callable that waits for its (response, log-probs or None) numpy arrays."""
+        the callable that waits for its (response, log-probs or None) numpy arrays and the seconds it sampled."""
         self._send(("generate", (query.numpy(), state.numpy(), offset, batch_rows, *settings)))
         return self._result
 

@@ -11,7 +11,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from rlhflab.errors import ConfigError, DivergedWeights
 from rlhflab.rollout.batch import Rollout, repeat_prompts, response_mask_from_eos
-from rlhflab.rollout.lean import lean_generate, lean_generate_split, lean_unsupported
+from rlhflab.rollout.lean import SPLIT_MIN_ROWS, lean_generate, lean_generate_split, lean_unsupported
 from rlhflab.rollout.sources import autocast_cache, casts_once, packs_once
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class HFGenerator:
     synced = False  # set when the model is sharded over ranks: every rank runs the same number of forward steps
     told = False  # the settings plain_sampling set aside are logged once
     told_decode = False  # auto's choice of generate() is logged once, with its reason
-    # mode.split_generation: () -> the sampler of the second half of the rows (lit/reference.ReferenceProcess.generate)
+    # mode.split_generation: () -> the sampler of a batch's last rows (lit/reference.SplitRows)
     # or None; set by the RL module while a reference process with the policy runs
     split_with = None
     told_split = False  # the first split batch is logged
@@ -191,10 +191,11 @@ class HFGenerator:
         if self.decoding != "generate":
             why = lean_unsupported(model) if not self.synced else "the policy is sharded over ranks"
             if why is None:
-                other = self.split_with() if self.split_with is not None and len(query) > 1 else None
+                split = self.split_with is not None and len(query) >= 2 * SPLIT_MIN_ROWS
+                other = self.split_with() if split else None
                 if other is not None and not self.told_split:
-                    log.info("generator: the reference's process samples the second half of each batch's rows "
-                             "(mode.split_generation), this process the first")
+                    log.info("generator: the reference's process samples the last rows of each batch, half at first, "
+                             "then as many as end with this process's (mode.split_generation); this process the first")
                     self.told_split = True
                 with diverged_as_nonfinite():
                     args = (model, query, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, self.max_new_tokens,

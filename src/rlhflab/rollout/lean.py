@@ -30,6 +30,7 @@ and outside autocast. Anything else goes through Hugging Face.
 
 from __future__ import annotations
 
+import time
 import weakref
 from functools import cache
 
@@ -383,26 +384,37 @@ def _checked(response: torch.Tensor, logprobs: torch.Tensor | None):
     return response, logprobs
 
 
+# The fewest rows either part of lean_generate_split samples. Fewer move the part's log-probs (not its tokens) off
+# the whole batch's: on the AMD EPYC host (MKL, AVX-512) parts of 1-3 rows by 2.4e-7 (tiny width) and 2.4e-6 (the
+# 113M preset's), 4 rows and up bit for bit at both (every cut of 64 rows). rollout/hf.py splits no smaller batch.
+SPLIT_MIN_ROWS = 4
+
+
 def lean_generate_split(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens: int,
                         temperature: float | None, other):
     """lean_generate's tokens and log-probs (and the generator's state after them), the rows shared with a second
-    process: this one samples the first half of the rows while `other(query rows, rng state, offset, batch rows,
-    pad, eos, max_new_tokens, temperature)`, submitted first, samples the rest on the same weights
-    (lit/reference.ReferenceProcess.generate) and returns a callable for its (response, log-probs) numpy arrays.
+    process: this one samples the first `other.cut(rows)` rows while `other(query rows, rng state, offset, batch
+    rows, pad, eos, max_new_tokens, temperature)`, submitted first, samples the rest on the same weights
+    (lit/reference.SplitRows, ReferenceProcess.generate) and returns a callable for its (response, log-probs) numpy
+    arrays and the seconds it sampled; `other.took(rows, these seconds, those)` then moves the cut.
 
     Bit for bit: each token is `_draw`'s argmax(p / q) with q one exponential draw for the whole batch, as
     torch.multinomial draws it; both sides start from this process's generator state and draw every row's noise,
     each reading its own rows. A row's numbers do not depend on the rows beside it (as `_prefill` relies on), and
     the generator ends as many draws on as the longer half took, as the whole batch's loop would have."""
     rows = len(query)
-    cut = rows // 2
+    cut = other.cut(rows)
     state = torch.get_rng_state()
     result = other(query[cut:], state, cut, rows, pad, eos, max_new_tokens, temperature)
     try:
+        started = time.perf_counter()
         with torch.inference_mode():
             mine, mine_logprobs = _sample(model, query[:cut], pad, eos, max_new_tokens, temperature, batch_rows=rows)
-    finally:  # read even when this half failed: no reply is left in the pipe for the next request
-        theirs, theirs_logprobs = (None if a is None else torch.from_numpy(a) for a in result())
+        mine_s = time.perf_counter() - started
+    finally:  # read even when this part failed: no reply is left in the pipe for the next request
+        theirs, theirs_logprobs, theirs_s = result()
+    other.took(rows, mine_s, theirs_s)
+    theirs, theirs_logprobs = (None if a is None else torch.from_numpy(a) for a in (theirs, theirs_logprobs))
     width = max(mine.shape[1], theirs.shape[1])
     if temperature is not None:
         for _ in range(width - mine.shape[1]):  # the other half's draws past this half's end
