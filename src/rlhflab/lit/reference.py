@@ -83,7 +83,7 @@ class ReferenceThread:
 
 def _generate_rows(policy, query, state, offset: int, batch_rows: int, *settings) -> tuple:
     """Rows offset.. of a batch of batch_rows sampled by `lean_generate`'s loop from the learner's generator state
-    (lean_generate_split's other half) -> (response, log-probs or None) as numpy arrays. Outside autocast, as the
+    (lean_generate_split's other part) -> (response, log-probs or None) as numpy arrays. Outside autocast, as the
     lean loop runs only there: the learner asks for rows only where it samples outside autocast itself (a 32-true
     run), and this process, forked inside a training step, would otherwise keep whatever autocast that step had."""
     torch.set_rng_state(torch.from_numpy(state))
@@ -269,7 +269,7 @@ class ReferenceFastest:
 
     @property
     def generating(self):
-        """The process's half of the sampling while it is tried or kept (ReferenceProcess.generating), else None."""
+        """The process's part of the sampling while it is tried or kept (ReferenceProcess.generating), else None."""
         return self.worker.generating
 
     def observe(self, seconds: float) -> str | None:

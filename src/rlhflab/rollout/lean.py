@@ -401,7 +401,7 @@ def lean_generate_split(model, query: torch.Tensor, pad: int, eos: int, max_new_
     Bit for bit: each token is `_draw`'s argmax(p / q) with q one exponential draw for the whole batch, as
     torch.multinomial draws it; both sides start from this process's generator state and draw every row's noise,
     each reading its own rows. A row's numbers do not depend on the rows beside it (as `_prefill` relies on), and
-    the generator ends as many draws on as the longer half took, as the whole batch's loop would have."""
+    the generator ends as many draws on as the longer part took, as the whole batch's loop would have."""
     rows = len(query)
     cut = other.cut(rows)
     state = torch.get_rng_state()
@@ -417,13 +417,13 @@ def lean_generate_split(model, query: torch.Tensor, pad: int, eos: int, max_new_
     theirs, theirs_logprobs = (None if a is None else torch.from_numpy(a) for a in (theirs, theirs_logprobs))
     width = max(mine.shape[1], theirs.shape[1])
     if temperature is not None:
-        for _ in range(width - mine.shape[1]):  # the other half's draws past this half's end
+        for _ in range(width - mine.shape[1]):  # the other part's draws past this part's end
             torch.empty(rows, model.lm_head.weight.shape[0], dtype=torch.float32).exponential_(1)
     response = torch.cat([F.pad(mine, (0, width - mine.shape[1]), value=pad),
                           F.pad(theirs, (0, width - theirs.shape[1]), value=pad)])
     if temperature is None:
         return response, None
-    # past a half's end every row of it has ended (EOS): its log-probs there are masked out as generate()'s are
+    # past a part's end every row of it has ended (EOS): its log-probs there are masked out as generate()'s are
     logprobs = torch.cat([F.pad(mine_logprobs, (0, width - mine.shape[1])),
                           F.pad(theirs_logprobs, (0, width - theirs.shape[1]))])
     return _checked(response, logprobs)
