@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from vs_trl import ROOT, child_env, run_child, stop_on_signals, work_directory  # (benchmarks/, this script's directory, is on sys.path)
+# (benchmarks/, this script's directory, is on sys.path)
+from vs_trl import ROOT, child_env, run_child, stop_on_signals, work_directory
 
 TIMEOUT_S = 3600  # per side: a 113M side takes about a minute here
 

@@ -11,11 +11,12 @@ the numbers are the learner's. They differ in what they share with the update's 
   stayed at 50-90 MB on the 113M model (smaps Private_*, 5 GRPO steps), the whole tree within 30 MB of the
   thread's peak PSS.
 - fastest (what `auto` picks where these can run): the process and the thread taking turns over the first
-  steps, each timed, the faster kept (the thread unless the process is over 5% faster: the process holds more memory).
+  steps, each timed, the faster kept (the thread unless the process is over 5% faster: it holds more memory).
 
 With mode.split_generation (the default) the process also samples the last rows of each batch (half at first, then
-as many as make both parts end together: SplitRows) while the learner samples the first (rollout/lean.lean_generate_split: the same tokens and log-probs bit for bit), on the
-policy's parameters, moved to shared memory before the fork so that it reads each update's weights. Sync online DPO
+as many as make both parts end together: SplitRows) while the learner samples the first
+(rollout/lean.lean_generate_split: the same tokens and log-probs bit for bit), on the policy's parameters, moved to
+shared memory before the fork so that it reads each update's weights. Sync online DPO
 on vs_trl's settings (2026-12-04, 300 steps, 3 interleaved pairs): 32.0-32.7 ms a step against 33.9-35.9 without,
 its generation 10.7-11.2 against 12.0-12.6 ms.
 
@@ -242,10 +243,11 @@ class ReferenceFastest:
     longer than a trial: in blocks (the process's 4 steps, then the thread's) a plateau's edge between them decided,
     and sync online DPO at vs_trl's settings kept the thread in 3 of 4 runs (process medians 23.5-26.4 ms against
     14.8 in the fourth) though the process is ~17% faster over a run (2,290 against 1,925 completions/s,
-    benchmarks/vs_trl_epyc_a6b4a12.md). The medians of the counted steps decide, and the other ends: the process only where its median is below (1 - MARGIN) of the thread's, since it holds more memory (its
-    pages the learner writes after the fork: the tree's PSS 30-40 MB above the thread's on the tiny model, of
-    which ~21 MB within the first steps after the fork); where they are level, the thread. A run too short to try
-    both keeps the one it has.
+    benchmarks/vs_trl_epyc_a6b4a12.md). The medians of the counted steps decide, and the other ends: the process
+    only where its median is below (1 - MARGIN) of the thread's, since it holds more memory (its pages the learner
+    writes after the fork: the tree's PSS 30-40 MB above the thread's on the tiny model, of which ~21 MB within the
+    first steps after the fork); where they are level, the thread. A run too short to try both keeps the one it
+    has.
     """
 
     name = "fastest"
