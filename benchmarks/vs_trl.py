@@ -346,20 +346,30 @@ def run_child(cmd: list[str], log: Path, timeout: float, env: dict) -> tuple[int
     t0 = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        timer.start()
-        pss = PeakPss(proc.pid)
-        pss.start()
+        # Everything after the child starts is inside the try: a SIGTERM (stop_on_signals) that came while the PSS
+        # thread started (its start() waits for it, longer on a loaded machine) left the child running and the
+        # timer's thread, not yet cancelled, holding the interpreter's exit for `timeout` s. A daemon timer too.
+        timer = pss = status = None
         try:
+            timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+            timer.daemon = True
+            timer.start()
+            pss = PeakPss(proc.pid)
+            pss.start()
             _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (ru_maxrss in KiB on Linux)
         finally:
-            pss.done.set()
-            pss.join()
-            timer.cancel()
+            if pss is not None:
+                pss.done.set()
+                if pss.ident is not None:  # started
+                    pss.join()
+            if timer is not None:
+                timer.cancel()
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # anything it left behind
             except ProcessLookupError:
                 pass
+            if status is None:  # stopped before wait4 returned: reap the child killed above
+                proc.wait()
         proc.returncode = os.waitstatus_to_exitcode(status)
     return proc.returncode, usage.ru_maxrss / 1024, pss.peak_mb, time.perf_counter() - t0
 

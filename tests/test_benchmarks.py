@@ -377,6 +377,39 @@ def test_a_terminated_benchmark_takes_its_running_child_with_it(tmp_path):
             pass
 
 
+def test_a_sigterm_while_the_benchmark_starts_its_watchers_ends_the_child_and_the_benchmark(tmp_path):
+    """A SIGTERM that came while run_child started its PSS thread (Thread.start waits for it: longer on a loaded
+    machine, where .ci/run met it) was raised before the `try`: the child trained on and the uncancelled timeout
+    timer held the benchmark's exit for the whole timeout. Here the signal comes inside PeakPss.start, every time."""
+    import os
+    import signal
+
+    pidfile = tmp_path / "child.pid"
+    parent = ("import importlib.util, os, signal, sys\n"
+              f"spec = importlib.util.spec_from_file_location('vs_trl', {str(ROOT / 'benchmarks' / 'vs_trl.py')!r})\n"
+              "vs_trl = importlib.util.module_from_spec(spec); spec.loader.exec_module(vs_trl)\n"
+              "vs_trl.stop_on_signals()\n"
+              "start = vs_trl.PeakPss.start\n"
+              "def late(self):\n"
+              f"    open({str(pidfile)!r}, 'w').write(str(self.pid))\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    start(self)\n"
+              "vs_trl.PeakPss.start = late\n"
+              "child = [sys.executable, '-c', 'import time; time.sleep(120)']\n"
+              f"vs_trl.run_child(child, vs_trl.Path({str(tmp_path / 'log.txt')!r}), 300, {{}})\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stderr=subprocess.PIPE, text=True)
+    try:
+        assert "vs_trl.py: stopped by SIGTERM" in proc.communicate(timeout=60)[1]
+        child = int(pidfile.read_text())
+        assert not Path(f"/proc/{child}").exists(), "the child outlived the benchmark"
+    finally:
+        proc.kill()
+        try:
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        except (FileNotFoundError, ValueError, ProcessLookupError):
+            pass
+
+
 def test_vs_trl_help_gives_every_default():
     """--prompts-per-step, --lr, --temperature and --seed had no help, so --help gave no default; --eval-samples said
     'default: None' though tiny's is 8."""
