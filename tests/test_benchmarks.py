@@ -341,6 +341,18 @@ def test_rlhflab_runs_write_only_into_their_directory_and_the_record_gives_the_s
     assert shown and shown.group(1).replace("\\\n", " ").split() == cmd[2:]
 
 
+def benchmark_running_a_child(log: Path, child: str, before: str = "") -> subprocess.Popen:
+    """A Python process that loads benchmarks/vs_trl.py, stops on its signals as the script does, runs `before`
+    (code that may patch `vs_trl`), then `run_child` of `python -c child` logging to `log`; stderr piped."""
+    parent = ("import importlib.util, sys\n"
+              f"spec = importlib.util.spec_from_file_location('vs_trl', {str(ROOT / 'benchmarks' / 'vs_trl.py')!r})\n"
+              "vs_trl = importlib.util.module_from_spec(spec); spec.loader.exec_module(vs_trl)\n"
+              "vs_trl.stop_on_signals()\n"
+              f"{before}"
+              f"vs_trl.run_child([sys.executable, '-c', {child!r}], vs_trl.Path({str(log)!r}), 300, {{}})\n")
+    return subprocess.Popen([sys.executable, "-c", parent], stderr=subprocess.PIPE, text=True)
+
+
 def test_a_terminated_benchmark_takes_its_running_child_with_it(tmp_path):
     """SIGTERM to vs_trl.py (`timeout`, `kill`) ended it without its `finally`s: the child run, in a session of its
     own, trained on alone (with mode=async, its generator as well)."""
@@ -349,13 +361,7 @@ def test_a_terminated_benchmark_takes_its_running_child_with_it(tmp_path):
     import time
 
     log = tmp_path / "log.txt"
-    parent = ("import importlib.util, sys\n"
-              f"spec = importlib.util.spec_from_file_location('vs_trl', {str(ROOT / 'benchmarks' / 'vs_trl.py')!r})\n"
-              "vs_trl = importlib.util.module_from_spec(spec); spec.loader.exec_module(vs_trl)\n"
-              "vs_trl.stop_on_signals()\n"
-              "child = [sys.executable, '-c', 'import os, time; print(os.getpid(), flush=True); time.sleep(120)']\n"
-              f"vs_trl.run_child(child, vs_trl.Path({str(log)!r}), 300, {{}})\n")
-    proc = subprocess.Popen([sys.executable, "-c", parent], stderr=subprocess.PIPE, text=True)
+    proc = benchmark_running_a_child(log, "import os, time; print(os.getpid(), flush=True); time.sleep(120)")
     try:
         for _ in range(300):
             if log.is_file() and log.read_text().strip():
@@ -385,19 +391,14 @@ def test_a_sigterm_while_the_benchmark_starts_its_watchers_ends_the_child_and_th
     import signal
 
     pidfile = tmp_path / "child.pid"
-    parent = ("import importlib.util, os, signal, sys\n"
-              f"spec = importlib.util.spec_from_file_location('vs_trl', {str(ROOT / 'benchmarks' / 'vs_trl.py')!r})\n"
-              "vs_trl = importlib.util.module_from_spec(spec); spec.loader.exec_module(vs_trl)\n"
-              "vs_trl.stop_on_signals()\n"
-              "start = vs_trl.PeakPss.start\n"
-              "def late(self):\n"
-              f"    open({str(pidfile)!r}, 'w').write(str(self.pid))\n"
-              "    os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    start(self)\n"
-              "vs_trl.PeakPss.start = late\n"
-              "child = [sys.executable, '-c', 'import time; time.sleep(120)']\n"
-              f"vs_trl.run_child(child, vs_trl.Path({str(tmp_path / 'log.txt')!r}), 300, {{}})\n")
-    proc = subprocess.Popen([sys.executable, "-c", parent], stderr=subprocess.PIPE, text=True)
+    late = ("import os, signal\n"
+            "start = vs_trl.PeakPss.start\n"
+            "def late(self):\n"
+            f"    open({str(pidfile)!r}, 'w').write(str(self.pid))\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    start(self)\n"
+            "vs_trl.PeakPss.start = late\n")
+    proc = benchmark_running_a_child(tmp_path / "log.txt", "import time; time.sleep(120)", before=late)
     try:
         assert "vs_trl.py: stopped by SIGTERM" in proc.communicate(timeout=60)[1]
         child = int(pidfile.read_text())
