@@ -72,6 +72,12 @@ def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Ten
     return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, bias, "none", [], "")
 
 
+def cpu_has_bf16_kernels() -> bool:
+    """oneDNN's bfloat16 kernels run on this CPU (they need AVX-512 or AMX). Without them (an AVX2-only CPU) torch's
+    bf16 products on the CPU run in slow fallback loops (`config.check_cpu_bf16`), and there is no layout to pack."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 @contextmanager
 def packs_once(model, rows: int, enabled: bool = True):
     """Under CPU bf16 autocast (trainer.precision=bf16-mixed), each plain nn.Linear of `model` multiplies through a
@@ -92,7 +98,7 @@ def packs_once(model, rows: int, enabled: bool = True):
     if that memory matters more than the speed). `enabled=False` leaves it all as it
     is (a model sharded over ranks, generator.prepack=false). Yields how many layers it laid out."""
     if (not enabled or current_autocast().get("cpu") is not torch.bfloat16 or torch.is_grad_enabled()
-            or not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            or not cpu_has_bf16_kernels()):
         yield 0
         return
     packed = []
