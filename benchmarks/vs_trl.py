@@ -922,6 +922,18 @@ def stop_on_signals(script: str = "vs_trl.py") -> None:
         signal.signal(signum, stop)
 
 
+def slow_bf16(precision: str) -> str | None:
+    """What --precision bf16 measures on a CPU without oneDNN's bf16 kernels (both sides' products in torch's fallback
+    loops), said before the runs; None where it has them, or in float32."""
+    from rlhflab.rollout.sources import cpu_has_bf16_kernels
+
+    if precision != "bf16" or cpu_has_bf16_kernels():
+        return None
+    return ("--precision bf16: this CPU has no bfloat16 kernels (oneDNN's need AVX-512 or AMX), so both sides run far "
+            "slower than in float32 (a 113M Llama's forward and backward 24x on an AVX2 CPU); --precision fp32 measures "
+            "the frameworks, not the fallback")
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_trl"]:
@@ -936,6 +948,8 @@ def main(argv=None) -> None:
         except ImportError:
             raise SystemExit('TRL is not installed: pip install -e ".[bench]" (or --sides with rlhflab\'s sides only)') from None
     check_commands(a)
+    if note := slow_bf16(a.precision):
+        print(note, file=sys.stderr)
     if any(side in TRL_SIDE for side in a.sides):  # (rlhflab's sides alone all get the same overrides)
         for line in one_sided(a.rlhflab_override):
             print(line, file=sys.stderr)

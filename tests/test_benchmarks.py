@@ -246,6 +246,19 @@ def test_vs_trl_precision_sets_both_sides_and_keeps_one_sft_policy(tmp_path):
         "give that flag instead; the sides no longer run the same setting"]
 
 
+def test_vs_trl_says_bf16_measures_the_fallback_on_a_cpu_without_bf16_kernels(monkeypatch):
+    """--precision bf16 on an AVX2-only CPU times torch's bf16 fallback loops on both sides (a 113M forward and
+    backward 24x float32's time): said before the runs, and nothing where the CPU has the kernels or in float32."""
+    import rlhflab.rollout.sources as sources
+
+    monkeypatch.setattr(sources, "cpu_has_bf16_kernels", lambda: False)
+    vs_trl = load_vs_trl()
+    assert vs_trl.slow_bf16("fp32") is None
+    assert vs_trl.slow_bf16("bf16").startswith("--precision bf16: this CPU has no bfloat16 kernels")
+    monkeypatch.setattr(sources, "cpu_has_bf16_kernels", lambda: True)
+    assert vs_trl.slow_bf16("bf16") is None
+
+
 def test_a_failed_child_is_said_with_its_error_line_and_a_kept_log(tmp_path):
     """'failed (exit 2); see <log>' named a log the work directory's removal had deleted, and a run killed at
     --timeout said only 'exit -9'."""
