@@ -925,9 +925,11 @@ def stop_on_signals(script: str = "vs_trl.py") -> None:
 def slow_bf16(precision: str) -> str | None:
     """What --precision bf16 measures on a CPU without oneDNN's bf16 kernels (both sides' products in torch's fallback
     loops), said before the runs; None where it has them, or in float32."""
-    from rlhflab.rollout.sources import cpu_has_bf16_kernels
+    import torch
 
-    if precision != "bf16" or cpu_has_bf16_kernels():
+    from rlhflab.rollout.sources import cpu_has_half_kernels
+
+    if precision != "bf16" or cpu_has_half_kernels(torch.bfloat16):
         return None
     return ("--precision bf16: this CPU has no bfloat16 kernels (oneDNN's need AVX-512 or AMX), so both sides run far "
             "slower than in float32 (a 113M Llama's forward and backward 24x on an AVX2 CPU); --precision fp32 measures "

@@ -251,11 +251,11 @@ def test_vs_trl_says_bf16_measures_the_fallback_on_a_cpu_without_bf16_kernels(mo
     backward 24x float32's time): said before the runs, and nothing where the CPU has the kernels or in float32."""
     import rlhflab.rollout.sources as sources
 
-    monkeypatch.setattr(sources, "cpu_has_bf16_kernels", lambda: False)
+    monkeypatch.setattr(sources, "cpu_has_half_kernels", lambda dtype: False)
     vs_trl = load_vs_trl()
     assert vs_trl.slow_bf16("fp32") is None
     assert vs_trl.slow_bf16("bf16").startswith("--precision bf16: this CPU has no bfloat16 kernels")
-    monkeypatch.setattr(sources, "cpu_has_bf16_kernels", lambda: True)
+    monkeypatch.setattr(sources, "cpu_has_half_kernels", lambda dtype: True)
     assert vs_trl.slow_bf16("bf16") is None
 
 

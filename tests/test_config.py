@@ -291,32 +291,45 @@ def test_async_torch_threads_beyond_the_cores_are_warned(monkeypatch, caplog):
     assert "4 torch threads (2 ranks, each with its generator) on 2 core(s)" in caplog.text
 
 
-def test_bf16_on_a_cpu_without_bf16_kernels_is_warned(monkeypatch, caplog):
+def test_half_precision_on_a_cpu_without_its_kernels_is_warned(monkeypatch, caplog):
     """bf16 on an AVX2-only CPU (no oneDNN bf16 kernels) ran a 113M Llama's forward and backward in 24x float32's time,
-    said by nothing but the run's speed: the setting that asks for it is named, with the faster one."""
+    float16 weights a linear 6.2x, said by nothing but the run's speed: the setting that asks for it is named, with the
+    faster one; nothing where the CPU has the kernels."""
     import torch
 
     import rlhflab.config
     from rlhflab.config import check_devices
-    from rlhflab.rollout.sources import cpu_has_bf16_kernels
+    from rlhflab.rollout.sources import cpu_has_half_kernels
 
-    assert cpu_has_bf16_kernels() == torch.ops.mkldnn._is_mkldnn_bf16_supported()  # this CPU's answer, as prepack's
+    # this CPU's own answers, as generator.prepack reads them
+    assert cpu_has_half_kernels(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert cpu_has_half_kernels(torch.float16) == torch.ops.mkldnn._is_mkldnn_fp16_supported()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(rlhflab.config, "cpu_has_bf16_kernels", lambda: False)
+    kernels = {torch.bfloat16: False, torch.float16: False}
+    monkeypatch.setattr(rlhflab.config, "cpu_has_half_kernels", lambda dtype: kernels[dtype])
     check_devices(compose_cfg([], shrink=False))  # float32: nothing to say
-    assert "bfloat16" not in caplog.text
+    assert "kernels" not in caplog.text
     check_devices(compose_cfg(["trainer.precision=bf16-mixed"], shrink=False))
     assert ("trainer.precision=bf16-mixed: this CPU has no bfloat16 kernels (oneDNN's need AVX-512 or AMX; torch "
-            f"reports {torch.backends.cpu.get_cpu_capability()}), so bf16 runs far slower than float32 here (a 113M "
-            "Llama's forward and backward 24x on an AVX2 CPU); trainer.precision=32-true is faster") in caplog.text
+            f"reports {torch.backends.cpu.get_cpu_capability()}), so it runs far slower than float32 here (a 113M "
+            "Llama's forward and backward 24x in bf16 on an AVX2 CPU); trainer.precision=32-true is faster") in caplog.text
     caplog.clear()
     check_devices(compose_cfg(["model.dtype=bfloat16", "trainer.precision=bf16-true"], shrink=False))
-    assert "trainer.precision=bf16-true and model.dtype=bfloat16: this CPU" in caplog.text
-    assert "trainer.precision=32-true and model.dtype=float32 is faster" in caplog.text
+    assert "trainer.precision=bf16-true and model.dtype=bfloat16: this CPU has no bfloat16 kernels" in caplog.text
+    assert "; trainer.precision=32-true and model.dtype=float32 is faster" in caplog.text
     caplog.clear()
-    monkeypatch.setattr(rlhflab.config, "cpu_has_bf16_kernels", lambda: True)  # AVX-512 or AMX: bf16 pays there
-    check_devices(compose_cfg(["trainer.precision=bf16-mixed", "model.dtype=bfloat16"], shrink=False))
-    assert "bfloat16" not in caplog.text
+    check_devices(compose_cfg(["model.dtype=float16", "trainer.precision=bf16-mixed"], shrink=False))
+    assert ("trainer.precision=bf16-mixed and model.dtype=float16: this CPU has no bfloat16 or float16 kernels"
+            in caplog.text)
+    caplog.clear()
+    kernels[torch.bfloat16] = True  # an AVX-512 CPU without AVX-512 FP16: only the float16 weights are said
+    check_devices(compose_cfg(["model.dtype=float16", "trainer.precision=bf16-mixed"], shrink=False))
+    assert "model.dtype=float16: this CPU has no float16 kernels" in caplog.text
+    assert "trainer.precision=bf16-mixed" not in caplog.text and caplog.text.rstrip().endswith("model.dtype=float32 is faster")
+    caplog.clear()
+    kernels[torch.float16] = True  # AMX: both pay there
+    check_devices(compose_cfg(["trainer.precision=bf16-mixed", "model.dtype=float16"], shrink=False))
+    assert "kernels" not in caplog.text
 
 
 def test_cli_mlflow_file_store_is_one_line_naming_the_key(tmp_path):

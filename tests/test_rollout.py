@@ -479,7 +479,7 @@ def test_prepacked_bf16_weights_sample_what_autocasts_own_products_sample(width,
     on."""
     from rlhflab.lit.data import encode_prompts
     from rlhflab.rollout.hf import HFGenerator
-    from rlhflab.rollout.sources import cpu_has_bf16_kernels, packs_once
+    from rlhflab.rollout.sources import cpu_has_half_kernels, packs_once
     from rlhflab.tasks.sentiment import SentimentTask
 
     hidden, inner, heads, lora = width
@@ -520,7 +520,7 @@ def test_prepacked_bf16_weights_sample_what_autocasts_own_products_sample(width,
     with caplog.at_level(logging.INFO, logger="rlhflab.rollout.hf"):
         packed, products = sample(prepack=True)
     told = [r.getMessage() for r in caplog.records if "generator.prepack" in r.getMessage()]
-    if not cpu_has_bf16_kernels():
+    if not cpu_has_half_kernels(torch.bfloat16):
         # A CPU without AVX-512 (an AMD EPYC of family 25, model 1, with AVX2): oneDNN has no bf16 kernel to lay the
         # weights out for, so prepack stands aside, says nothing and samples autocast's own products.
         assert told == [] and products == 0 and none == 0

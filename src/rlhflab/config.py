@@ -25,7 +25,7 @@ from rlhflab.lit.reference import WORKERS
 from rlhflab.models.build import check_reward_chat_template
 from rlhflab.models.checks import check_language_model, check_reward_head
 from rlhflab.naming import model_tag
-from rlhflab.rollout.sources import cpu_has_bf16_kernels
+from rlhflab.rollout.sources import cpu_has_half_kernels
 from rlhflab.schema import check, check_generator_device, cuda_index, ranks
 from rlhflab.tracking import MlflowTracker
 
@@ -154,7 +154,7 @@ def check_devices(cfg: DictConfig) -> None:
         log.warning("trainer.devices=%d: no CUDA GPU is visible, so %d CPU processes share %d core(s) (each rank runs "
                     "at a fraction of one); set trainer.devices=%d or fewer here", devices, devices, cores, cores)
     check_async_threads(cfg, visible, cores)
-    check_cpu_bf16(cfg, visible)
+    check_cpu_half(cfg, visible)
     device = cfg.mode.get("device")
     index = cuda_index(device)  # its format was checked with the schema
     if index is not None and index >= visible:
@@ -185,25 +185,30 @@ def check_async_threads(cfg: DictConfig, visible: int, cores: int) -> None:
                     f"give fewer ranks (trainer.devices) or threads" if learners > 1 else f"keep their sum at most {cores}")
 
 
-def check_cpu_bf16(cfg: DictConfig, visible: int) -> None:
-    """bfloat16 on a CPU without oneDNN's bf16 kernels runs far slower than float32, which only the run's speed showed:
-    on an AVX2-only AMD EPYC, one thread, a 113M Llama's forward and backward over 8 x 44 tokens under bf16 autocast
-    took 114.7 against float32's 4.8 s (24x), 8 rows' sampling of 8 tokens 3.9 against 1.5 s, a 768 x 3072 linear
-    over 1,408 rows forward and backward 5.8x. Warned with the setting that asks for it, as the threads beyond the
-    cores are; not refused: the numbers are right, and a preset's bf16 weights halve its memory."""
+def check_cpu_half(cfg: DictConfig, visible: int) -> None:
+    """bfloat16 or float16 on a CPU without oneDNN's kernels for it runs far slower than float32, which only the run's
+    speed showed: on an AVX2-only AMD EPYC, one thread, a 113M Llama's forward and backward over 8 x 44 tokens under
+    bf16 autocast took 114.7 against float32's 4.8 s (24x), 8 rows' sampling of 8 tokens 3.9 against 1.5 s; a 768 x
+    3072 linear over 1,408 rows forward and backward 5.8x, its forward on bf16 weights 7.5x and on float16 weights
+    6.2x. Warned with the setting that asks for it, as the threads beyond the cores are; not refused: the numbers are
+    right, and half weights halve a preset's memory."""
     if int(os.environ.get("LOCAL_RANK", 0)) != 0:
         return
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if not (accelerator == "cpu" or (not visible and accelerator == "auto")):
         return
-    asked = [f"trainer.precision={p}" for p in [str(cfg.trainer.get("precision"))] if p.startswith("bf16")]
-    asked += ["model.dtype=bfloat16"] if cfg.model.get("dtype") == "bfloat16" else []
-    if not asked or cpu_has_bf16_kernels():
-        return
-    fix = " and ".join(("trainer.precision=32-true" if a.startswith("trainer") else "model.dtype=float32") for a in asked)
-    log.warning("%s: this CPU has no bfloat16 kernels (oneDNN's need AVX-512 or AMX; torch reports %s), so bf16 runs "
-                "far slower than float32 here (a 113M Llama's forward and backward 24x on an AVX2 CPU); %s is faster",
-                " and ".join(asked), torch.backends.cpu.get_cpu_capability(), fix)
+    precision, weights = str(cfg.trainer.get("precision")), cfg.model.get("dtype")
+    asked = []  # (setting, its float32 setting, the dtype it computes in)
+    if precision.startswith("bf16"):  # (16-mixed on the CPU check_trainer refuses; the schema has no 16-true)
+        asked.append((f"trainer.precision={precision}", "trainer.precision=32-true", "bfloat16"))
+    if weights in ("bfloat16", "float16"):
+        asked.append((f"model.dtype={weights}", "model.dtype=float32", weights))
+    slow = [a for a in asked if not cpu_has_half_kernels(getattr(torch, a[2]))]
+    if slow:
+        log.warning("%s: this CPU has no %s kernels (oneDNN's need AVX-512 or AMX; torch reports %s), so it runs far "
+                    "slower than float32 here (a 113M Llama's forward and backward 24x in bf16 on an AVX2 CPU); %s is "
+                    "faster", " and ".join(a[0] for a in slow), " or ".join(sorted({a[2] for a in slow})),
+                    torch.backends.cpu.get_cpu_capability(), " and ".join(a[1] for a in slow))
 
 
 def check_half_precision(cfg: DictConfig, memory: str, needs_reward_model: bool) -> None:

@@ -72,10 +72,14 @@ def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Ten
     return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, bias, "none", [], "")
 
 
-def cpu_has_bf16_kernels() -> bool:
-    """oneDNN's bfloat16 kernels run on this CPU (they need AVX-512 or AMX). Without them (an AVX2-only CPU) torch's
-    bf16 products on the CPU run in slow fallback loops (`config.check_cpu_bf16`), and there is no layout to pack."""
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def cpu_has_half_kernels(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """oneDNN's kernels for this half dtype run on this CPU (bf16: AVX-512 or AMX; float16: AVX-512 FP16 or AMX-FP16).
+    Without them (an AVX2-only CPU) torch's half products on the CPU run in slow fallback loops
+    (`config.check_cpu_half`), and there is no layout to pack."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    supported = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else torch.ops.mkldnn._is_mkldnn_fp16_supported
+    return bool(supported())
 
 
 @contextmanager
@@ -98,7 +102,7 @@ def packs_once(model, rows: int, enabled: bool = True):
     if that memory matters more than the speed). `enabled=False` leaves it all as it
     is (a model sharded over ranks, generator.prepack=false). Yields how many layers it laid out."""
     if (not enabled or current_autocast().get("cpu") is not torch.bfloat16 or torch.is_grad_enabled()
-            or not cpu_has_bf16_kernels()):
+            or not cpu_has_half_kernels(torch.bfloat16)):
         yield 0
         return
     packed = []
