@@ -319,12 +319,12 @@ def test_half_precision_on_a_cpu_without_its_kernels_is_warned(monkeypatch, capl
     assert "; trainer.precision=32-true and model.dtype=float32 is faster" in caplog.text
     caplog.clear()
     check_devices(compose_cfg(["model.dtype=float16", "trainer.precision=bf16-mixed"], shrink=False))
-    assert ("trainer.precision=bf16-mixed and model.dtype=float16: this CPU has no bfloat16 or float16 kernels"
-            in caplog.text)
+    assert ("trainer.precision=bf16-mixed and model.dtype=float16: this CPU has no bfloat16 or float16 kernels "
+            "(oneDNN's need AVX-512 or AMX, and AVX-512 FP16 or AMX-FP16; torch reports") in caplog.text
     caplog.clear()
     kernels[torch.bfloat16] = True  # an AVX-512 CPU without AVX-512 FP16: only the float16 weights are said
     check_devices(compose_cfg(["model.dtype=float16", "trainer.precision=bf16-mixed"], shrink=False))
-    assert "model.dtype=float16: this CPU has no float16 kernels" in caplog.text
+    assert "model.dtype=float16: this CPU has no float16 kernels (oneDNN's need AVX-512 FP16 or AMX-FP16;" in caplog.text
     assert "trainer.precision=bf16-mixed" not in caplog.text and caplog.text.rstrip().endswith("model.dtype=float32 is faster")
     caplog.clear()
     kernels[torch.float16] = True  # AMX: both pay there

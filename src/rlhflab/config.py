@@ -25,7 +25,7 @@ from rlhflab.lit.reference import WORKERS
 from rlhflab.models.build import check_reward_chat_template
 from rlhflab.models.checks import check_language_model, check_reward_head
 from rlhflab.naming import model_tag
-from rlhflab.rollout.sources import cpu_has_half_kernels
+from rlhflab.rollout.sources import HALF_KERNELS, cpu_has_half_kernels
 from rlhflab.schema import check, check_generator_device, cuda_index, ranks
 from rlhflab.tracking import MlflowTracker
 
@@ -205,9 +205,10 @@ def check_cpu_half(cfg: DictConfig, visible: int) -> None:
         asked.append((f"model.dtype={weights}", "model.dtype=float32", weights))
     slow = [a for a in asked if not cpu_has_half_kernels(getattr(torch, a[2]))]
     if slow:
-        log.warning("%s: this CPU has no %s kernels (oneDNN's need AVX-512 or AMX; torch reports %s), so it runs far "
-                    "slower than float32 here (a 113M Llama's forward and backward 24x in bf16 on an AVX2 CPU); %s is "
-                    "faster", " and ".join(a[0] for a in slow), " or ".join(sorted({a[2] for a in slow})),
+        dtypes = sorted({a[2] for a in slow})
+        log.warning("%s: this CPU has no %s kernels (oneDNN's need %s; torch reports %s), so it runs far slower than "
+                    "float32 here (a 113M Llama's forward and backward 24x in bf16 on an AVX2 CPU); %s is faster",
+                    " and ".join(a[0] for a in slow), " or ".join(dtypes), ", and ".join(HALF_KERNELS[d] for d in dtypes),
                     torch.backends.cpu.get_cpu_capability(), " and ".join(a[1] for a in slow))
 
 

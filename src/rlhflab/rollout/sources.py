@@ -72,10 +72,13 @@ def _packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Ten
     return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), weight, bias, "none", [], "")
 
 
+# What oneDNN's kernels for each half dtype need on x86 (torch.ops.mkldnn._is_mkldnn_bf16_supported / _fp16_supported)
+HALF_KERNELS = {"bfloat16": "AVX-512 or AMX", "float16": "AVX-512 FP16 or AMX-FP16"}
+
+
 def cpu_has_half_kernels(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """oneDNN's kernels for this half dtype run on this CPU (bf16: AVX-512 or AMX; float16: AVX-512 FP16 or AMX-FP16).
-    Without them (an AVX2-only CPU) torch's half products on the CPU run in slow fallback loops
-    (`config.check_cpu_half`), and there is no layout to pack."""
+    """oneDNN's kernels for this half dtype run on this CPU (`HALF_KERNELS`). Without them (an AVX2-only CPU) torch's
+    half products on the CPU run in slow fallback loops (`config.check_cpu_half`), and there is no layout to pack."""
     if not torch.backends.mkldnn.is_available():
         return False
     supported = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else torch.ops.mkldnn._is_mkldnn_fp16_supported
