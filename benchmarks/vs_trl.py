@@ -927,13 +927,13 @@ def slow_bf16(precision: str) -> str | None:
     loops), said before the runs; None where it has them, or in float32."""
     import torch
 
-    from rlhflab.rollout.sources import cpu_has_half_kernels
+    from rlhflab.rollout.sources import HALF_KERNELS, cpu_has_half_kernels
 
     if precision != "bf16" or cpu_has_half_kernels(torch.bfloat16):
         return None
-    return ("--precision bf16: this CPU has no bfloat16 kernels (oneDNN's need AVX-512 or AMX), so both sides run far "
-            "slower than in float32 (a 113M Llama's forward and backward 24x on an AVX2 CPU); --precision fp32 measures "
-            "the frameworks, not the fallback")
+    return (f"--precision bf16: this CPU has no bfloat16 kernels (oneDNN's need {HALF_KERNELS['bfloat16']}), so both "
+            "sides run far slower than in float32 (a 113M Llama's forward and backward 24x on an AVX2 CPU); --precision "
+            "fp32 measures the frameworks, not the fallback")
 
 
 def main(argv=None) -> None:
