@@ -383,12 +383,17 @@ SCHEMAS: dict[str, dict[str, type]] = {
 
 
 def register() -> None:
-    """Put the schemas in Hydra's ConfigStore (idempotent): before any config is composed."""
+    """Put the schemas in Hydra's ConfigStore (idempotent): before any config is composed. src/train.py and its
+    preflight both call it, and a store that holds them already is left as it is (storing them again took 40 ms)."""
     from hydra.core.config_store import ConfigStore
 
     # ${rlhflab.ranks:} = trainer.devices x trainer.num_nodes (trainer=fsdp's data_parallel_size: every rank shards)
     OmegaConf.register_new_resolver("rlhflab.ranks", lambda *, _root_: ranks(_root_.trainer), replace=True)
     store = ConfigStore.instance()
+    held = store.repo.get("schema", {})
+    if "train_schema.yaml" in store.repo and all(f"{name}.yaml" in held.get(group, {})
+                                                  for group, options in SCHEMAS.items() for name in options):
+        return
     store.store(name="train_schema", node=Train)
     for group, options in SCHEMAS.items():
         for name, node in options.items():
