@@ -736,9 +736,10 @@ def _option_keys(path: Path) -> tuple[set[str], Any, type | None] | None:
 
 def _option_has(path: Path, name: str) -> bool | None:
     """Whether the option file at `path` gives the setting `name` (`r`, or `arch.rope_theta` under a free mapping
-    such as model.arch), read from the file and its schema; None where only composing can tell (a nested setting
-    under a schema's own dataclass, an interpolation on the way)."""
+    such as model.arch), read from the file and its schema; None where only composing can tell (a schema's typed
+    value or default under the setting's first key, an interpolation on the way)."""
     import dataclasses
+    import typing
 
     from omegaconf import OmegaConf
 
@@ -749,11 +750,13 @@ def _option_has(path: Path, name: str) -> bool | None:
     head, _, rest = name.partition(".")
     if not rest or head not in keys:
         return head in keys and not rest
-    fields = {f.name: f for f in dataclasses.fields(schema_cls)} if schema_cls else {}
-    field = fields.get(head)
-    if field is not None and (dataclasses.is_dataclass(field.type) or field.default_factory is not dataclasses.MISSING
-                              or field.default not in (dataclasses.MISSING, None, "???")):
-        return None  # the schema's own fields, or a default of its own, under `head`
+    field = next((f for f in dataclasses.fields(schema_cls) if f.name == head), None) if schema_cls else None
+    if field is not None:  # only a free mapping with nothing of its own (model.arch: Optional[Dict], MISSING)
+        kind = typing.get_type_hints(schema_cls)[head]
+        kinds = typing.get_args(kind) if typing.get_origin(kind) is typing.Union else (kind,)  # Optional[Dict]: Dict
+        if not any(typing.get_origin(t) is dict for t in kinds) \
+                or field.default_factory is not dataclasses.MISSING or field.default not in (dataclasses.MISSING, None, "???"):
+            return None  # a schema's typed value, or a default of its own, under `head`
     if head not in node:  # the schema's MISSING or null: nothing under it
         return False
     value = OmegaConf.to_container(node, resolve=False)[head]
