@@ -748,8 +748,10 @@ def _option_has(path: Path, name: str) -> bool | None:
         return None
     keys, node, schema_cls = read
     head, _, rest = name.partition(".")
-    if not rest or head not in keys:
-        return head in keys and not rest
+    if not rest:
+        return head in keys
+    if head not in keys:
+        return False
     field = next((f for f in dataclasses.fields(schema_cls) if f.name == head), None) if schema_cls else None
     if field is not None:  # only a free mapping with nothing of its own (model.arch: Optional[Dict], MISSING)
         kind = typing.get_type_hints(schema_cls)[head]
