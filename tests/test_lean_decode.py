@@ -247,7 +247,7 @@ def test_auto_decoding_leaves_what_it_cannot_reproduce_to_generate_and_says_why(
 
     plain = llama()
     lora = get_peft_model(llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    assert "not a plain LlamaForCausalLM" in lean_unsupported(lora)
+    assert "not a plain LlamaForCausalLM (or Llama sequence or token classifier)" in lean_unsupported(lora)
     assert "LoRA or quantised" in lean_unsupported(lora.base_model.model)
     eager = llama(attn_implementation="eager")
     assert "attn_implementation='eager'" in lean_unsupported(eager)
@@ -294,6 +294,80 @@ def test_the_lean_forward_computes_the_hf_forwards_logits_and_gradients_bit_for_
                 got.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
             assert torch.equal(got[0][0], got[1][0]), (arch, keep)
             assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1])), (arch, keep)
+
+
+def _heads_of(arch: dict) -> dict:
+    """The tiny Llama's trunk under each head the lean forward runs: a reward model (sequence classifier), a value
+    model (token classifier, its dropout at 0 as `without_dropout` leaves it), a causal LM; each in train mode."""
+    from transformers import LlamaForSequenceClassification, LlamaForTokenClassification
+
+    models = {}
+    for name, cls in (("reward", LlamaForSequenceClassification), ("value", LlamaForTokenClassification)):
+        torch.manual_seed(0)
+        config = llama(**arch).config
+        config.num_labels = 1
+        models[name] = cls(config).train()
+        torch.nn.init.normal_(models[name].score.weight)  # not HF's small init: scores that differ row by row
+    models["value"].dropout.p = 0.0
+    models["causal"] = llama(**arch).train()
+    return models
+
+
+@ARCHS
+def test_the_lean_forward_computes_reward_value_and_stage_forwards_bit_for_bit(arch):
+    """Reward and value models (`MemoryStrategy._scores`, `_values`), stage rm's score (no position ids: 0.. on every
+    row), stage sft's loss (`lm_loss_of`: the model's own loss function, with and without num_items_in_batch) and
+    the shared trunk (`models.heads.trunk`): the same outputs and the same gradient in every parameter as the HF
+    forward, over left-padded rows (the learner's), right-padded rows (the stages') and rows without padding."""
+    from rlhflab.models.heads import trunk
+
+    models = _heads_of(arch)
+    torch.manual_seed(1)
+    left = join(encode_prompts(TOK, PROMPTS).repeat_interleave(2, dim=0), torch.randint(3, len(TOK), (16, 9)),
+                TOK.pad_token_id)
+    right = torch.randint(3, len(TOK), (16, 12))
+    right[torch.arange(12)[None] >= torch.randint(5, 13, (16, 1))] = TOK.pad_token_id
+    batches = {"left-padded": left, "right-padded": (right, (right != TOK.pad_token_id).long(), None),
+               "unpadded": (right[:, :4], torch.ones(16, 4, dtype=torch.long), None)}
+    labels = right.masked_fill(right == TOK.pad_token_id, -100)
+
+    def hf_call(name, model, ids, mask, positions):
+        if name == "trunk":
+            return model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
+        if name.startswith("loss"):
+            return model(input_ids=ids, attention_mask=mask, labels=labels[:, :ids.shape[1]], **LOSS[name]).loss
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+
+    def lean_call(name, model, ids, mask, positions):
+        if name == "trunk":
+            return trunk(model, ids, mask, positions)
+        if name.startswith("loss"):
+            return lean.lm_loss_of(model, ids, mask, labels[:, :ids.shape[1]], **LOSS[name])
+        return lean.forward_logits(model, ids, mask, position_ids=positions)
+
+    LOSS = {"loss": {}, "loss-items": {"num_items_in_batch": 37}}
+    cases = [("reward", "reward"), ("value", "value"), ("trunk", "causal"), ("loss", "causal"), ("loss-items", "causal")]
+    for (name, which), (padding, (ids, mask, positions)) in ((c, b) for c in cases for b in batches.items()):
+        if name.startswith("loss") and padding == "left-padded":
+            continue  # stage sft's rows are right-padded
+        model = models[which]
+        assert lean_unsupported(model) is None
+        got = []
+        for call in (lean_call, hf_call):
+            model.zero_grad()
+            out = call(name, model, ids, mask, positions)
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            got.append((out.detach(), [p.grad.clone() if p.grad is not None else None for p in model.parameters()]))
+        assert torch.equal(got[0][0], got[1][0]), (name, padding)
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got[0][1], got[1][1])), (name, padding)
+
+
+def test_attention_dropout_in_training_leaves_the_forward_to_hf():
+    """HF's attention applies config.attention_dropout in train mode, which the lean layers do not: such a model goes
+    through Hugging Face until its dropout is off (`without_dropout`) or it is in eval mode."""
+    model = llama(attention_dropout=0.1).train()
+    assert lean_unsupported(model) == "attention dropout is on (HF's attention applies it in training)"
+    assert lean_unsupported(model.eval()) is None
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -13,6 +13,7 @@ from rlhflab.memory.lora import LoraMemory
 from rlhflab.models.build import load_causal_lm, load_reward_model
 from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
 from rlhflab.perf import model_state_bytes
+from rlhflab.rollout.batch import join
 from rlhflab.train import train
 
 STRATEGIES = ["full", "lora", "hydra"]
@@ -125,7 +126,8 @@ def test_hydra_scores_are_the_stage_reward_head_on_the_shared_trunk(make_cfg, ca
     plain = load_causal_lm(path).eval()
     ids = torch.cat([q, r], dim=1)
     with torch.no_grad():
-        hidden = memory._forward(plain.get_decoder(), q, r).last_hidden_state
+        ids_, mask, positions = join(q, r, memory.pad_token_id)  # Hugging Face's own trunk forward
+        hidden = plain.get_decoder()(input_ids=ids_, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
         raw = sequence_scores(ScalarHead.from_pretrained(path), hidden, ids, memory.pad_token_id)
         mean, std = memory.reward_norm
         assert torch.equal(memory.scores(q.clone(), r.clone()), (raw - mean) / std)
@@ -397,7 +399,7 @@ def test_log_prob_and_value_forwards_leave_out_the_last_response_token(width, pr
     """The log-probs and values of a response are read at the positions before each of its tokens, so its last token
     is not run (`read_before`): the same numbers as the whole sequence's forward sliced as TRL slices it, over one
     position fewer (the embedding sees P + R - 1 tokens), also for a one-token response."""
-    from rlhflab.rollout.batch import join, token_logprobs
+    from rlhflab.rollout.batch import token_logprobs
 
     model, critic = _tiny_llama(False), _value_model().eval()
     query = torch.randint(3, 24, (3, 5)).repeat_interleave(2, 0)  # 3 prompts, k = 2, two of them left-padded

@@ -14,6 +14,7 @@ from rlhflab.errors import NonFiniteError
 from rlhflab.models.heads import ScalarHead, sequence_scores, trunk
 from rlhflab.models.sharding import shard, warm_up
 from rlhflab.perf import ActivationMeter, model_state_bytes, peak_memory_mb
+from rlhflab.rollout.lean import forward_logits, lm_loss_of
 from rlhflab.rollout.sources import autocast_as, current_autocast
 
 
@@ -136,13 +137,13 @@ class SFTModule(SharedBatches):
 
             def share(ids, mask, share_labels):
                 with self.activations.track():
-                    return (self.model(input_ids=ids, attention_mask=mask, labels=share_labels, num_items_in_batch=tokens).loss,)
+                    return (lm_loss_of(self.model, ids, mask, share_labels, num_items_in_batch=tokens),)
 
             losses = [out[0] for out in self.shares.forwards(share, input_ids, attention_mask, labels)]
             loss, own = sum(x.detach() for x in losses), losses[0]
         else:
             with self.activations.track():
-                loss = own = self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+                loss = own = lm_loss_of(self.model, input_ids, attention_mask, labels)
         require_finite(loss, "sft", "sft/loss", self.global_step, "stages.sft.lr")
         self.log("sft/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         return own
@@ -179,7 +180,7 @@ class RewardModule(SharedBatches):
 
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         attention_mask = (input_ids != self.model.config.pad_token_id).long()
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)
+        return forward_logits(self.model, input_ids, attention_mask).squeeze(-1)
 
     def margins(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         # Chosen and rejected share one forward (pair_tensors pads them to one width), as in HydraSFTModule.

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutput
 
 from rlhflab.models.build import lower_linears, without_dropout
 from rlhflab.models.sharding import shard, warm_up
 from rlhflab.rollout.batch import join, read_before, token_logprobs
-from rlhflab.rollout.lean import lean_forward, lean_unsupported, prompt_once_logits
+from rlhflab.rollout.lean import forward_logits, lean_unsupported, prompt_once_logits
 
 
 class MemoryStrategy(nn.Module):
@@ -82,13 +81,12 @@ class MemoryStrategy(nn.Module):
         two forwards here; one where the critic reads the policy's own trunk (memory=hydra actor_critic=joint)."""
         return self.policy_logprobs(query, response, temperature), self.values(query, response)
 
-    def _forward(self, model, query, response, **kwargs):
+    def _forward(self, model, query, response, **kwargs) -> torch.Tensor:
+        """The model's logits over prompt + response (a reward model's: its score per row; a value model's: per
+        position). A plain Llama on the CPU through the lean forward: HF's logits and gradients bit for bit, without
+        its per-call overhead (`forward_logits`); use_cache=False elsewhere: no past keys to keep."""
         input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
-        if set(kwargs) <= {"logits_to_keep"} and lean_unsupported(model) is None:
-            # A plain Llama on the CPU: HF's logits and gradients bit for bit, without its per-call overhead.
-            return CausalLMOutput(logits=lean_forward(model, input_ids, attention_mask, position_ids, **kwargs))
-        # use_cache=False: a scoring or training forward reads no past keys (HF would build a KV cache per call).
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs)
+        return forward_logits(model, input_ids, attention_mask, position_ids=position_ids, **kwargs)
 
     def _logprobs(self, model, query, response, temperature: float, shared_prompt: bool = True) -> torch.Tensor:
         """shared_prompt: rl.prompt_once's forward may run (each distinct prompt's positions once). Its products run
@@ -103,16 +101,16 @@ class MemoryStrategy(nn.Module):
         if self.prompt_once and shared_prompt and lean_unsupported(model, autocast_ok=True) is None:
             logits = prompt_once_logits(model, query, inputs, self.pad_token_id)  # None: no prompt repeats
         if logits is None:
-            logits = self._forward(model, query, inputs, logits_to_keep=response.shape[1]).logits
+            logits = self._forward(model, query, inputs, logits_to_keep=response.shape[1])
         return token_logprobs(logits, response, temperature)
 
     def _values(self, model, query, response) -> torch.Tensor:
         """V at response token t is read where token t-1 is the last input (the state before t): the last response
         token is not run (`read_before`)."""
-        out = self._forward(model, query, read_before(response)).logits
+        out = self._forward(model, query, read_before(response))
         return out.squeeze(-1)[:, query.shape[1] - 1 :].float()
 
     def _scores(self, model, query, response) -> torch.Tensor:
-        raw = self._forward(model, query, response).logits
+        raw = self._forward(model, query, response)
         mean, std = self.reward_norm
         return (raw.squeeze(-1).float() - mean) / std

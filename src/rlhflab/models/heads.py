@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from rlhflab.models.build import DTYPES
+from rlhflab.rollout.lean import lean_hidden, lean_unsupported
 
 HEAD_FILE = "rlhflab_reward_head.safetensors"
 
@@ -47,7 +48,10 @@ def has_reward_head(path) -> bool:
 
 
 def trunk(causal_lm, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
-    """(n, T) -> (n, T, H) final hidden states: what the LM head, reward head and value head all read."""
+    """(n, T) -> (n, T, H) final hidden states: what the LM head, reward head and value head all read (through the
+    lean forward's trunk where it reproduces them: rollout/lean.py)."""
+    if lean_unsupported(causal_lm) is None:
+        return lean_hidden(causal_lm.model, input_ids, attention_mask, position_ids)
     out = causal_lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state
 

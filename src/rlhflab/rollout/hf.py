@@ -189,7 +189,7 @@ class HFGenerator:
     def _generate(self, model, query: torch.Tensor, greedy: bool):
         """(response (n, R) right-padded, behaviour log-probs (n, R) or None when greedy)."""
         if self.decoding != "generate":
-            why = lean_unsupported(model) if not self.synced else "the policy is sharded over ranks"
+            why = lean_unsupported(model, sampling=True) if not self.synced else "the policy is sharded over ranks"
             if why is None:
                 split = self.split_with is not None and len(query) >= 2 * SPLIT_MIN_ROWS
                 other = self.split_with() if split else None

@@ -16,16 +16,19 @@ as one roll against a sin with its first half negated), so they compute the same
   policy, 0.87x for 32 rows x 32 tokens of the 113M model (k = 4), the same tokens and log-probs.
 - `lean_forward` is the learner's forward over prompt + response (`MemoryStrategy._forward`: the policy's, with
   grad, and the reference's): HF's logits and gradients bit for bit, without ~0.8 ms of overhead a call on the tiny
-  policy, which in sync mode also holds the GIL the reference's thread needs.
+  policy, which in sync mode also holds the GIL the reference's thread needs. A Llama sequence classifier (a reward
+  model: its score at each row's last real token) and token classifier (a value model) go the same way, as do the
+  stages' forwards (`forward_logits`, `lm_loss_of`, `models.heads.trunk`).
 - `prompt_once_logits` is its log-prob forward with each distinct prompt's positions run once for its k samples
   (rl.prompt_once, the default): fewer products, not HF's floats bit for bit (within 2e-6 in float32), and under
   autocast too.
 tests/test_lean_decode.py checks both against Hugging Face.
 
-They run only what they reproduce (`lean_unsupported` says why not): a `LlamaForCausalLM` whose projections are plain
-`nn.Linear` (no LoRA or quantised layers) and whose modules carry no hooks (FSDP, accelerate), with sdpa attention,
-no activation checkpointing and a rotary embedding whose angles do not depend on the sequence length, on the CPU
-and outside autocast. Anything else goes through Hugging Face.
+They run only what they reproduce (`lean_unsupported` says why not): a `LlamaForCausalLM` (or, for `lean_forward`, a
+`LlamaForSequenceClassification` or `LlamaForTokenClassification`) whose projections are plain `nn.Linear` (no LoRA or
+quantised layers) and whose modules carry no hooks (FSDP, accelerate), with sdpa attention, no attention dropout in
+training, no activation checkpointing and a rotary embedding whose angles do not depend on the sequence length, on
+the CPU and outside autocast. Anything else goes through Hugging Face.
 """
 
 from __future__ import annotations
@@ -49,14 +52,14 @@ _VERDICT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> 
 def _structure_unsupported(model) -> str | None:
     from transformers.models.llama import modeling_llama as llama
 
-    if type(model) is not llama.LlamaForCausalLM:
-        return f"the policy is a {type(model).__name__}, not a plain LlamaForCausalLM"
+    if type(model) not in (llama.LlamaForCausalLM, llama.LlamaForSequenceClassification, llama.LlamaForTokenClassification):
+        return f"the model is a {type(model).__name__}, not a plain LlamaForCausalLM (or Llama sequence or token classifier)"
     if not is_sdpa(model.config):
         return f"attn_implementation={model.config._attn_implementation!r} (the lean loops reproduce sdpa's)"
     rope = model.model.rotary_emb.rope_type
     if rope not in STATIC_ROPE:
         return f"rope_type={rope!r} rescales its angles with the sequence length"
-    linears = [model.lm_head]
+    linears = [_head(model)]
     for layer in model.model.layers:
         if type(layer) is not llama.LlamaDecoderLayer or type(layer.self_attn) is not llama.LlamaAttention \
                 or type(layer.mlp) is not llama.LlamaMLP:
@@ -71,6 +74,11 @@ def _structure_unsupported(model) -> str | None:
     return None
 
 
+def _head(model) -> torch.nn.Module:
+    """What reads the final hidden states: a causal LM's LM head, a sequence or token classifier's score."""
+    return model.lm_head if hasattr(model, "lm_head") else model.score
+
+
 def _submodules(model) -> list:
     """`model.modules()`'s modules, each once, without the names it builds (17 of lean_unsupported's 37 us a call on
     the tiny policy, which each log-prob forward and sampling call runs)."""
@@ -83,11 +91,12 @@ def _submodules(model) -> list:
     return found
 
 
-def lean_unsupported(model, autocast_ok: bool = False) -> str | None:
+def lean_unsupported(model, autocast_ok: bool = False, sampling: bool = False) -> str | None:
     """Why the lean loops cannot reproduce Hugging Face on this model now (None when they can). The model's
     structure is judged once (again if its modules change, e.g. wrapped by LoRA); the device, autocast,
-    checkpointing and hooks at each call. autocast_ok: a forward that runs under autocast too (`prompt_once_logits`:
-    its ops are those transformers runs, each cast as autocast casts it)."""
+    checkpointing, dropout and hooks at each call. autocast_ok: a forward that runs under autocast too
+    (`prompt_once_logits`: its ops are those transformers runs, each cast as autocast casts it). sampling: the decode
+    loop, which samples as generate() does in eval mode, whatever the model's mode (no attention dropout)."""
     modules = _submodules(model)
     ids = tuple(map(id, modules))
     known = _VERDICT.get(model)
@@ -96,13 +105,15 @@ def lean_unsupported(model, autocast_ok: bool = False) -> str | None:
         _VERDICT[model] = known
     if known[1] is not None:
         return known[1]
-    device = model.lm_head.weight.device
+    device = model.model.embed_tokens.weight.device
     if device.type != "cpu":
         return f"the model is on {device} (the lean loops are measured and tested on the CPU only)"
     if torch.is_autocast_enabled("cpu") and not autocast_ok:
         return "autocast is on (measured through HF only; its generate() casts each weight once per call there)"
     if any(getattr(layer, "gradient_checkpointing", False) for layer in model.model.layers):
         return "activation checkpointing is on (HF's decoder layers apply it)"
+    if not sampling and any(layer.self_attn.training and layer.self_attn.attention_dropout for layer in model.model.layers):
+        return "attention dropout is on (HF's attention applies it in training)"
     for m in modules:
         if m._forward_hooks or m._forward_pre_hooks:
             return f"a {type(m).__name__} has forward hooks (FSDP, accelerate or another wrapper)"
@@ -212,15 +223,15 @@ def _layer(layer, x, cos, sin, mask, cache=None, start: int = 0) -> torch.Tensor
     return x + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, x))
 
 
-def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 logits_to_keep: int = 0) -> torch.Tensor:
-    """`model(input_ids, attention_mask, position_ids, use_cache=False, logits_to_keep=...).logits`, the same floats
-    and gradients: a causal mask with the padding's columns masked, or none (plain causal attention) when nothing is
-    padded, as transformers decides; the final norm over every position, the LM head over the last logits_to_keep
-    (0: all)."""
-    core = model.model
+def lean_hidden(core, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """A LlamaModel's `last_hidden_state` (`core(input_ids, attention_mask, position_ids, use_cache=False)`), the same
+    floats and gradients: a causal mask with the padding's columns masked, or none (plain causal attention) when
+    nothing is padded, as transformers decides; position_ids None: 0.. on every row, as there."""
     length = input_ids.shape[1]
     x = _embed(core.embed_tokens, input_ids)
+    if position_ids is None:
+        position_ids = torch.arange(length, device=input_ids.device)[None]
     cos, sin = _angles(core.rotary_emb, position_ids, x.dtype)
     mask = None
     if not bool(attention_mask.all()):
@@ -228,10 +239,49 @@ def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
         mask = causal[None, None] & attention_mask.bool()[:, None, None, :]
     for layer in core.layers:
         x = _layer(layer, x, cos, sin, mask)
-    x = _norm(core.norm, x)
-    if logits_to_keep:
-        x = x[:, -logits_to_keep:]
-    return F.linear(x, model.lm_head.weight, model.lm_head.bias)
+    return _norm(core.norm, x)
+
+
+def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
+                 logits_to_keep: int = 0) -> torch.Tensor:
+    """`model(input_ids, attention_mask, position_ids, use_cache=False, logits_to_keep=...).logits`, the same floats
+    and gradients (`lean_hidden`, then the head as transformers applies it): a causal LM's LM head over the last
+    logits_to_keep positions (0: all); a sequence classifier's score at each row's rightmost token that is not
+    padding (every position's, then that one read, as there); a token classifier's score at every position after its
+    dropout module."""
+    x = lean_hidden(model.model, input_ids, attention_mask, position_ids)
+    head = _head(model)
+    if head is getattr(model, "lm_head", None):
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        return F.linear(x, head.weight, head.bias)
+    if hasattr(model, "dropout"):  # GenericForTokenClassification
+        return F.linear(model.dropout(x), head.weight, head.bias)
+    logits = F.linear(x, head.weight, head.bias)
+    pad = model.config.get_text_config().pad_token_id
+    if pad is None:
+        if len(input_ids) != 1:
+            raise ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")  # HF's own refusal
+        return logits[:, -1]
+    token = torch.arange(input_ids.shape[-1], device=input_ids.device, dtype=torch.int32)
+    last = (token * (input_ids != pad).to(torch.int32)).argmax(-1)
+    return logits[torch.arange(len(input_ids), device=input_ids.device), last]
+
+
+def forward_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`model(input_ids=..., attention_mask=..., **kwargs).logits`: through `lean_forward` where it reproduces them."""
+    if set(kwargs) <= {"position_ids", "logits_to_keep"} and lean_unsupported(model) is None:
+        return lean_forward(model, input_ids, attention_mask, **kwargs)
+    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+
+
+def lm_loss_of(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`model(input_ids=..., attention_mask=..., labels=..., **kwargs).loss` of a causal LM: `lean_forward`'s logits
+    and the model's own loss function where the lean forward reproduces them (stage sft's forward)."""
+    if lean_unsupported(model) is None:
+        logits = lean_forward(model, input_ids, attention_mask)
+        return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **kwargs)
+    return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs).loss
 
 
 # prompt_once_logits without grad: at least this many multiply-adds saved (prompt positions not run x the layers'
