@@ -411,6 +411,39 @@ def test_each_prompts_positions_run_once_in_the_learners_forward(arch, monkeypat
         assert prompt_once_logits(model, distinct, response[:8], TOK.pad_token_id) is None
 
 
+@ARCHS
+def test_a_reward_models_scores_run_each_prompts_positions_once(arch, monkeypatch):
+    """rl.prompt_once for a reward model (`MemoryStrategy._scores`): its score head at each row's rightmost real token
+    (a response cut short by padding, one all padding: the prompt's last token; one with a padding token inside), each distinct prompt's positions run
+    once for its rows, neighbours or apart, left-padded or not: within 2e-6 of the lean (HF's) forward over every
+    row. None where no two rows share a prompt, for a causal LM or token classifier, and where the products saved are
+    fewer than NO_GRAD_MIN_WORK's (this tiny model's always are)."""
+    from rlhflab.rollout.lean import prompt_once_scores
+
+    models = _heads_of(arch)
+    reward = models["reward"].eval()
+    torch.manual_seed(2)
+    response = torch.randint(3, len(TOK), (16, 9))
+    response[torch.arange(9)[None] >= torch.randint(1, 10, (16, 1))] = TOK.pad_token_id
+    response[5] = TOK.pad_token_id
+    response[3] = torch.randint(3, len(TOK), (9,))
+    response[3, 2] = TOK.pad_token_id  # a padding token sampled inside a completion: the rightmost real one still counts
+    with torch.no_grad():
+        for prompts in (PROMPTS, TASK.prompts("train")[:8]):
+            distinct = encode_prompts(TOK, prompts)
+            for query in (distinct.repeat_interleave(2, dim=0), distinct.repeat(2, 1)):
+                ids, mask, positions = join(query, response, TOK.pad_token_id)
+                full = lean_forward(reward, ids, mask, positions)
+                assert prompt_once_scores(reward, query, response, TOK.pad_token_id) is None
+                monkeypatch.setattr(lean, "NO_GRAD_MIN_WORK", 0)
+                once = prompt_once_scores(reward, query, response, TOK.pad_token_id)
+                assert once.shape == full.shape == (16, 1) and _close(once, full) < 2e-6, arch
+                assert prompt_once_scores(reward, distinct, response[:8], TOK.pad_token_id) is None
+                for other in (models["causal"], models["value"]):
+                    assert prompt_once_scores(other, query, response, TOK.pad_token_id) is None
+                monkeypatch.undo()
+
+
 @pytest.mark.parametrize("block", [8, 16])
 def test_sdpas_keys_padded_to_whole_vector_blocks_give_the_same_attention(block, monkeypatch):
     """prompt_once_logits pads sdpa's keys with masked-out zero columns to whole blocks of the CPU's vector lanes

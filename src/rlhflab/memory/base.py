@@ -15,7 +15,7 @@ from torch import nn
 from rlhflab.models.build import lower_linears, without_dropout
 from rlhflab.models.sharding import shard, warm_up
 from rlhflab.rollout.batch import join, read_before, token_logprobs
-from rlhflab.rollout.lean import forward_logits, lean_unsupported, prompt_once_logits
+from rlhflab.rollout.lean import forward_logits, lean_unsupported, prompt_once_logits, prompt_once_scores
 
 
 class MemoryStrategy(nn.Module):
@@ -111,6 +111,13 @@ class MemoryStrategy(nn.Module):
         return out.squeeze(-1)[:, query.shape[1] - 1 :].float()
 
     def _scores(self, model, query, response) -> torch.Tensor:
-        raw = self._forward(model, query, response)
+        """A reward model's standardised scores; each distinct prompt's positions run once for its k samples where
+        rl.prompt_once's forward runs (`prompt_once_scores`: within ~2e-7 of the scores' scale of one forward over
+        every row, which runs otherwise)."""
+        raw = None
+        if self.prompt_once and lean_unsupported(model, autocast_ok=True) is None:
+            raw = prompt_once_scores(model, query, response, self.pad_token_id)  # None: no prompt repeats
+        if raw is None:
+            raw = self._forward(model, query, response)
         mean, std = self.reward_norm
         return (raw.squeeze(-1).float() - mean) / std

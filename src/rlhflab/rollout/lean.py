@@ -325,8 +325,28 @@ def _layer_weights(config) -> int:
 
 
 def prompt_once_logits(model, query: torch.Tensor, response: torch.Tensor, pad: int) -> torch.Tensor | None:
-    """The logits at the prompt's last position and at each of `response`'s (n, R + 1, V; `_forward(...,
-    logits_to_keep=R + 1)`'s), with each distinct prompt's positions run once for all of its rows
+    """`prompt_once_hidden` through the LM head: the logits at the prompt's last position and at each of `response`'s
+    (n, R + 1, V; `_forward(..., logits_to_keep=R + 1)`'s), or None where it gives none."""
+    hidden = prompt_once_hidden(model, query, response, pad)
+    return None if hidden is None else F.linear(hidden, model.lm_head.weight, model.lm_head.bias)
+
+
+def prompt_once_scores(model, query: torch.Tensor, response: torch.Tensor, pad: int) -> torch.Tensor | None:
+    """A reward model's (a Llama sequence classifier's) scores of prompt + response (n, 1; `_forward`'s) from
+    `prompt_once_hidden`: its score head at each row's rightmost token that is not padding, as Hugging Face reads it
+    (the prompt's last position where the response is all padding). None where it gives none."""
+    if hasattr(model, "lm_head") or hasattr(model, "dropout"):  # a causal LM or a token classifier
+        return None
+    hidden = prompt_once_hidden(model, query, response, pad)
+    if hidden is None:
+        return None
+    last = (torch.arange(1, response.shape[1] + 1, device=response.device) * (response != pad)).amax(1)
+    return F.linear(hidden[torch.arange(len(hidden), device=hidden.device), last], model.score.weight, model.score.bias)
+
+
+def prompt_once_hidden(model, query: torch.Tensor, response: torch.Tensor, pad: int) -> torch.Tensor | None:
+    """The final hidden states at the prompt's last position and at each of `response`'s (n, R + 1, H: what the head
+    of `_forward(..., logits_to_keep=R + 1)` reads), with each distinct prompt's positions run once for all of its rows
     (`rl.prompt_once`): a prompt's k samples share its keys and values, as `_prefill` shares them in sampling, and
     the gradients of its k samples meet there. None when no two rows share a prompt, or `response` is empty (a
     one-token completion: `MemoryStrategy._logprobs` passes every response token but the last, `read_before`).
@@ -408,7 +428,7 @@ def prompt_once_logits(model, query: torch.Tensor, response: torch.Tensor, pad: 
         x = x + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, x))
     last = x[:split].view(u, width, -1)[:, -1][inverse]
     x = torch.cat([last[:, None], x[split:].view(n, length, -1)], 1)
-    return F.linear(_norm(core.norm, x), model.lm_head.weight, model.lm_head.bias)
+    return _norm(core.norm, x)
 
 
 def lean_generate(model, query: torch.Tensor, pad: int, eos: int, max_new_tokens: int, temperature: float | None):
