@@ -112,8 +112,8 @@ class MemoryStrategy(nn.Module):
 
     def _scores(self, model, query, response) -> torch.Tensor:
         """A reward model's standardised scores; each distinct prompt's positions run once for its k samples where
-        rl.prompt_once's forward runs (`prompt_once_scores`: within ~2e-7 of the scores' scale of one forward over
-        every row, which runs otherwise)."""
+        rl.prompt_once's forward runs (`prompt_once_scores`: within 2e-6 of one forward over every row, relative to
+        the largest score; that forward runs otherwise)."""
         raw = None
         if self.prompt_once and lean_unsupported(model, autocast_ok=True) is None:
             raw = prompt_once_scores(model, query, response, self.pad_token_id)  # None: no prompt repeats

@@ -21,9 +21,9 @@ from pathlib import Path
 from rlhflab.errors import ConfigError
 from rlhflab.memory.full import FullMemory
 from rlhflab.models.build import foreign_tokenizer, freeze, load_causal_lm, load_reward_model, load_value_model, read_reward_norm
-from rlhflab.models.heads import last_token_index
 from rlhflab.models.targets import decoder_linear_names, targets_reach_nothing
 from rlhflab.rollout.batch import join
+from rlhflab.rollout.lean import last_token_index
 from rlhflab.rollout.weights import save_policy_checkpoint
 
 # Every linear layer of Llama and GPT-NeoX blocks, and the LM head (lm_head / embed_out); names a

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from rlhflab.models.build import DTYPES
-from rlhflab.rollout.lean import lean_hidden, lean_unsupported
+from rlhflab.rollout.lean import last_token_index, lean_hidden, lean_unsupported
 
 HEAD_FILE = "rlhflab_reward_head.safetensors"
 
@@ -54,12 +54,6 @@ def trunk(causal_lm, input_ids, attention_mask, position_ids=None) -> torch.Tens
         return lean_hidden(causal_lm.model, input_ids, attention_mask, position_ids)
     out = causal_lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state
-
-
-def last_token_index(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """(n, T) -> (n,) position of the rightmost non-pad token (HF sequence classifiers score the same one)."""
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    return (positions * (input_ids != pad_token_id)).argmax(-1)
 
 
 def sequence_scores(head: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:

@@ -74,9 +74,23 @@ def _structure_unsupported(model) -> str | None:
     return None
 
 
+def _kind(model) -> str:
+    """Which of the heads `_structure_unsupported` admits reads the final hidden states: "causal" (an LM head),
+    "token" (a token classifier's score at every position, after its dropout module) or "sequence" (a sequence
+    classifier's score, read at each row's rightmost real token)."""
+    if hasattr(model, "lm_head"):
+        return "causal"
+    return "token" if hasattr(model, "dropout") else "sequence"
+
+
 def _head(model) -> torch.nn.Module:
-    """What reads the final hidden states: a causal LM's LM head, a sequence or token classifier's score."""
-    return model.lm_head if hasattr(model, "lm_head") else model.score
+    return model.lm_head if _kind(model) == "causal" else model.score
+
+
+def last_token_index(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """(n, T) -> (n,) position of the rightmost non-pad token (HF sequence classifiers score the same one)."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return (positions * (input_ids != pad_token_id)).argmax(-1)
 
 
 def _submodules(model) -> list:
@@ -250,12 +264,12 @@ def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     padding (every position's, then that one read, as there); a token classifier's score at every position after its
     dropout module."""
     x = lean_hidden(model.model, input_ids, attention_mask, position_ids)
-    head = _head(model)
-    if head is getattr(model, "lm_head", None):
+    kind, head = _kind(model), _head(model)
+    if kind == "causal":
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return F.linear(x, head.weight, head.bias)
-    if hasattr(model, "dropout"):  # GenericForTokenClassification
+    if kind == "token":
         return F.linear(model.dropout(x), head.weight, head.bias)
     logits = F.linear(x, head.weight, head.bias)
     pad = model.config.get_text_config().pad_token_id
@@ -263,9 +277,7 @@ def lean_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
         if len(input_ids) != 1:
             raise ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")  # HF's own refusal
         return logits[:, -1]
-    token = torch.arange(input_ids.shape[-1], device=input_ids.device, dtype=torch.int32)
-    last = (token * (input_ids != pad).to(torch.int32)).argmax(-1)
-    return logits[torch.arange(len(input_ids), device=input_ids.device), last]
+    return logits[torch.arange(len(input_ids), device=input_ids.device), last_token_index(input_ids, pad)]
 
 
 def forward_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -335,12 +347,12 @@ def prompt_once_scores(model, query: torch.Tensor, response: torch.Tensor, pad: 
     """A reward model's (a Llama sequence classifier's) scores of prompt + response (n, 1; `_forward`'s) from
     `prompt_once_hidden`: its score head at each row's rightmost token that is not padding, as Hugging Face reads it
     (the prompt's last position where the response is all padding). None where it gives none."""
-    if hasattr(model, "lm_head") or hasattr(model, "dropout"):  # a causal LM or a token classifier
+    if _kind(model) != "sequence":
         return None
     hidden = prompt_once_hidden(model, query, response, pad)
     if hidden is None:
         return None
-    last = (torch.arange(1, response.shape[1] + 1, device=response.device) * (response != pad)).amax(1)
+    last = last_token_index(torch.cat([query[:, -1:], response], 1), pad)  # the hidden states' positions
     return F.linear(hidden[torch.arange(len(hidden), device=hidden.device), last], model.score.weight, model.score.bias)
 
 
