@@ -444,6 +444,43 @@ def test_a_reward_models_scores_run_each_prompts_positions_once(arch, monkeypatc
                 monkeypatch.undo()
 
 
+@ARCHS
+def test_a_value_models_values_run_each_prompts_positions_once(arch):
+    """rl.prompt_once for a value model (`MemoryStrategy._values`, PPO's critic): its score head at the prompt's last
+    position and each response position but the last, each distinct prompt's positions run once for its rows,
+    neighbours or apart: values and every gradient within 2e-6 of the lean (HF's) forward over every row, which
+    `_values` runs when rl.prompt_once is off. None where no two rows share a prompt, and for the other heads."""
+    from rlhflab.memory.base import MemoryStrategy
+    from rlhflab.rollout.lean import prompt_once_values
+
+    models = _heads_of(arch)
+    value = models["value"]
+    memory = MemoryStrategy()
+    memory.pad_token_id = TOK.pad_token_id
+    torch.manual_seed(3)
+    response = torch.randint(3, len(TOK), (16, 9))
+    response[torch.arange(9)[None] >= torch.randint(1, 10, (16, 1))] = TOK.pad_token_id
+    for prompts in (PROMPTS, TASK.prompts("train")[:8]):
+        distinct = encode_prompts(TOK, prompts)
+        for query in (distinct.repeat_interleave(2, dim=0), distinct.repeat(2, 1)):
+            got = []
+            for once in (True, False):
+                memory.prompt_once = once
+                value.zero_grad()
+                values = memory._values(value, query, response)
+                (values * torch.linspace(-1, 1, values.shape[1])).sum().backward()
+                got.append((values.detach(), [p.grad.clone() for p in value.parameters()]))
+            assert got[0][0].shape == got[1][0].shape == (16, 9)
+            assert _close(got[0][0], got[1][0]) < 2e-6, arch
+            assert max(_close(a, b) for a, b in zip(got[0][1], got[1][1])) < 2e-6, arch
+            inputs = response[:, :-1]
+            # what _values returned with rl.prompt_once on is the shared-prompt forward's (with grad, as PPO's update)
+            assert torch.equal(prompt_once_values(value, query, inputs, TOK.pad_token_id).squeeze(-1).detach(), got[0][0])
+            assert prompt_once_values(value, distinct, inputs[:8], TOK.pad_token_id) is None
+            for other in (models["causal"], models["reward"]):
+                assert prompt_once_values(other, query, inputs, TOK.pad_token_id) is None
+
+
 @pytest.mark.parametrize("block", [8, 16])
 def test_sdpas_keys_padded_to_whole_vector_blocks_give_the_same_attention(block, monkeypatch):
     """prompt_once_logits pads sdpa's keys with masked-out zero columns to whole blocks of the CPU's vector lanes

@@ -15,7 +15,7 @@ from torch import nn
 from rlhflab.models.build import lower_linears, without_dropout
 from rlhflab.models.sharding import shard, warm_up
 from rlhflab.rollout.batch import join, read_before, token_logprobs
-from rlhflab.rollout.lean import forward_logits, lean_unsupported, prompt_once_logits, prompt_once_scores
+from rlhflab.rollout.lean import forward_logits, lean_unsupported, prompt_once_logits, prompt_once_scores, prompt_once_values
 
 
 class MemoryStrategy(nn.Module):
@@ -106,8 +106,15 @@ class MemoryStrategy(nn.Module):
 
     def _values(self, model, query, response) -> torch.Tensor:
         """V at response token t is read where token t-1 is the last input (the state before t): the last response
-        token is not run (`read_before`)."""
-        out = self._forward(model, query, read_before(response))
+        token is not run (`read_before`). Each distinct prompt's positions run once for its k samples where
+        rl.prompt_once's forward runs (`prompt_once_values`: within ~2e-6 of one forward over every row), as the
+        policy's log-probs and the reward model's scores run them."""
+        inputs = read_before(response)
+        if self.prompt_once and lean_unsupported(model, autocast_ok=True) is None:
+            out = prompt_once_values(model, query, inputs, self.pad_token_id)  # None: no prompt repeats
+            if out is not None:
+                return out.squeeze(-1).float()
+        out = self._forward(model, query, inputs)
         return out.squeeze(-1)[:, query.shape[1] - 1 :].float()
 
     def _scores(self, model, query, response) -> torch.Tensor:

@@ -356,6 +356,16 @@ def prompt_once_scores(model, query: torch.Tensor, response: torch.Tensor, pad: 
     return F.linear(hidden[torch.arange(len(hidden), device=hidden.device), last], model.score.weight, model.score.bias)
 
 
+def prompt_once_values(model, query: torch.Tensor, response: torch.Tensor, pad: int) -> torch.Tensor | None:
+    """A value model's (a Llama token classifier's) outputs at the prompt's last position and at each of `response`'s
+    (n, R + 1, 1: `_forward`'s from position P - 1 on, which `MemoryStrategy._values` reads) from `prompt_once_hidden`,
+    through its dropout module and score head as `lean_forward` runs them. None where it gives none."""
+    if _kind(model) != "token":
+        return None
+    hidden = prompt_once_hidden(model, query, response, pad)
+    return None if hidden is None else F.linear(model.dropout(hidden), model.score.weight, model.score.bias)
+
+
 def prompt_once_hidden(model, query: torch.Tensor, response: torch.Tensor, pad: int) -> torch.Tensor | None:
     """The final hidden states at the prompt's last position and at each of `response`'s (n, R + 1, H: what the head
     of `_forward(..., logits_to_keep=R + 1)` reads), with each distinct prompt's positions run once for all of its rows
