@@ -88,6 +88,15 @@ class MemoryStrategy(nn.Module):
         input_ids, attention_mask, position_ids = join(query, response, self.pad_token_id)
         return forward_logits(model, input_ids, attention_mask, position_ids=position_ids, **kwargs)
 
+    def _shared_prompt(self, once, model, query, inputs, shared: bool = True) -> torch.Tensor | None:
+        """rl.prompt_once's forward, `once(model, query, inputs, pad)` (rollout/lean.py's `prompt_once_logits`,
+        `_values` or `_scores`: each distinct prompt's positions run once for its k samples), where it runs; None where
+        it does not (off, `shared` False, not a plain Llama on the CPU, no prompt repeats): the caller's one forward
+        over every row then."""
+        if self.prompt_once and shared and lean_unsupported(model, autocast_ok=True) is None:
+            return once(model, query, inputs, self.pad_token_id)
+        return None
+
     def _logprobs(self, model, query, response, temperature: float, shared_prompt: bool = True) -> torch.Tensor:
         """shared_prompt: rl.prompt_once's forward may run (each distinct prompt's positions once). Its products run
         over the rows' prompts and responses packed together, so a row's floats depend on the rows beside it (~1e-6
@@ -97,9 +106,7 @@ class MemoryStrategy(nn.Module):
         # and each response position's but the last. The last response token is not run (`read_before`).
         # logits_to_keep: the LM head (and its (n, T, V) output) covers those positions only, not the prompt.
         inputs = read_before(response)
-        logits = None
-        if self.prompt_once and shared_prompt and lean_unsupported(model, autocast_ok=True) is None:
-            logits = prompt_once_logits(model, query, inputs, self.pad_token_id)  # None: no prompt repeats
+        logits = self._shared_prompt(prompt_once_logits, model, query, inputs, shared_prompt)
         if logits is None:
             logits = self._forward(model, query, inputs, logits_to_keep=response.shape[1])
         return token_logprobs(logits, response, temperature)
@@ -110,10 +117,9 @@ class MemoryStrategy(nn.Module):
         rl.prompt_once's forward runs (`prompt_once_values`: within ~2e-6 of one forward over every row), as the
         policy's log-probs and the reward model's scores run them."""
         inputs = read_before(response)
-        if self.prompt_once and lean_unsupported(model, autocast_ok=True) is None:
-            out = prompt_once_values(model, query, inputs, self.pad_token_id)  # None: no prompt repeats
-            if out is not None:
-                return out.squeeze(-1).float()
+        out = self._shared_prompt(prompt_once_values, model, query, inputs)
+        if out is not None:
+            return out.squeeze(-1).float()
         out = self._forward(model, query, inputs)
         return out.squeeze(-1)[:, query.shape[1] - 1 :].float()
 
@@ -121,9 +127,7 @@ class MemoryStrategy(nn.Module):
         """A reward model's standardised scores; each distinct prompt's positions run once for its k samples where
         rl.prompt_once's forward runs (`prompt_once_scores`: within 2e-6 of one forward over every row, relative to
         the largest score; that forward runs otherwise)."""
-        raw = None
-        if self.prompt_once and lean_unsupported(model, autocast_ok=True) is None:
-            raw = prompt_once_scores(model, query, response, self.pad_token_id)  # None: no prompt repeats
+        raw = self._shared_prompt(prompt_once_scores, model, query, response)
         if raw is None:
             raw = self._forward(model, query, response)
         mean, std = self.reward_norm
