@@ -1,6 +1,7 @@
 """rollout/lean.py: the decode loop draws what generate() draws, the forward computes what the HF forward computes,
 and both stand aside where they cannot."""
 
+import itertools
 import logging
 
 import pytest
@@ -20,6 +21,7 @@ TASK = SentimentTask(response_words=8, seed=0)
 TOK = TASK.build_tokenizer()
 # The task's prompts are all as long; cut some shorter, so the batch is left-padded as a real one is.
 PROMPTS = [" ".join(p.split()[: 2 + i % 5]) for i, p in enumerate(TASK.prompts("train")[:8])]
+UNPADDED = TASK.prompts("train")[8:16]  # as the task gives them: a batch without padding (no attention mask)
 
 
 def llama(**arch) -> LlamaForCausalLM:
@@ -29,11 +31,14 @@ def llama(**arch) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**{**config, **arch})).eval()
 
 
-def draw(model, decode: str, greedy: bool, temperature: float, seed: int):
+def draw(model, decode: str, greedy: bool, temperature: float, seed: int, padded: bool = True):
     gen = HFGenerator(temperature=temperature, max_new_tokens=10, decode=decode)
     gen.setup(TOK, 10)
-    query = encode_prompts(TOK, PROMPTS).repeat_interleave(2, dim=0)
-    assert (query[:, 0] == TOK.pad_token_id).any() and (query[:, 0] != TOK.pad_token_id).any()  # left padding
+    query = encode_prompts(TOK, PROMPTS if padded else UNPADDED).repeat_interleave(2, dim=0)
+    if padded:
+        assert (query[:, 0] == TOK.pad_token_id).any() and (query[:, 0] != TOK.pad_token_id).any()  # left padding
+    else:
+        assert (query != TOK.pad_token_id).all()
     torch.manual_seed(seed)
     return gen._generate(model, query, greedy=greedy)
 
@@ -51,14 +56,15 @@ WIDE = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12
 def test_lean_decoding_draws_generates_tokens_and_log_probs(arch):
     """From the same torch seed, decode=lean (under inference mode) returns generate()'s tokens (a row ended by EOS
     padded after it, the batch as wide as its longest completion) and the log-probs BehaviourLogprobs records, at
-    temperature 1 and 0.7 and greedy; on a random model several rows end early and several run to the budget."""
+    temperature 1 and 0.7 and greedy; on a random model several rows end early and several run to the budget. With
+    left-padded prompts (a boolean mask at every token) and without (no mask after the prompt's forward)."""
     model = llama(**arch)
     assert lean_unsupported(model) is None
     ended_early = 0
-    for seed in range(3):
+    for seed, padded in itertools.product(range(3), (True, False)):
         for greedy, temperature in ((False, 1.0), (False, 0.7), (True, 1.0)):
-            ours, theirs = (draw(model, decode, greedy, temperature, seed) for decode in ("lean", "generate"))
-            assert torch.equal(ours[0], theirs[0]), (seed, greedy, temperature)
+            ours, theirs = (draw(model, decode, greedy, temperature, seed, padded) for decode in ("lean", "generate"))
+            assert torch.equal(ours[0], theirs[0]), (seed, padded, greedy, temperature)
             # drawn under inference mode, returned as plain tensors (a step may modify them or save them for backward)
             assert not any(t.is_inference() for t in ours if t is not None)
             if greedy:
